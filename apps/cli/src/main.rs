@@ -1,1 +1,49 @@
-fn main() {}
+//! `deltafin`: run Kimi K3 from the command line.
+//!
+//! Subcommands print JSON with `--json`; the `nll` and `run --prompt-ids` forms are used by tools outside the
+//! project and stay stable.
+
+mod demo;
+mod ids;
+mod nll;
+mod run;
+
+use clap::{Parser, Subcommand};
+
+/// Run Kimi K3 on a machine whose RAM is a fraction of the model.
+#[derive(Parser, Debug)]
+#[command(name = "deltafin", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate tokens after a prompt (greedy).
+    Run(run::RunArgs),
+    /// Score a token sequence: per-position NLL and top-5 logits.
+    Nll(nll::NllArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Nll(a) => nll::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

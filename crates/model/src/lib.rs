@@ -1,1 +1,25 @@
-//! placeholder
+//! The Kimi K3 / Kimi Linear text graph on candle tensors, computed in f32 on the CPU.
+//!
+//! This crate does no I/O: spine weights arrive through [`WeightSource`] and routed experts through
+//! [`ExpertSource`], both implemented by the runtime. Blocks follow the checkpoint map: one struct per block with a
+//! `load` that names its tensors and a `forward`.
+#![deny(missing_docs)]
+
+pub mod attn_res;
+pub mod config;
+pub mod error;
+pub mod kda;
+pub mod layer;
+pub mod mla;
+pub mod mlp;
+pub mod model;
+pub mod moe;
+pub mod ops;
+pub mod state;
+pub mod weights;
+
+pub use config::{AttnKind, Family, ModelConfig};
+pub use error::{ModelError, Result, SourceError};
+pub use model::{LogitRows, Model};
+pub use state::SessionState;
+pub use weights::{ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource};

@@ -1,0 +1,286 @@
+//! Kimi Delta Attention: a gated delta-rule linear attention with per-channel decay, computed in f32.
+//!
+//! Per token and head (H heads of width D, C = H·D): q, k, v projections → causal depthwise conv (kernel K) → SiLU;
+//! decay gate g (bounded K3 form or Kimi Linear softplus form); β = σ(b·x); L2-normalised q, k with q scaled by
+//! D^-½; the recurrence S ← (I − β k kᵀ) diag(eᵍ) S + β k vᵀ, o = Sᵀ q; per-head gated RMSNorm; output projection.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::config::KdaConfig;
+use crate::error::{ModelError, Result};
+use crate::ops::{inv_rms, linear, sigmoid, silu, softplus};
+use crate::state::KdaState;
+use crate::weights::Loader;
+
+/// Eps inside the sqrt of the q/k L2 norm (fla's `l2norm`).
+const L2_NORM_EPS: f32 = 1e-6;
+
+/// The output gate: full rank (K3) or low rank (Kimi Linear).
+#[derive(Debug)]
+enum OutGate {
+    Full(Tensor),
+    LowRank { down: Tensor, up: Tensor },
+}
+
+/// One KDA layer's weights.
+#[derive(Debug)]
+pub struct Kda {
+    cfg: KdaConfig,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    /// Conv taps `[C, K]` for q, k, v, oldest tap first.
+    conv: [Vec<f32>; 3],
+    f_a: Tensor,
+    f_b: Tensor,
+    b_proj: Tensor,
+    /// `exp(A_log)` per head.
+    a_exp: Vec<f32>,
+    dt_bias: Vec<f32>,
+    gate: OutGate,
+    o_norm: Vec<f32>,
+    o_proj: Tensor,
+    eps: f32,
+}
+
+impl Kda {
+    /// Loads the weights under `prefix` (`…layers.L.self_attn.`).
+    pub(crate) fn load(
+        ld: &Loader<'_>,
+        prefix: &str,
+        cfg: &KdaConfig,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<Self> {
+        let (h, d, k) = (cfg.n_heads, cfg.head_dim, cfg.conv_kernel);
+        let c = h * d;
+        let name = |s: &str| format!("{prefix}{s}");
+        let conv = |s: &str| ld.vec(&name(s), &[c, 1, k]);
+        let a_name = name("A_log");
+        let a_log = ld.host(&a_name)?;
+        let a_exp = a_log_heads(&a_name, &a_log.shape, &a_log.data, h)?
+            .into_iter()
+            .map(f32::exp)
+            .collect();
+        let f_rank = ld.host(&name("f_a_proj.weight"))?.shape.first().copied();
+        let f_rank = f_rank.unwrap_or(0);
+        let gate = if cfg.full_rank_gate {
+            OutGate::Full(ld.tensor(&name("g_proj.weight"), &[c, hidden])?)
+        } else {
+            let g_name = name("g_a_proj.weight");
+            let rank = ld.host(&g_name)?.shape.first().copied().unwrap_or(0);
+            OutGate::LowRank {
+                down: ld.tensor(&g_name, &[rank, hidden])?,
+                up: ld.tensor(&name("g_b_proj.weight"), &[c, rank])?,
+            }
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            q_proj: ld.tensor(&name("q_proj.weight"), &[c, hidden])?,
+            k_proj: ld.tensor(&name("k_proj.weight"), &[c, hidden])?,
+            v_proj: ld.tensor(&name("v_proj.weight"), &[c, hidden])?,
+            conv: [
+                conv("q_conv1d.weight")?,
+                conv("k_conv1d.weight")?,
+                conv("v_conv1d.weight")?,
+            ],
+            f_a: ld.tensor(&name("f_a_proj.weight"), &[f_rank, hidden])?,
+            f_b: ld.tensor(&name("f_b_proj.weight"), &[c, f_rank])?,
+            b_proj: ld.tensor(&name("b_proj.weight"), &[h, hidden])?,
+            a_exp,
+            dt_bias: ld.vec(&name("dt_bias"), &[c]).or_else(|_| {
+                // Kimi Linear stores dt_bias as [C] too; some exports use [H, D].
+                ld.vec(&name("dt_bias"), &[h, d])
+            })?,
+            gate,
+            o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
+            o_proj: ld.tensor(&name("o_proj.weight"), &[hidden, c])?,
+            eps,
+        })
+    }
+
+    /// Runs `x` (`[T, hidden]`, already normed) through the layer, advancing `state`.
+    pub fn forward(&self, x: &Tensor, state: &mut Arc<KdaState>) -> Result<Tensor> {
+        let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
+        let c = h * d;
+        let t_len = x.dim(0)?;
+        let st = Arc::make_mut(state);
+
+        // [T, C] each, after conv + SiLU.
+        let proj = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let mut qkv: Vec<Vec<f32>> = Vec::with_capacity(3);
+        for i in 0..3 {
+            let raw = linear(x, proj[i])?.flatten_all()?.to_vec1::<f32>()?;
+            qkv.push(causal_conv_silu(
+                &raw,
+                &mut st.conv[i],
+                &self.conv[i],
+                c,
+                kern,
+            ));
+        }
+
+        // Decay gate, [T, C].
+        let z = linear(&linear(x, &self.f_a)?, &self.f_b)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let g: Vec<f32> = z
+            .iter()
+            .enumerate()
+            .map(|(i, &zi)| {
+                let ch = i % c;
+                let a = self.a_exp[ch / d];
+                let zb = zi + self.dt_bias[ch];
+                match self.cfg.gate_lower_bound {
+                    Some(lb) => lb * sigmoid(a * zb),
+                    None => -a * softplus(zb),
+                }
+            })
+            .collect();
+        // β, [T, H].
+        let beta: Vec<f32> = linear(x, &self.b_proj)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .into_iter()
+            .map(sigmoid)
+            .collect();
+
+        let (mut q, mut k, v) = match <[Vec<f32>; 3]>::try_from(qkv) {
+            Ok([q, k, v]) => (q, k, v),
+            Err(_) => unreachable!("three projections were pushed above"),
+        };
+        let q_scale = (d as f32).powf(-0.5);
+        for row in q.chunks_exact_mut(d) {
+            l2_normalize(row);
+            row.iter_mut().for_each(|x| *x *= q_scale);
+        }
+        for row in k.chunks_exact_mut(d) {
+            l2_normalize(row);
+        }
+
+        let mut out = vec![0.0f32; t_len * c];
+        for head in 0..h {
+            let s = &mut st.s[head * d * d..(head + 1) * d * d];
+            for t in 0..t_len {
+                let off = t * c + head * d;
+                delta_rule_step(
+                    s,
+                    &q[off..off + d],
+                    &k[off..off + d],
+                    &v[off..off + d],
+                    &g[off..off + d],
+                    beta[t * h + head],
+                    &mut out[off..off + d],
+                );
+            }
+        }
+
+        // Gated per-head RMSNorm.
+        let og = match &self.gate {
+            OutGate::Full(w) => linear(x, w)?,
+            OutGate::LowRank { down, up } => linear(&linear(x, down)?, up)?,
+        }
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+        for (o_h, g_h) in out.chunks_exact_mut(d).zip(og.chunks_exact(d)) {
+            let inv = inv_rms(o_h, self.eps);
+            for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
+                *o = (*o * inv) * w * sigmoid(*gate);
+            }
+        }
+        let o = Tensor::from_vec(out, (t_len, c), x.device())?;
+        linear(&o, &self.o_proj)
+    }
+}
+
+/// The first `heads` entries of `A_log`, which K3 stores zero-padded (`[128]`) and Kimi Linear as `[1, 1, H, 1]`.
+fn a_log_heads(name: &str, shape: &[usize], data: &[f32], heads: usize) -> Result<Vec<f32>> {
+    let n: usize = shape.iter().product();
+    let squeezed: Vec<usize> = shape.iter().copied().filter(|&s| s != 1).collect();
+    if squeezed.len() > 1 || n < heads {
+        return Err(ModelError::BadWeight {
+            name: name.to_string(),
+            msg: format!("shape {shape:?} cannot hold one value per head for {heads} heads"),
+        });
+    }
+    if data[heads..].iter().any(|&v| v != 0.0) {
+        return Err(ModelError::BadWeight {
+            name: name.to_string(),
+            msg: format!("padding past the first {heads} heads is not zero"),
+        });
+    }
+    Ok(data[..heads].to_vec())
+}
+
+/// Depthwise causal conv + SiLU over `raw` (`[T, C]`), using and updating the `(K-1)`-row window.
+fn causal_conv_silu(
+    raw: &[f32],
+    window: &mut Vec<f32>,
+    taps: &[f32],
+    c: usize,
+    kern: usize,
+) -> Vec<f32> {
+    // [hist + T, C]: the window rows, then the new rows.
+    let mut ext = Vec::with_capacity(window.len() + raw.len());
+    ext.extend_from_slice(window);
+    ext.extend_from_slice(raw);
+    let t_len = raw.len() / c;
+    let mut out = vec![0.0f32; raw.len()];
+    for t in 0..t_len {
+        for ch in 0..c {
+            let mut acc = 0.0f32;
+            for i in 0..kern {
+                acc += taps[ch * kern + i] * ext[(t + i) * c + ch];
+            }
+            out[t * c + ch] = silu(acc);
+        }
+    }
+    window.clear();
+    window.extend_from_slice(&ext[t_len * c..]);
+    out
+}
+
+/// `x ← x / sqrt(Σx² + eps)`.
+fn l2_normalize(x: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss + L2_NORM_EPS).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// One step of the delta rule for one head; `s` is `[D_k, D_v]`.
+fn delta_rule_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: f32,
+    out: &mut [f32],
+) {
+    let d = k.len();
+    for (row, &gk) in s.chunks_exact_mut(d).zip(g) {
+        let decay = gk.exp();
+        row.iter_mut().for_each(|x| *x *= decay);
+    }
+    // u = Sᵀ k
+    let mut u = vec![0.0f32; d];
+    for (row, &kk) in s.chunks_exact(d).zip(k) {
+        for (acc, &x) in u.iter_mut().zip(row) {
+            *acc += x * kk;
+        }
+    }
+    let delta: Vec<f32> = v.iter().zip(&u).map(|(vi, ui)| beta * (vi - ui)).collect();
+    for (row, &kk) in s.chunks_exact_mut(d).zip(k) {
+        for (x, dl) in row.iter_mut().zip(&delta) {
+            *x += kk * dl;
+        }
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (row, &qk) in s.chunks_exact(d).zip(q) {
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o += x * qk;
+        }
+    }
+}

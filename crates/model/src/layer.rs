@@ -1,0 +1,160 @@
+//! One decoder layer: attention (KDA or MLA) and FFN (dense MLP or MoE), wired through AttnRes (K3) or a plain
+//! residual stream (Kimi Linear).
+
+use candle_core::Tensor;
+
+use crate::attn_res::ResMix;
+use crate::config::{AttnKind, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::kda::Kda;
+use crate::mla::Mla;
+use crate::mlp::Mlp;
+use crate::moe::Moe;
+use crate::ops::rms_norm;
+use crate::state::LayerState;
+use crate::weights::{ExpertSource, Loader};
+
+/// The attention block of a layer.
+#[derive(Debug)]
+pub enum Attention {
+    /// Kimi Delta Attention.
+    Kda(Kda),
+    /// Gated NoPE MLA.
+    Mla(Mla),
+}
+
+/// The FFN block of a layer.
+#[derive(Debug)]
+pub enum Ffn {
+    /// Dense gated MLP.
+    Dense(Mlp),
+    /// Routed MoE.
+    Moe(Moe),
+}
+
+/// The residual bank of one forward call (AttnRes): stored block sums and the running partial sum.
+#[derive(Debug, Default)]
+pub struct ResidualBank {
+    /// Completed blocks (the embedding first), each `[T, hidden]`.
+    pub blocks: Vec<Tensor>,
+}
+
+/// One decoder layer.
+#[derive(Debug)]
+pub struct Layer {
+    index: usize,
+    attn: Attention,
+    ffn: Ffn,
+    input_norm: Tensor,
+    post_norm: Tensor,
+    /// (before attention, before FFN) mixes, K3 only.
+    res: Option<(ResMix, ResMix)>,
+    block_size: Option<usize>,
+    eps: f32,
+}
+
+impl Layer {
+    /// Loads layer `index`.
+    pub(crate) fn load(ld: &Loader<'_>, cfg: &ModelConfig, index: usize) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let attn_prefix = cfg.layer_tensor(index, "self_attn.");
+        let attn = match cfg.layer_kinds[index] {
+            AttnKind::Kda => Attention::Kda(Kda::load(ld, &attn_prefix, &cfg.kda, h, cfg.rms_eps)?),
+            AttnKind::Mla => Attention::Mla(Mla::load(ld, &attn_prefix, &cfg.mla, h)?),
+        };
+        let ffn = if cfg.is_moe_layer(index) {
+            Ffn::Moe(Moe::load(ld, cfg, index)?)
+        } else {
+            Ffn::Dense(Mlp::load(
+                ld,
+                &cfg.layer_tensor(index, "mlp."),
+                h,
+                cfg.intermediate_size,
+                cfg.activation,
+            )?)
+        };
+        let res = match cfg.attn_res_block {
+            Some(_) => Some((
+                ResMix::load(
+                    ld,
+                    &cfg.layer_tensor(index, "self_attention"),
+                    h,
+                    cfg.rms_eps,
+                )?,
+                ResMix::load(ld, &cfg.layer_tensor(index, "mlp"), h, cfg.rms_eps)?,
+            )),
+            None => None,
+        };
+        Ok(Self {
+            index,
+            attn,
+            ffn,
+            input_norm: ld.tensor(&cfg.layer_tensor(index, "input_layernorm.weight"), &[h])?,
+            post_norm: ld.tensor(
+                &cfg.layer_tensor(index, "post_attention_layernorm.weight"),
+                &[h],
+            )?,
+            res,
+            block_size: cfg.attn_res_block,
+            eps: cfg.rms_eps,
+        })
+    }
+
+    /// Runs the layer on `p` (`[T, hidden]`: the previous layer's output, or the embeddings), returning this
+    /// layer's output.
+    pub fn forward(
+        &self,
+        p: Tensor,
+        bank: &mut ResidualBank,
+        state: &mut LayerState,
+        experts: &dyn ExpertSource,
+    ) -> Result<Tensor> {
+        match (&self.res, self.block_size) {
+            (Some((attn_mix, mlp_mix)), Some(block)) => {
+                let h = if bank.blocks.is_empty() {
+                    p.clone()
+                } else {
+                    attn_mix.mix(&p, &bank.blocks)?
+                };
+                let partial = if self.index % block == 0 {
+                    bank.blocks.push(p);
+                    None
+                } else {
+                    Some(p)
+                };
+                let a = self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state)?;
+                let p = match partial {
+                    Some(p) => (p + a)?,
+                    None => a,
+                };
+                let h2 = mlp_mix.mix(&p, &bank.blocks)?;
+                let f = self.feed_forward(&rms_norm(&h2, &self.post_norm, self.eps)?, experts)?;
+                Ok((p + f)?)
+            }
+            _ => {
+                let a = self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)?;
+                let p = (p + a)?;
+                let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts)?;
+                Ok((p + f)?)
+            }
+        }
+    }
+
+    fn attention(&self, x: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+        match (&self.attn, state) {
+            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(x, s),
+            (Attention::Mla(m), LayerState::Mla(c)) => m.forward(x, c),
+            _ => Err(ModelError::BadWeight {
+                name: format!("layer {}", self.index),
+                msg: "session state does not match the layer kind".to_string(),
+            }),
+        }
+    }
+
+    fn feed_forward(&self, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
+        match &self.ffn {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x, experts),
+        }
+    }
+}

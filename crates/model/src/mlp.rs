@@ -1,0 +1,41 @@
+//! The gated MLP (dense layer 0 and the fused shared experts): `down · act(gate·x, up·x)`.
+
+use candle_core::Tensor;
+
+use crate::config::Activation;
+use crate::error::Result;
+use crate::ops::{glu_tensor, linear};
+use crate::weights::Loader;
+
+/// A dense gated MLP.
+#[derive(Debug)]
+pub struct Mlp {
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    act: Activation,
+}
+
+impl Mlp {
+    /// Loads `{prefix}{gate,up,down}_proj.weight` with inner width `inter`.
+    pub(crate) fn load(
+        ld: &Loader<'_>,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        act: Activation,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate: ld.tensor(&format!("{prefix}gate_proj.weight"), &[inter, hidden])?,
+            up: ld.tensor(&format!("{prefix}up_proj.weight"), &[inter, hidden])?,
+            down: ld.tensor(&format!("{prefix}down_proj.weight"), &[hidden, inter])?,
+            act,
+        })
+    }
+
+    /// `[T, hidden] -> [T, hidden]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let a = glu_tensor(self.act, &linear(x, &self.gate)?, &linear(x, &self.up)?)?;
+        linear(&a, &self.down)
+    }
+}

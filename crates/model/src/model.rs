@@ -1,0 +1,113 @@
+//! The whole text model: embedding, decoder layers, final mix, norm and the untied head.
+
+use candle_core::{Device, Tensor};
+
+use crate::attn_res::ResMix;
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layer::{Layer, ResidualBank};
+use crate::ops::{linear, rms_norm};
+use crate::state::SessionState;
+use crate::weights::{ExpertSource, Loader, WeightSource};
+
+/// Which rows of logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// One row per input token.
+    All,
+    /// Only the last input token's row (generation).
+    Last,
+}
+
+/// A loaded model (spine weights in memory; routed experts come from an [`ExpertSource`] per call).
+#[derive(Debug)]
+pub struct Model {
+    cfg: ModelConfig,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    output_mix: Option<ResMix>,
+    norm: Tensor,
+    head: Tensor,
+}
+
+impl Model {
+    /// Loads every spine weight from `src`, checking each shape against `cfg`.
+    pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self> {
+        let ld = Loader {
+            src,
+            device: Device::Cpu,
+        };
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let layers = (0..cfg.n_layers)
+            .map(|l| Layer::load(&ld, &cfg, l))
+            .collect::<Result<Vec<_>>>()?;
+        let output_mix = match cfg.attn_res_block {
+            Some(_) => Some(ResMix::load(
+                &ld,
+                &cfg.model_tensor("model.output_attn"),
+                h,
+                cfg.rms_eps,
+            )?),
+            None => None,
+        };
+        Ok(Self {
+            embed: ld.tensor(&cfg.model_tensor("model.embed_tokens.weight"), &[v, h])?,
+            norm: ld.tensor(&cfg.model_tensor("model.norm.weight"), &[h])?,
+            head: ld.tensor(&cfg.model_tensor("lm_head.weight"), &[v, h])?,
+            layers,
+            output_mix,
+            cfg,
+        })
+    }
+
+    /// The configuration the model was built from.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// A fresh, empty decode state for this model.
+    pub fn new_state(&self) -> SessionState {
+        SessionState::new(&self.cfg)
+    }
+
+    /// Feeds `ids` after whatever `state` has seen and returns `[rows, vocab]` logits.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        state: &mut SessionState,
+        experts: &dyn ExpertSource,
+        rows: LogitRows,
+    ) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Ok(Tensor::zeros(
+                (0, self.cfg.vocab_size),
+                candle_core::DType::F32,
+                &Device::Cpu,
+            )?);
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ModelError::TokenOutOfRange { id, vocab });
+        }
+        let idx = Tensor::from_vec(ids.to_vec(), ids.len(), &Device::Cpu)?;
+        let mut p = self.embed.index_select(&idx, 0)?; // [T, hidden]
+        let mut bank = ResidualBank::default();
+        // Work on a copy so a failed call leaves `state` untouched.
+        let mut next = state.clone();
+        for (layer, layer_state) in self.layers.iter().zip(next.layers.iter_mut()) {
+            p = layer.forward(p, &mut bank, layer_state, experts)?;
+        }
+        next.n_tokens += ids.len();
+        *state = next;
+        let h = match &self.output_mix {
+            Some(mix) => mix.mix(&p, &bank.blocks)?,
+            None => p,
+        };
+        let h = match rows {
+            LogitRows::All => h,
+            LogitRows::Last => h.narrow(0, ids.len() - 1, 1)?,
+        };
+        let y = rms_norm(&h, &self.norm, self.cfg.rms_eps)?;
+        linear(&y, &self.head)
+    }
+}

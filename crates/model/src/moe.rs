@@ -1,0 +1,241 @@
+//! The routed MoE: fp32 sigmoid router (bias for selection only), routed experts at latent (K3) or hidden width,
+//! combine, latent norm and up-projection, plus the shared experts.
+//!
+//! All rows of a call are routed first; then each distinct expert is fetched once from the [`ExpertSource`] and
+//! applied to every row that chose it, so a prefill chunk reads each expert once per layer.
+
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+use deltafin_quant::Mxfp4Matrix;
+
+use crate::config::{Activation, ModelConfig, MoeConfig};
+use crate::error::{ModelError, Result};
+use crate::mlp::Mlp;
+use crate::ops::{glu, linear, matvec, rms_norm, sigmoid};
+use crate::weights::{ExpertSource, ExpertWeights, Loader};
+
+/// Added to the sum of chosen weights before renormalising, as in the reference.
+const RENORM_EPS: f32 = 1e-20;
+
+/// K3's latent projections around the routed experts.
+#[derive(Debug)]
+struct Latent {
+    down: Tensor,
+    norm: Option<Tensor>,
+    up: Tensor,
+}
+
+/// One MoE layer's non-expert weights.
+#[derive(Debug)]
+pub struct Moe {
+    layer: usize,
+    cfg: MoeConfig,
+    act: Activation,
+    width: usize,
+    eps: f32,
+    router: Tensor,
+    bias: Option<Vec<f32>>,
+    latent: Option<Latent>,
+    shared: Option<Mlp>,
+}
+
+/// The routing decision for one row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    /// Chosen experts, best first.
+    pub experts: Vec<usize>,
+    /// Their combine weights.
+    pub weights: Vec<f32>,
+}
+
+impl Moe {
+    /// Loads layer `layer`'s router, latent projections and shared experts.
+    pub(crate) fn load(ld: &Loader<'_>, cfg: &ModelConfig, layer: usize) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let m = &cfg.moe;
+        let name = |s: &str| cfg.layer_tensor(layer, &format!("block_sparse_moe.{s}"));
+        let bias_name = name("gate.e_score_correction_bias");
+        let bias = if ld.has(&bias_name)? {
+            Some(ld.vec(&bias_name, &[m.n_experts])?)
+        } else {
+            None
+        };
+        let latent = match m.latent {
+            Some(l) => Some(Latent {
+                down: ld.tensor(&name("routed_expert_down_proj.weight"), &[l, h])?,
+                norm: if m.latent_norm {
+                    Some(ld.tensor(&name("routed_expert_norm.weight"), &[l])?)
+                } else {
+                    None
+                },
+                up: ld.tensor(&name("routed_expert_up_proj.weight"), &[h, l])?,
+            }),
+            None => None,
+        };
+        let shared = if m.n_shared > 0 {
+            Some(Mlp::load(
+                ld,
+                &name("shared_experts."),
+                h,
+                m.n_shared * m.inter,
+                cfg.activation,
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            layer,
+            cfg: m.clone(),
+            act: cfg.activation,
+            width: cfg.expert_width(),
+            eps: cfg.rms_eps,
+            router: ld.tensor(&name("gate.weight"), &[m.n_experts, h])?,
+            bias,
+            latent,
+            shared,
+        })
+    }
+
+    /// Routes every row of `x` (`[T, hidden]`, normed).
+    pub fn route(&self, x: &Tensor) -> Result<Vec<Route>> {
+        let logits = linear(x, &self.router)?.to_vec2::<f32>()?;
+        Ok(logits.iter().map(|row| self.route_row(row)).collect())
+    }
+
+    fn route_row(&self, logits: &[f32]) -> Route {
+        let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        let choice = |e: usize| scores[e] + self.bias.as_ref().map_or(0.0, |b| b[e]);
+        // Highest biased score first; lower id first on exact ties.
+        order.sort_by(|&a, &b| choice(b).total_cmp(&choice(a)).then(a.cmp(&b)));
+        order.truncate(self.cfg.top_k);
+        let mut weights: Vec<f32> = order.iter().map(|&e| scores[e]).collect();
+        if self.cfg.renormalize {
+            let sum: f32 = weights.iter().sum::<f32>() + RENORM_EPS;
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        weights
+            .iter_mut()
+            .for_each(|w| *w *= self.cfg.routed_scaling);
+        Route {
+            experts: order,
+            weights,
+        }
+    }
+
+    /// `[T, hidden] -> [T, hidden]`.
+    pub fn forward(&self, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
+        let routes = self.route(x)?;
+        let t_len = routes.len();
+        let z = match &self.latent {
+            Some(l) => linear(x, &l.down)?,
+            None => x.clone(),
+        };
+        let z_rows = z.to_vec2::<f32>()?;
+
+        // expert -> rows that chose it, with the weight.
+        let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        for (t, r) in routes.iter().enumerate() {
+            for (&e, &w) in r.experts.iter().zip(&r.weights) {
+                users.entry(e).or_default().push((t, w));
+            }
+        }
+        let ids: Vec<usize> = users.keys().copied().collect();
+        let loaded = experts.load_experts(self.layer, &ids)?;
+        // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order.
+        let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
+        for (&e, weights) in ids.iter().zip(&loaded) {
+            let rows: Vec<&[f32]> = users[&e]
+                .iter()
+                .map(|&(t, _)| z_rows[t].as_slice())
+                .collect();
+            let ys = self.expert_forward(e, weights, &rows)?;
+            for (&(t, w), y) in users[&e].iter().zip(ys) {
+                outs[t].push((e, w, y));
+            }
+        }
+        let mut combined = vec![0.0f32; t_len * self.width];
+        for (t, r) in routes.iter().enumerate() {
+            let dst = &mut combined[t * self.width..(t + 1) * self.width];
+            for &e in &r.experts {
+                if let Some((_, w, y)) = outs[t].iter().find(|(id, _, _)| *id == e) {
+                    for (d, v) in dst.iter_mut().zip(y) {
+                        *d += w * v;
+                    }
+                }
+            }
+        }
+        let mut y = Tensor::from_vec(combined, (t_len, self.width), x.device())?;
+        if let Some(l) = &self.latent {
+            if let Some(n) = &l.norm {
+                y = rms_norm(&y, n, self.eps)?;
+            }
+            y = linear(&y, &l.up)?;
+        }
+        if let Some(s) = &self.shared {
+            y = (y + s.forward(x)?)?;
+        }
+        Ok(y)
+    }
+
+    /// Applies expert `e` to `rows` (each `width` long).
+    fn expert_forward(
+        &self,
+        e: usize,
+        weights: &ExpertWeights,
+        rows: &[&[f32]],
+    ) -> Result<Vec<Vec<f32>>> {
+        let (inter, width) = (self.cfg.inter, self.width);
+        let mut gate = vec![0.0f32; inter];
+        let mut up = vec![0.0f32; inter];
+        let mut out = Vec::with_capacity(rows.len());
+        match weights {
+            ExpertWeights::Mxfp4(p) => {
+                let quant_err = |source| ModelError::Expert {
+                    layer: self.layer,
+                    expert: e,
+                    source,
+                };
+                let part = |i: usize| &p.bytes[p.parts[i].clone()];
+                let w1 = Mxfp4Matrix::new(part(0), part(1), inter, width).map_err(quant_err)?;
+                let w2 = Mxfp4Matrix::new(part(2), part(3), width, inter).map_err(quant_err)?;
+                let w3 = Mxfp4Matrix::new(part(4), part(5), inter, width).map_err(quant_err)?;
+                for x in rows {
+                    w1.gemv_ref(x, &mut gate).map_err(quant_err)?;
+                    w3.gemv_ref(x, &mut up).map_err(quant_err)?;
+                    let a: Vec<f32> = gate
+                        .iter()
+                        .zip(&up)
+                        .map(|(&g, &u)| glu(self.act, g, u))
+                        .collect();
+                    let mut y = vec![0.0f32; width];
+                    w2.gemv_ref(&a, &mut y).map_err(quant_err)?;
+                    out.push(y);
+                }
+            }
+            ExpertWeights::Dense { w1, w2, w3 } => {
+                let expect = inter * width;
+                if w1.len() != expect || w2.len() != expect || w3.len() != expect {
+                    return Err(ModelError::BadWeight {
+                        name: format!("layer {} expert {e}", self.layer),
+                        msg: format!("dense expert weights must hold {expect} values each"),
+                    });
+                }
+                for x in rows {
+                    matvec(w1, x, &mut gate);
+                    matvec(w3, x, &mut up);
+                    let a: Vec<f32> = gate
+                        .iter()
+                        .zip(&up)
+                        .map(|(&g, &u)| glu(self.act, g, u))
+                        .collect();
+                    let mut y = vec![0.0f32; width];
+                    matvec(w2, &a, &mut y);
+                    out.push(y);
+                }
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,101 @@
+//! How weights reach the graph. The model does no I/O: the runtime implements these traits over storage.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{ModelError, Result};
+
+/// A dense weight converted to f32, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Shape as stored in the checkpoint.
+    pub shape: Vec<usize>,
+    /// Values, row-major.
+    pub data: Vec<f32>,
+}
+
+/// Supplies dense (spine) weights by checkpoint name.
+pub trait WeightSource {
+    /// The tensor called `name` as f32, or `None` when the checkpoint has no such tensor.
+    fn load(&self, name: &str) -> Result<Option<HostTensor>>;
+}
+
+/// One routed expert, as read from the checkpoint.
+#[derive(Clone, Debug)]
+pub enum ExpertWeights {
+    /// MXFP4: one contiguous span of six tensors (see [`PackedExpert`]).
+    Mxfp4(PackedExpert),
+    /// Plain weights already in f32: `w1` (gate) `[inter, width]`, `w2` (down) `[width, inter]`, `w3` (up)
+    /// `[inter, width]`, row-major.
+    Dense {
+        /// Gate projection.
+        w1: Vec<f32>,
+        /// Down projection.
+        w2: Vec<f32>,
+        /// Up projection.
+        w3: Vec<f32>,
+    },
+}
+
+/// The raw bytes of an MXFP4 expert and where each of its six tensors lies in them.
+#[derive(Clone, Debug)]
+pub struct PackedExpert {
+    /// The expert's span, exactly as in the shard.
+    pub bytes: Vec<u8>,
+    /// Byte ranges in `bytes` of w1.packed, w1.scale, w2.packed, w2.scale, w3.packed, w3.scale.
+    pub parts: [Range<usize>; 6],
+}
+
+/// Supplies routed experts: the runtime decides whether they come from RAM, disk or the network.
+pub trait ExpertSource: Send + Sync {
+    /// The weights of `experts` (distinct ids) of layer `layer`, in the same order.
+    fn load_experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertWeights>>>;
+}
+
+/// Loads weights with shape checks, naming the tensor in every error.
+pub(crate) struct Loader<'a> {
+    pub src: &'a dyn WeightSource,
+    pub device: Device,
+}
+
+impl Loader<'_> {
+    /// The raw tensor, or `MissingWeight`.
+    pub fn host(&self, name: &str) -> Result<HostTensor> {
+        self.src
+            .load(name)?
+            .ok_or_else(|| ModelError::MissingWeight(name.to_string()))
+    }
+
+    /// The tensor as f32 values, checked against `shape`.
+    pub fn vec(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let t = self.host(name)?;
+        check_shape(name, &t.shape, shape)?;
+        Ok(t.data)
+    }
+
+    /// The tensor as a candle tensor of `shape`.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let data = self.vec(name, shape)?;
+        Ok(Tensor::from_vec(data, shape, &self.device)?)
+    }
+
+    /// Whether the checkpoint has `name`.
+    pub fn has(&self, name: &str) -> Result<bool> {
+        Ok(self.src.load(name)?.is_some())
+    }
+}
+
+/// Fails with a `Shape` error naming `name` when `actual != expected`.
+pub(crate) fn check_shape(name: &str, actual: &[usize], expected: &[usize]) -> Result<()> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(ModelError::Shape {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            actual: actual.to_vec(),
+        })
+    }
+}

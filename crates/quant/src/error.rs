@@ -1,0 +1,47 @@
+//! The error type of the quant crate.
+
+/// Everything that can go wrong when decoding a packed weight.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum QuantError {
+    /// An E8M0 scale byte of 255, which the OCP microscaling spec reserves for NaN.
+    #[error("e8m0 scale byte 255 (NaN) at row {row}, group {group}")]
+    NanScale {
+        /// Row of the weight matrix.
+        row: usize,
+        /// Group (block of 32 inputs) within the row.
+        group: usize,
+    },
+    /// A buffer whose length does not match the declared matrix shape.
+    #[error("{what}: expected {expected} bytes for a {rows}x{cols} matrix, got {actual}")]
+    BadLength {
+        /// Which buffer (packed or scale).
+        what: &'static str,
+        /// Rows of the logical matrix.
+        rows: usize,
+        /// Columns of the logical matrix.
+        cols: usize,
+        /// Bytes the shape requires.
+        expected: usize,
+        /// Bytes supplied.
+        actual: usize,
+    },
+    /// A column count that is not a multiple of the group size.
+    #[error("mxfp4 columns {cols} are not a multiple of {group}")]
+    BadColumns {
+        /// Columns of the logical matrix.
+        cols: usize,
+        /// Required multiple.
+        group: usize,
+    },
+    /// An activation vector of the wrong length.
+    #[error("input has {actual} values, the matrix has {expected} columns")]
+    BadInput {
+        /// Columns of the matrix.
+        expected: usize,
+        /// Length supplied.
+        actual: usize,
+    },
+}
+
+/// Result alias for this crate.
+pub type Result<T> = std::result::Result<T, QuantError>;

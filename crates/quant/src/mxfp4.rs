@@ -1,0 +1,264 @@
+//! MXFP4 as stored by compressed-tensors (`mxfp4-pack-quantized`, group 32), the format of K3's routed experts.
+//!
+//! Layout of a logical weight `W[rows, cols]`:
+//! - `packed[rows, cols / 2]` (u8): byte `j` of a row holds element `2j` in the low nibble (bits 0..4) and element
+//!   `2j + 1` in the high nibble. A nibble is an E2M1 code: bit 3 is the sign, bits 0..3 index
+//!   {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+//! - `scales[rows, cols / 32]` (u8): one E8M0 exponent per 32 consecutive columns; multiplier `2^(e - 127)`, exact.
+//!   `e = 255` is NaN in the OCP spec and is rejected; `e = 0` is `2^-127`.
+//!
+//! Dequantisation is exact in f32, so a kernel's only freedom is its accumulation order.
+
+use crate::error::{QuantError, Result};
+
+/// Inputs per E8M0 scale.
+pub const MXFP4_GROUP: usize = 32;
+/// Packed bytes per group (two 4-bit codes a byte).
+pub const MXFP4_GROUP_BYTES: usize = MXFP4_GROUP / 2;
+/// The E8M0 byte reserved for NaN.
+pub const E8M0_NAN: u8 = 255;
+
+const _: () = assert!(MXFP4_GROUP.is_multiple_of(2) && MXFP4_GROUP_BYTES == 16);
+
+/// The sixteen E2M1 values, indexed by code.
+const E2M1_TABLE: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// The value of a 4-bit E2M1 code (only the low four bits of `code` are read).
+pub fn e2m1_value(code: u8) -> f32 {
+    E2M1_TABLE[(code & 0x0f) as usize]
+}
+
+/// The multiplier of an E8M0 scale byte, `2^(e - 127)`, or `None` for the NaN byte 255.
+pub fn e8m0_scale(e: u8) -> Option<f32> {
+    if e == E8M0_NAN {
+        return None;
+    }
+    // 2^(e-127) for e in 1..=254 is the normal f32 with biased exponent e; e = 0 is the subnormal 2^-127.
+    Some(if e == 0 {
+        f32::from_bits(1 << 22)
+    } else {
+        f32::from_bits((e as u32) << 23)
+    })
+}
+
+/// A borrowed, shape-checked MXFP4 matrix.
+#[derive(Clone, Copy, Debug)]
+pub struct Mxfp4Matrix<'a> {
+    packed: &'a [u8],
+    scales: &'a [u8],
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> Mxfp4Matrix<'a> {
+    /// Wraps `packed` and `scales` as a `[rows, cols]` matrix, checking lengths and every scale byte.
+    pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        if !cols.is_multiple_of(MXFP4_GROUP) {
+            return Err(QuantError::BadColumns {
+                cols,
+                group: MXFP4_GROUP,
+            });
+        }
+        let check = |what, expected: usize, actual: usize| {
+            if expected == actual {
+                Ok(())
+            } else {
+                Err(QuantError::BadLength {
+                    what,
+                    rows,
+                    cols,
+                    expected,
+                    actual,
+                })
+            }
+        };
+        check("packed", rows * cols / 2, packed.len())?;
+        let groups = cols / MXFP4_GROUP;
+        check("scales", rows * groups, scales.len())?;
+        if let Some(pos) = scales.iter().position(|&e| e == E8M0_NAN) {
+            return Err(QuantError::NanScale {
+                row: pos / groups,
+                group: pos % groups,
+            });
+        }
+        Ok(Self {
+            packed,
+            scales,
+            rows,
+            cols,
+        })
+    }
+
+    /// Rows of the logical matrix.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the logical matrix.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Writes row `row` as f32 into `out` (`cols` values). Scalar reference.
+    pub fn dequantize_row_ref(&self, row: usize, out: &mut [f32]) {
+        let groups = self.cols / MXFP4_GROUP;
+        let packed = &self.packed[row * self.cols / 2..(row + 1) * self.cols / 2];
+        let scales = &self.scales[row * groups..(row + 1) * groups];
+        for (g, &e) in scales.iter().enumerate() {
+            // Scale bytes were checked in `new`, so the NaN byte cannot appear here.
+            let scale = e8m0_scale(e).unwrap_or(f32::NAN);
+            let bytes = &packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES];
+            let dst = &mut out[g * MXFP4_GROUP..(g + 1) * MXFP4_GROUP];
+            for (j, &b) in bytes.iter().enumerate() {
+                dst[2 * j] = e2m1_value(b) * scale;
+                dst[2 * j + 1] = e2m1_value(b >> 4) * scale;
+            }
+        }
+    }
+
+    /// The whole matrix as row-major f32. Scalar reference.
+    pub fn dequantize_ref(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row_ref(r, row);
+        }
+        out
+    }
+
+    /// The dot product of row `row` with `x`, fused with dequantisation. Scalar reference.
+    ///
+    /// Accumulation order (the contract for faster twins): within a group, the 32 products `code_value * x` are
+    /// summed left to right into a group sum; the group sum is multiplied by the scale and added to the row sum,
+    /// groups left to right.
+    pub fn dot_row_ref(&self, row: usize, x: &[f32]) -> f32 {
+        let groups = self.cols / MXFP4_GROUP;
+        let packed = &self.packed[row * self.cols / 2..(row + 1) * self.cols / 2];
+        let scales = &self.scales[row * groups..(row + 1) * groups];
+        let mut acc = 0.0f32;
+        for (g, &e) in scales.iter().enumerate() {
+            let scale = e8m0_scale(e).unwrap_or(f32::NAN);
+            let bytes = &packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES];
+            let xs = &x[g * MXFP4_GROUP..(g + 1) * MXFP4_GROUP];
+            let mut group_sum = 0.0f32;
+            for (j, &b) in bytes.iter().enumerate() {
+                group_sum += e2m1_value(b) * xs[2 * j];
+                group_sum += e2m1_value(b >> 4) * xs[2 * j + 1];
+            }
+            acc += group_sum * scale;
+        }
+        acc
+    }
+
+    /// `y = W · x` with the fused scalar kernel.
+    pub fn gemv_ref(&self, x: &[f32], y: &mut [f32]) -> Result<()> {
+        if x.len() != self.cols {
+            return Err(QuantError::BadInput {
+                expected: self.cols,
+                actual: x.len(),
+            });
+        }
+        for (r, out) in y.iter_mut().enumerate().take(self.rows) {
+            *out = self.dot_row_ref(r, x);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2m1_table_matches_hand_values() {
+        let expect = [
+            (0x0, 0.0),
+            (0x1, 0.5),
+            (0x2, 1.0),
+            (0x3, 1.5),
+            (0x4, 2.0),
+            (0x5, 3.0),
+            (0x6, 4.0),
+            (0x7, 6.0),
+            (0x9, -0.5),
+            (0xa, -1.0),
+            (0xb, -1.5),
+            (0xc, -2.0),
+            (0xd, -3.0),
+            (0xe, -4.0),
+            (0xf, -6.0),
+        ];
+        for (code, v) in expect {
+            assert_eq!(e2m1_value(code), v, "code {code:#x}");
+        }
+        assert!(e2m1_value(0x8) == 0.0 && e2m1_value(0x8).is_sign_negative());
+    }
+
+    #[test]
+    fn e8m0_is_an_exact_power_of_two() {
+        assert_eq!(e8m0_scale(127), Some(1.0));
+        assert_eq!(e8m0_scale(128), Some(2.0));
+        assert_eq!(e8m0_scale(126), Some(0.5));
+        assert_eq!(e8m0_scale(254), Some(2f32.powi(127)));
+        assert_eq!(e8m0_scale(0), Some(2f32.powi(-127)));
+        assert_eq!(e8m0_scale(1), Some(2f32.powi(-126)));
+        assert_eq!(e8m0_scale(255), None);
+    }
+
+    /// One row of 32 values: codes 0..16 then 16 codes of 0x7 (6.0), scale 2^(130-127) = 8.
+    fn one_row() -> (Vec<u8>, Vec<u8>) {
+        let mut packed = Vec::new();
+        for j in 0..8u8 {
+            // element 2j = code 2j (low nibble), element 2j+1 = code 2j+1 (high nibble)
+            packed.push((2 * j) | ((2 * j + 1) << 4));
+        }
+        packed.extend(std::iter::repeat_n(0x77u8, 8));
+        (packed, vec![130])
+    }
+
+    #[test]
+    fn dequantize_matches_hand_computed_row() {
+        let (packed, scales) = one_row();
+        let m = Mxfp4Matrix::new(&packed, &scales, 1, 32).expect("valid shape");
+        let w = m.dequantize_ref();
+        let mut expect: Vec<f32> = (0..16u8).map(|c| e2m1_value(c) * 8.0).collect();
+        expect.extend(std::iter::repeat_n(48.0, 16));
+        assert_eq!(w, expect);
+        assert_eq!(w[1], 4.0); // 0.5 * 8, from the high nibble of byte 0
+        assert_eq!(w[15], -48.0); // code 15 = -6
+    }
+
+    #[test]
+    fn fused_dot_matches_hand_value() {
+        let (packed, scales) = one_row();
+        let m = Mxfp4Matrix::new(&packed, &scales, 1, 32).expect("valid shape");
+        let mut x = vec![0.0f32; 32];
+        x[1] = 1.0; // 4.0
+        x[5] = 2.0; // code 5 = 3.0 * 8 = 24 -> 48
+        x[31] = -0.5; // 48 * -0.5 = -24
+        assert_eq!(m.dot_row_ref(0, &x), 4.0 + 48.0 - 24.0);
+        let mut y = [0.0];
+        m.gemv_ref(&x, &mut y).expect("right length");
+        assert_eq!(y[0], 28.0);
+    }
+
+    #[test]
+    fn rejects_nan_scale_and_bad_shapes() {
+        let (packed, _) = one_row();
+        assert_eq!(
+            Mxfp4Matrix::new(&packed, &[255], 1, 32).err(),
+            Some(QuantError::NanScale { row: 0, group: 0 })
+        );
+        assert!(matches!(
+            Mxfp4Matrix::new(&packed, &[127], 1, 48),
+            Err(QuantError::BadColumns { .. })
+        ));
+        assert!(matches!(
+            Mxfp4Matrix::new(&packed[..15], &[127], 1, 32),
+            Err(QuantError::BadLength { what: "packed", .. })
+        ));
+        let m = Mxfp4Matrix::new(&packed, &[127], 1, 32).expect("valid");
+        assert!(m.gemv_ref(&[0.0; 31], &mut [0.0]).is_err());
+    }
+}

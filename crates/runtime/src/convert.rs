@@ -1,0 +1,48 @@
+//! Conversion of stored dense tensors (f32, bf16, f16) to f32.
+
+use deltafin_storage::Dtype;
+use half::{bf16, f16};
+
+/// Little-endian bytes of `dtype` as f32 values, or `None` for a dtype that is not a float.
+pub fn to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
+    match dtype {
+        Dtype::F32 => Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ),
+        Dtype::BF16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        ),
+        Dtype::F16 => Some(
+            bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn converts_each_float_dtype() {
+        assert_eq!(to_f32(&1.5f32.to_le_bytes(), Dtype::F32), Some(vec![1.5]));
+        assert_eq!(
+            to_f32(&bf16::from_f32(-2.0).to_le_bytes(), Dtype::BF16),
+            Some(vec![-2.0])
+        );
+        assert_eq!(
+            to_f32(&f16::from_f32(0.25).to_le_bytes(), Dtype::F16),
+            Some(vec![0.25])
+        );
+        assert_eq!(to_f32(&[1, 2], Dtype::U8), None);
+    }
+}

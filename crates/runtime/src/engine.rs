@@ -1,0 +1,121 @@
+//! [`Engine`]: an opened model (config, checkpoint files, spine, expert source) shared by sessions.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use deltafin_model::{ExpertSource, Model, ModelConfig};
+use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
+
+use crate::error::{Result, RuntimeError};
+use crate::session::Session;
+use crate::sources::{ExpertsFromFiles, SpineFromFiles};
+
+/// Options for [`Engine::open`].
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {}
+
+/// An opened model.
+pub struct Engine {
+    dir: PathBuf,
+    model: Model,
+    experts: ExpertsFromFiles,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("dir", &self.dir).finish()
+    }
+}
+
+impl Engine {
+    /// Opens the model in `dir`: parses `config.json`, reads every shard header, maps the experts and loads the
+    /// spine, checking every shape.
+    pub fn open(dir: &Path, _options: EngineOptions) -> Result<Self> {
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(RuntimeError::NoConfig(dir.to_path_buf()));
+        }
+        let cfg = ModelConfig::from_file(&config_path)?;
+        let files = Arc::new(ModelFiles::open(dir)?);
+        let map = Arc::new(ExpertMap::build(&files)?);
+        check_experts(dir, &cfg, &map)?;
+        let model = Model::load(cfg, &SpineFromFiles { files: &files })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            model,
+            experts: ExpertsFromFiles { files, map },
+        })
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The parsed configuration.
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    /// A new, empty conversation.
+    pub fn session(&self) -> Session<'_> {
+        Session::new(self)
+    }
+
+    pub(crate) fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub(crate) fn experts(&self) -> &dyn ExpertSource {
+        &self.experts
+    }
+}
+
+/// Every MoE layer has `num_experts` experts of the configured shape; nothing else has experts.
+fn check_experts(dir: &Path, cfg: &ModelConfig, map: &ExpertMap) -> Result<()> {
+    let err = |msg: String| RuntimeError::ExpertLayout {
+        dir: dir.to_path_buf(),
+        msg,
+    };
+    let (inter, width) = (cfg.moe.inter, cfg.expert_width());
+    for layer in 0..cfg.n_layers {
+        let found = map.n_experts(layer);
+        if !cfg.is_moe_layer(layer) {
+            if found != 0 {
+                return Err(err(format!(
+                    "layer {layer} is dense but has {found} experts"
+                )));
+            }
+            continue;
+        }
+        if found != cfg.moe.n_experts {
+            return Err(err(format!(
+                "layer {layer} has {found} experts, config says {}",
+                cfg.moe.n_experts
+            )));
+        }
+        for e in 0..found {
+            let span = map.span(layer, e)?;
+            let expect: Vec<Vec<usize>> = match span.format {
+                ExpertFormat::Mxfp4 => vec![
+                    vec![inter, width / 2],
+                    vec![inter, width / 32],
+                    vec![width, inter / 2],
+                    vec![width, inter / 32],
+                    vec![inter, width / 2],
+                    vec![inter, width / 32],
+                ],
+                ExpertFormat::Dense(_) => {
+                    vec![vec![inter, width], vec![width, inter], vec![inter, width]]
+                }
+            };
+            let actual: Vec<Vec<usize>> = span.parts.iter().map(|p| p.shape.clone()).collect();
+            if actual != expect {
+                return Err(err(format!(
+                    "layer {layer} expert {e}: tensor shapes {actual:?}, config implies {expect:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
