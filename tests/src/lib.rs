@@ -1,5 +1,7 @@
 //! Shared helpers for the workspace tests: fixture paths and the reference outputs in `golden.safetensors`.
 
+pub mod corrupt;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};

@@ -1,0 +1,133 @@
+//! The `deltafin` binary's stable command forms, run as a user would, against the fixtures' reference outputs.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+}
+
+fn golden(name: &str) -> Value {
+    let text = std::fs::read_to_string(fixture(name).join("golden.json")).expect("golden.json");
+    serde_json::from_str(&text).expect("golden JSON")
+}
+
+fn ids_of(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect()
+}
+
+fn join(ids: &[u64]) -> String {
+    ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Runs the binary and parses its stdout as one JSON object.
+fn deltafin_json(args: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(args)
+        .env("DELTAFIN_ROOT", std::env::temp_dir().join("deltafin-cli-test-root"))
+        .output()
+        .expect("run deltafin");
+    assert!(
+        out.status.success(),
+        "deltafin {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+fn check_nll(mode: &str) {
+    let g = golden("k3/k3-tiny-b");
+    let ids = ids_of(&g["input_ids"]);
+    let dir = fixture("k3/k3-tiny-b");
+    let r = deltafin_json(&[
+        "nll",
+        "--model",
+        dir.to_str().expect("utf-8 path"),
+        "--ids",
+        &join(&ids),
+        "--mode",
+        mode,
+        "--json",
+    ]);
+    assert_eq!(r["n_tokens"].as_u64(), Some(ids.len() as u64));
+    assert_eq!(r["nll"].as_array().expect("nll").len(), ids.len() - 1);
+    let mean = r["mean_nll"].as_f64().expect("mean");
+    let expect = g["mean_nll"].as_f64().expect("golden mean");
+    assert!((mean - expect).abs() <= 1e-4, "{mode}: mean NLL {mean} vs {expect}");
+    let top5 = r["top5"].as_array().expect("top5");
+    let gold5 = g["top5_ids"].as_array().expect("golden top5");
+    assert_eq!(top5.len(), gold5.len());
+    for (t, (a, b)) in top5.iter().zip(gold5).enumerate() {
+        assert_eq!(a[0], b[0], "{mode}: top-1 at position {t}");
+    }
+    assert_eq!(r["top5_logits"][0].as_array().map(Vec::len), Some(5));
+}
+
+#[test]
+fn nll_prefill_matches_reference() {
+    check_nll("prefill");
+}
+
+#[test]
+fn nll_decode_matches_reference() {
+    check_nll("decode");
+}
+
+#[test]
+fn run_prompt_ids_gives_reference_greedy_tokens() {
+    for name in ["k3/k3-tiny-a", "k3/k3-tiny-b"] {
+        let g = golden(name);
+        let prompt = ids_of(&g["greedy_prompt"]);
+        let expect = ids_of(&g["greedy_new_tokens"]);
+        let dir = fixture(name);
+        let r = deltafin_json(&[
+            "run",
+            "--model",
+            dir.to_str().expect("utf-8 path"),
+            "--prompt-ids",
+            &join(&prompt),
+            "--max-new",
+            &expect.len().to_string(),
+            "--ignore-eos",
+            "--json",
+        ]);
+        assert_eq!(ids_of(&r["prompt_ids"]), prompt, "{name}");
+        assert_eq!(ids_of(&r["new_ids"]), expect, "{name}");
+    }
+}
+
+#[test]
+fn run_without_a_model_uses_the_demo_and_says_so() {
+    let root = tempfile::tempdir().expect("tmp");
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(["run", "--max-new", "4", "--ignore-eos", "--json"])
+        .env("DELTAFIN_ROOT", root.path())
+        .output()
+        .expect("run deltafin");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("demo model"), "stderr: {stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    // The demo is k3-tiny-a and its default prompt is that fixture's greedy prompt.
+    let g = golden("k3/k3-tiny-a");
+    assert_eq!(ids_of(&r["prompt_ids"]), ids_of(&g["greedy_prompt"]));
+    assert_eq!(ids_of(&r["new_ids"]), ids_of(&g["greedy_new_tokens"])[..4]);
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(["nll", "--model", "/nonexistent/model", "--ids", "1,2", "--json"])
+        .output()
+        .expect("run deltafin");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent/model"), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}
