@@ -220,8 +220,12 @@ impl Broken {
 }
 
 /// Asserts that the error's message names every one of `needles` (file names, tensors, numbers).
+/// With `SHOW_ERRORS` set, also prints it (run with `--nocapture` to review the wording).
 pub fn assert_names(err: &StorageError, needles: &[&str]) {
     let msg = err.to_string();
+    if std::env::var_os("SHOW_ERRORS").is_some() {
+        eprintln!("\nERR: {msg}");
+    }
     for needle in needles {
         assert!(
             msg.contains(needle),

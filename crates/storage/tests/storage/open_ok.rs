@@ -216,3 +216,23 @@ fn k3_experts_follow_header_not_numeric_order() {
     assert_eq!(p[1].shape, [32, 1]);
     assert!(p.iter().all(|p| p.dtype == Dtype::U8));
 }
+
+/// Reader threads share one `ModelFiles` and one `ExpertMap`.
+#[test]
+fn shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<ModelFiles>();
+    assert_send_sync::<ExpertMap>();
+}
+
+#[test]
+fn forged_tensor_info_is_refused_before_allocating() {
+    let files = ModelFiles::open(&fixture(KL_QLORA)).unwrap_or_else(|e| panic!("{e}"));
+    let mut info = files
+        .tensor("lm_head.weight")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .clone();
+    info.len = u64::MAX / 2;
+    let e = files.read_tensor(&info).expect_err("forged length");
+    assert!(matches!(e, StorageError::OutOfRange { .. }), "{e}");
+}
