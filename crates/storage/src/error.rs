@@ -279,7 +279,7 @@ pub enum StorageError {
 
     /// An expert tensor has a dtype its format does not allow.
     #[error(
-        "layer {layer} expert {expert}: tensor {tensor} has dtype {dtype:?}, expected {expected}"
+        "layer {layer} expert {expert}: tensor {tensor} has dtype {dtype}, expected {expected}"
     )]
     ExpertDtype {
         /// MoE layer.

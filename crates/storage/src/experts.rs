@@ -541,6 +541,7 @@ fn contiguous_span(
             )));
         }
     }
+    // Contiguity was just checked, so offsets ascend from `first` and the subtraction cannot wrap.
     let parts: Vec<ExpertPart> = parts
         .iter()
         .map(|t| ExpertPart {

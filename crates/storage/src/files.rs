@@ -146,15 +146,15 @@ impl ModelFiles {
             }
         }
         let files = builder.finish(dir, shards, handles);
-        if let Some(total) = index.total_size {
-            if total != files.total_tensor_bytes() {
-                tracing::warn!(
-                    index_total = total,
-                    header_total = files.total_tensor_bytes(),
-                    "metadata.total_size in {} disagrees with the shard headers",
-                    index_path.display()
-                );
-            }
+        if let Some(total) = index.total_size
+            && total != files.total_tensor_bytes()
+        {
+            tracing::warn!(
+                index_total = total,
+                header_total = files.total_tensor_bytes(),
+                "metadata.total_size in {} disagrees with the shard headers",
+                index_path.display()
+            );
         }
         Ok(files)
     }
@@ -188,6 +188,8 @@ impl ModelFiles {
 
     /// Reads one tensor's bytes with a single positional read.
     pub fn read_tensor(&self, info: &TensorInfo) -> Result<Vec<u8>> {
+        // Check the range before allocating, so a forged `TensorInfo` cannot demand a huge buffer.
+        self.checked_shard(info.shard, info.offset, info.len)?;
         let len = usize::try_from(info.len).map_err(|_| StorageError::OutOfRange {
             what: format!("addressable memory (tensor {})", info.name),
             offset: info.offset,
@@ -203,13 +205,7 @@ impl ModelFiles {
     /// The span may cover any bytes of the file, header included (the raw-span cache copies shard
     /// bytes verbatim).
     pub fn read_span(&self, shard: usize, offset: u64, len: u64, buf: &mut [u8]) -> Result<()> {
-        let (Some(info), Some(file)) = (self.shards.get(shard), self.handles.get(shard)) else {
-            return Err(StorageError::OutOfRange {
-                what: format!("the model (shard {shard} of {})", self.shards.len()),
-                offset,
-                len,
-            });
-        };
+        let (info, file) = self.checked_shard(shard, offset, len)?;
         if buf.len() as u64 != len {
             return Err(StorageError::BufferSize {
                 path: info.path.clone(),
@@ -217,6 +213,21 @@ impl ModelFiles {
                 buf_len: buf.len(),
             });
         }
+        read_exact_at(file, buf, offset).map_err(|source| StorageError::Io {
+            path: info.path.clone(),
+            source,
+        })
+    }
+
+    /// The shard and its handle, if `shard` exists and `offset..offset + len` lies inside it.
+    fn checked_shard(&self, shard: usize, offset: u64, len: u64) -> Result<(&ShardInfo, &File)> {
+        let (Some(info), Some(file)) = (self.shards.get(shard), self.handles.get(shard)) else {
+            return Err(StorageError::OutOfRange {
+                what: format!("the model (shard {shard} of {})", self.shards.len()),
+                offset,
+                len,
+            });
+        };
         if offset
             .checked_add(len)
             .is_none_or(|end| end > info.file_len)
@@ -227,10 +238,7 @@ impl ModelFiles {
                 len,
             });
         }
-        read_exact_at(file, buf, offset).map_err(|source| StorageError::Io {
-            path: info.path.clone(),
-            source,
-        })
+        Ok((info, file))
     }
 
     /// Sum of all tensor lengths.

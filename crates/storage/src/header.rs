@@ -223,14 +223,14 @@ fn as_int(v: &Value) -> Option<i128> {
 fn check_overlaps(path: &Path, tensors: &[RawTensor]) -> Result<()> {
     let mut last: Option<&RawTensor> = None;
     for t in tensors.iter().filter(|t| t.len > 0) {
-        if let Some(prev) = last {
-            if t.offset < prev.offset + prev.len {
-                return Err(StorageError::OverlappingTensors {
-                    path: path.to_path_buf(),
-                    first: prev.name.clone(),
-                    second: t.name.clone(),
-                });
-            }
+        if let Some(prev) = last
+            && t.offset < prev.offset + prev.len
+        {
+            return Err(StorageError::OverlappingTensors {
+                path: path.to_path_buf(),
+                first: prev.name.clone(),
+                second: t.name.clone(),
+            });
         }
         // No overlap, so `t` ends after every tensor before it.
         last = Some(t);
