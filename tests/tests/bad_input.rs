@@ -78,14 +78,19 @@ fn wrong_shape_for_the_config() {
     let m = scratch();
     m.edit_config(|c| c["text_config"]["kv_lora_rank"] = 20.into())
         .expect("edit");
-    assert_mentions(&error_of(&m), &["layers.3.self_attn.kv_b_proj.weight", "expected shape"]);
+    assert_mentions(
+        &error_of(&m),
+        &["layers.3.self_attn.kv_b_proj.weight", "expected shape"],
+    );
 }
 
 #[test]
 fn e8m0_scale_byte_255() {
     let m = scratch();
     // Every expert of layer 1 gets a NaN scale, so whichever the router picks fails.
-    let shard = m.shard_of(&format!("{LAYER1}.0.w1.weight_scale")).expect("shard");
+    let shard = m
+        .shard_of(&format!("{LAYER1}.0.w1.weight_scale"))
+        .expect("shard");
     let (header, mut data) = m.read_shard(&shard).expect("read");
     for e in 0..16 {
         let offsets = &header[format!("{LAYER1}.{e}.w1.weight_scale")]["data_offsets"];
@@ -140,6 +145,9 @@ fn config_not_json() {
 #[test]
 fn token_outside_the_vocabulary() {
     let engine = Engine::open(&fixture("k3/k3-tiny-a"), EngineOptions::default()).expect("open");
-    let err = engine.session().prefill(&[1, 999_999]).expect_err("must fail");
+    let err = engine
+        .session()
+        .prefill(&[1, 999_999])
+        .expect_err("must fail");
     assert_mentions(&err.to_string(), &["999999"]);
 }

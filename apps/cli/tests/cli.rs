@@ -6,7 +6,9 @@ use std::process::Command;
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
 }
 
 fn golden(name: &str) -> Value {
@@ -30,7 +32,10 @@ fn join(ids: &[u64]) -> String {
 fn deltafin_json(args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
         .args(args)
-        .env("DELTAFIN_ROOT", std::env::temp_dir().join("deltafin-cli-test-root"))
+        .env(
+            "DELTAFIN_ROOT",
+            std::env::temp_dir().join("deltafin-cli-test-root"),
+        )
         .output()
         .expect("run deltafin");
     assert!(
@@ -59,7 +64,10 @@ fn check_nll(mode: &str) {
     assert_eq!(r["nll"].as_array().expect("nll").len(), ids.len() - 1);
     let mean = r["mean_nll"].as_f64().expect("mean");
     let expect = g["mean_nll"].as_f64().expect("golden mean");
-    assert!((mean - expect).abs() <= 1e-4, "{mode}: mean NLL {mean} vs {expect}");
+    assert!(
+        (mean - expect).abs() <= 1e-4,
+        "{mode}: mean NLL {mean} vs {expect}"
+    );
     let top5 = r["top5"].as_array().expect("top5");
     let gold5 = g["top5_ids"].as_array().expect("golden top5");
     assert_eq!(top5.len(), gold5.len());
@@ -110,7 +118,11 @@ fn run_without_a_model_uses_the_demo_and_says_so() {
         .env("DELTAFIN_ROOT", root.path())
         .output()
         .expect("run deltafin");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("demo model"), "stderr: {stderr}");
     let r: Value = serde_json::from_slice(&out.stdout).expect("JSON");
@@ -123,7 +135,14 @@ fn run_without_a_model_uses_the_demo_and_says_so() {
 #[test]
 fn bad_arguments_fail_with_a_message() {
     let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args(["nll", "--model", "/nonexistent/model", "--ids", "1,2", "--json"])
+        .args([
+            "nll",
+            "--model",
+            "/nonexistent/model",
+            "--ids",
+            "1,2",
+            "--json",
+        ])
         .output()
         .expect("run deltafin");
     assert!(!out.status.success());

@@ -367,7 +367,7 @@ impl ModelConfig {
 
     /// Whether layer `layer` uses the routed MoE (otherwise the dense MLP).
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        layer >= self.first_k_dense_replace && layer % self.moe_layer_freq == 0
+        layer >= self.first_k_dense_replace && layer.is_multiple_of(self.moe_layer_freq)
     }
 
     /// The checkpoint name of a tensor of layer `layer`, e.g. `layer_tensor(3, "self_attn.o_proj.weight")`.

@@ -111,15 +111,9 @@ impl Kda {
         // [T, C] each, after conv + SiLU.
         let proj = [&self.q_proj, &self.k_proj, &self.v_proj];
         let mut qkv: Vec<Vec<f32>> = Vec::with_capacity(3);
-        for i in 0..3 {
-            let raw = linear(x, proj[i])?.flatten_all()?.to_vec1::<f32>()?;
-            qkv.push(causal_conv_silu(
-                &raw,
-                &mut st.conv[i],
-                &self.conv[i],
-                c,
-                kern,
-            ));
+        for ((w, window), taps) in proj.iter().zip(st.conv.iter_mut()).zip(&self.conv) {
+            let raw = linear(x, w)?.flatten_all()?.to_vec1::<f32>()?;
+            qkv.push(causal_conv_silu(&raw, window, taps, c, kern));
         }
 
         // Decay gate, [T, C].

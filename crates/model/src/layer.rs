@@ -116,7 +116,7 @@ impl Layer {
                 } else {
                     attn_mix.mix(&p, &bank.blocks)?
                 };
-                let partial = if self.index % block == 0 {
+                let partial = if self.index.is_multiple_of(block) {
                     bank.blocks.push(p);
                     None
                 } else {
