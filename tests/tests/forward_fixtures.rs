@@ -163,3 +163,28 @@ fn kimi_linear_qlora_matches_reference() {
 fn kimi_linear_noqlora_matches_reference() {
     check_kimi_linear("kimi-linear/noqlora");
 }
+
+/// Rows do not depend on how many tokens share a pass: prefill logits equal decode logits bit for bit. Speculation
+/// and chunked prefill rely on this to be lossless.
+#[test]
+fn prefill_and_decode_are_bit_identical() {
+    for name in ["k3/k3-tiny-b", "kimi-linear/qlora"] {
+        let dir = fixture(name);
+        let ids = Golden::load(&dir)
+            .expect("golden")
+            .ids("input_ids")
+            .expect("ids");
+        let engine = open(&dir);
+        let whole = engine.session().prefill(&ids).expect("prefill").data;
+        let mut s = engine.session();
+        let mut stepped = s.prefill(&ids[..5]).expect("prefill").data;
+        for &id in &ids[5..] {
+            stepped.extend(s.step(id).expect("step"));
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&whole) == bits(&stepped),
+            "{name}: prefill and decode logits differ"
+        );
+    }
+}

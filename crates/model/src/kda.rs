@@ -7,10 +7,11 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use deltafin_quant::DenseMatrix;
 
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::ops::{inv_rms, linear, sigmoid, silu, softplus};
+use crate::ops::{inv_rms, linear, sigmoid, silu, softplus, tensor, values};
 use crate::state::KdaState;
 use crate::weights::Loader;
 
@@ -20,28 +21,28 @@ const L2_NORM_EPS: f32 = 1e-6;
 /// The output gate: full rank (K3) or low rank (Kimi Linear).
 #[derive(Debug)]
 enum OutGate {
-    Full(Tensor),
-    LowRank { down: Tensor, up: Tensor },
+    Full(DenseMatrix),
+    LowRank { down: DenseMatrix, up: DenseMatrix },
 }
 
 /// One KDA layer's weights.
 #[derive(Debug)]
 pub struct Kda {
     cfg: KdaConfig,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
+    q_proj: DenseMatrix,
+    k_proj: DenseMatrix,
+    v_proj: DenseMatrix,
     /// Conv taps `[C, K]` for q, k, v, oldest tap first.
     conv: [Vec<f32>; 3],
-    f_a: Tensor,
-    f_b: Tensor,
-    b_proj: Tensor,
+    f_a: DenseMatrix,
+    f_b: DenseMatrix,
+    b_proj: DenseMatrix,
     /// `exp(A_log)` per head.
     a_exp: Vec<f32>,
     dt_bias: Vec<f32>,
     gate: OutGate,
     o_norm: Vec<f32>,
-    o_proj: Tensor,
+    o_proj: DenseMatrix,
     eps: f32,
 }
 
@@ -60,35 +61,39 @@ impl Kda {
         let conv = |s: &str| ld.vec(&name(s), &[c, 1, k]);
         let a_name = name("A_log");
         let a_log = ld.host(&a_name)?;
-        let a_exp = a_log_heads(&a_name, &a_log.shape, &a_log.data, h)?
+        let a_exp = a_log_heads(&a_name, &a_log.shape, &a_log.to_f32(), h)?
             .into_iter()
             .map(f32::exp)
             .collect();
-        let f_rank = ld.host(&name("f_a_proj.weight"))?.shape.first().copied();
-        let f_rank = f_rank.unwrap_or(0);
+        let f_rank = ld
+            .host(&name("f_a_proj.weight"))?
+            .shape
+            .first()
+            .copied()
+            .unwrap_or(0);
         let gate = if cfg.full_rank_gate {
-            OutGate::Full(ld.tensor(&name("g_proj.weight"), &[c, hidden])?)
+            OutGate::Full(ld.matrix(&name("g_proj.weight"), c, hidden)?)
         } else {
             let g_name = name("g_a_proj.weight");
             let rank = ld.host(&g_name)?.shape.first().copied().unwrap_or(0);
             OutGate::LowRank {
-                down: ld.tensor(&g_name, &[rank, hidden])?,
-                up: ld.tensor(&name("g_b_proj.weight"), &[c, rank])?,
+                down: ld.matrix(&g_name, rank, hidden)?,
+                up: ld.matrix(&name("g_b_proj.weight"), c, rank)?,
             }
         };
         Ok(Self {
             cfg: cfg.clone(),
-            q_proj: ld.tensor(&name("q_proj.weight"), &[c, hidden])?,
-            k_proj: ld.tensor(&name("k_proj.weight"), &[c, hidden])?,
-            v_proj: ld.tensor(&name("v_proj.weight"), &[c, hidden])?,
+            q_proj: ld.matrix(&name("q_proj.weight"), c, hidden)?,
+            k_proj: ld.matrix(&name("k_proj.weight"), c, hidden)?,
+            v_proj: ld.matrix(&name("v_proj.weight"), c, hidden)?,
             conv: [
                 conv("q_conv1d.weight")?,
                 conv("k_conv1d.weight")?,
                 conv("v_conv1d.weight")?,
             ],
-            f_a: ld.tensor(&name("f_a_proj.weight"), &[f_rank, hidden])?,
-            f_b: ld.tensor(&name("f_b_proj.weight"), &[c, f_rank])?,
-            b_proj: ld.tensor(&name("b_proj.weight"), &[h, hidden])?,
+            f_a: ld.matrix(&name("f_a_proj.weight"), f_rank, hidden)?,
+            f_b: ld.matrix(&name("f_b_proj.weight"), c, f_rank)?,
+            b_proj: ld.matrix(&name("b_proj.weight"), h, hidden)?,
             a_exp,
             dt_bias: ld.vec(&name("dt_bias"), &[c]).or_else(|_| {
                 // Kimi Linear stores dt_bias as [C] too; some exports use [H, D].
@@ -96,7 +101,7 @@ impl Kda {
             })?,
             gate,
             o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
-            o_proj: ld.tensor(&name("o_proj.weight"), &[hidden, c])?,
+            o_proj: ld.matrix(&name("o_proj.weight"), hidden, c)?,
             eps,
         })
     }
@@ -112,14 +117,12 @@ impl Kda {
         let proj = [&self.q_proj, &self.k_proj, &self.v_proj];
         let mut qkv: Vec<Vec<f32>> = Vec::with_capacity(3);
         for ((w, window), taps) in proj.iter().zip(st.conv.iter_mut()).zip(&self.conv) {
-            let raw = linear(x, w)?.flatten_all()?.to_vec1::<f32>()?;
+            let raw = values(&linear(x, w)?)?;
             qkv.push(causal_conv_silu(&raw, window, taps, c, kern));
         }
 
         // Decay gate, [T, C].
-        let z = linear(&linear(x, &self.f_a)?, &self.f_b)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let z = values(&linear(&linear(x, &self.f_a)?, &self.f_b)?)?;
         let g: Vec<f32> = z
             .iter()
             .enumerate()
@@ -134,9 +137,7 @@ impl Kda {
             })
             .collect();
         // β, [T, H].
-        let beta: Vec<f32> = linear(x, &self.b_proj)?
-            .flatten_all()?
-            .to_vec1::<f32>()?
+        let beta: Vec<f32> = values(&linear(x, &self.b_proj)?)?
             .into_iter()
             .map(sigmoid)
             .collect();
@@ -172,20 +173,17 @@ impl Kda {
         }
 
         // Gated per-head RMSNorm.
-        let og = match &self.gate {
+        let og = values(&match &self.gate {
             OutGate::Full(w) => linear(x, w)?,
             OutGate::LowRank { down, up } => linear(&linear(x, down)?, up)?,
-        }
-        .flatten_all()?
-        .to_vec1::<f32>()?;
+        })?;
         for (o_h, g_h) in out.chunks_exact_mut(d).zip(og.chunks_exact(d)) {
             let inv = inv_rms(o_h, self.eps);
             for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
                 *o = (*o * inv) * w * sigmoid(*gate);
             }
         }
-        let o = Tensor::from_vec(out, (t_len, c), x.device())?;
-        linear(&o, &self.o_proj)
+        linear(&tensor(out, t_len, c)?, &self.o_proj)
     }
 }
 

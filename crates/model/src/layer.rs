@@ -18,9 +18,9 @@ use crate::weights::{ExpertSource, Loader};
 #[derive(Debug)]
 pub enum Attention {
     /// Kimi Delta Attention.
-    Kda(Kda),
+    Kda(Box<Kda>),
     /// Gated NoPE MLA.
-    Mla(Mla),
+    Mla(Box<Mla>),
 }
 
 /// The FFN block of a layer.
@@ -29,7 +29,7 @@ pub enum Ffn {
     /// Dense gated MLP.
     Dense(Mlp),
     /// Routed MoE.
-    Moe(Moe),
+    Moe(Box<Moe>),
 }
 
 /// The residual bank of one forward call (AttnRes): stored block sums and the running partial sum.
@@ -45,8 +45,8 @@ pub struct Layer {
     index: usize,
     attn: Attention,
     ffn: Ffn,
-    input_norm: Tensor,
-    post_norm: Tensor,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
     /// (before attention, before FFN) mixes, K3 only.
     res: Option<(ResMix, ResMix)>,
     block_size: Option<usize>,
@@ -59,11 +59,17 @@ impl Layer {
         let h = cfg.hidden_size;
         let attn_prefix = cfg.layer_tensor(index, "self_attn.");
         let attn = match cfg.layer_kinds[index] {
-            AttnKind::Kda => Attention::Kda(Kda::load(ld, &attn_prefix, &cfg.kda, h, cfg.rms_eps)?),
-            AttnKind::Mla => Attention::Mla(Mla::load(ld, &attn_prefix, &cfg.mla, h)?),
+            AttnKind::Kda => Attention::Kda(Box::new(Kda::load(
+                ld,
+                &attn_prefix,
+                &cfg.kda,
+                h,
+                cfg.rms_eps,
+            )?)),
+            AttnKind::Mla => Attention::Mla(Box::new(Mla::load(ld, &attn_prefix, &cfg.mla, h)?)),
         };
         let ffn = if cfg.is_moe_layer(index) {
-            Ffn::Moe(Moe::load(ld, cfg, index)?)
+            Ffn::Moe(Box::new(Moe::load(ld, cfg, index)?))
         } else {
             Ffn::Dense(Mlp::load(
                 ld,
@@ -89,8 +95,8 @@ impl Layer {
             index,
             attn,
             ffn,
-            input_norm: ld.tensor(&cfg.layer_tensor(index, "input_layernorm.weight"), &[h])?,
-            post_norm: ld.tensor(
+            input_norm: ld.vec(&cfg.layer_tensor(index, "input_layernorm.weight"), &[h])?,
+            post_norm: ld.vec(
                 &cfg.layer_tensor(index, "post_attention_layernorm.weight"),
                 &[h],
             )?,

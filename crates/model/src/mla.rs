@@ -3,12 +3,17 @@
 //! Per token the cache holds `c = RMSNorm(W_kva·x)[..kv_lora]` and the raw shared `k_pe`: `kv_lora + rope` values.
 //! With no RoPE the absorption is exact: `score_h = (W_UK,hᵀ q_nope,h)·c + q_pe,h·k_pe`, scaled by
 //! `(nope + rope)^-½`, and `out_h = W_UV,h (Σ_t p_t c_t)`.
+//!
+//! Every query row is computed on its own with fixed-order dot products, so a row's result does not depend on how
+//! many rows share the call (speculation and chunked prefill rely on this).
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
+use deltafin_quant::DenseMatrix;
+use deltafin_quant::dot::dot_f32;
 
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
-use crate::ops::{linear, rms_norm};
+use crate::ops::{linear, rms_norm, rms_norm_row, sigmoid, tensor, values};
 use crate::state::MlaCache;
 use crate::weights::Loader;
 
@@ -16,9 +21,13 @@ use crate::weights::Loader;
 #[derive(Debug)]
 enum QueryProj {
     /// `q_b · RMSNorm(q_a · x)`.
-    LowRank { a: Tensor, norm: Tensor, b: Tensor },
+    LowRank {
+        a: DenseMatrix,
+        norm: Vec<f32>,
+        b: DenseMatrix,
+    },
     /// `q_proj · x`.
-    Plain(Tensor),
+    Plain(DenseMatrix),
 }
 
 /// One MLA layer's weights, with `kv_b_proj` split per head at load.
@@ -26,14 +35,14 @@ enum QueryProj {
 pub struct Mla {
     cfg: MlaConfig,
     q: QueryProj,
-    kv_a: Tensor,
-    kv_a_norm: Tensor,
-    /// `[heads, nope, kv_lora]`: the key half of `kv_b_proj`.
-    w_uk: Tensor,
-    /// `[heads, kv_lora, v]`: the value half of `kv_b_proj`, transposed.
-    w_uv_t: Tensor,
-    gate: Option<Tensor>,
-    o_proj: Tensor,
+    kv_a: DenseMatrix,
+    kv_a_norm: Vec<f32>,
+    /// Per head `W_UK,hᵀ` `[kv_lora, nope]`: maps a query's nope part into the latent space.
+    w_uk_t: Vec<DenseMatrix>,
+    /// Per head `W_UV,h` `[v, kv_lora]`: maps a latent context to the head's values.
+    w_uv: Vec<DenseMatrix>,
+    gate: Option<DenseMatrix>,
+    o_proj: DenseMatrix,
 }
 
 impl Mla {
@@ -49,42 +58,50 @@ impl Mla {
         let qk = cfg.nope_dim + cfg.rope_dim;
         let q = match cfg.q_lora_rank {
             Some(r) => QueryProj::LowRank {
-                a: ld.tensor(&name("q_a_proj.weight"), &[r, hidden])?,
-                norm: ld.tensor(&name("q_a_layernorm.weight"), &[r])?,
-                b: ld.tensor(&name("q_b_proj.weight"), &[nh * qk, r])?,
+                a: ld.matrix(&name("q_a_proj.weight"), r, hidden)?,
+                norm: ld.vec(&name("q_a_layernorm.weight"), &[r])?,
+                b: ld.matrix(&name("q_b_proj.weight"), nh * qk, r)?,
             },
-            None => QueryProj::Plain(ld.tensor(&name("q_proj.weight"), &[nh * qk, hidden])?),
+            None => QueryProj::Plain(ld.matrix(&name("q_proj.weight"), nh * qk, hidden)?),
         };
         let kvl = cfg.kv_lora_rank;
-        // [heads, nope + v, kv_lora]: per head, nope key rows then value rows.
-        let kv_b = ld
-            .tensor(
-                &name("kv_b_proj.weight"),
-                &[nh * (cfg.nope_dim + cfg.v_dim), kvl],
-            )?
-            .reshape((nh, cfg.nope_dim + cfg.v_dim, kvl))?;
-        let w_uk = kv_b.narrow(1, 0, cfg.nope_dim)?.contiguous()?;
-        let w_uv_t = kv_b
-            .narrow(1, cfg.nope_dim, cfg.v_dim)?
-            .transpose(1, 2)?
-            .contiguous()?;
+        let per_head = cfg.nope_dim + cfg.v_dim;
+        let kv_b_name = name("kv_b_proj.weight");
+        // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
+        let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
+        let mut w_uk_t = Vec::with_capacity(nh);
+        let mut w_uv = Vec::with_capacity(nh);
+        for h in 0..nh {
+            let head = &kv_b[h * per_head * kvl..(h + 1) * per_head * kvl];
+            let (uk, uv) = head.split_at(cfg.nope_dim * kvl);
+            // uk is [nope, kvl]; store its transpose [kvl, nope].
+            let mut t = vec![0.0f32; kvl * cfg.nope_dim];
+            for n in 0..cfg.nope_dim {
+                for l in 0..kvl {
+                    t[l * cfg.nope_dim + n] = uk[n * kvl + l];
+                }
+            }
+            w_uk_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.nope_dim, t)?);
+            w_uv.push(Loader::f32_matrix(&kv_b_name, cfg.v_dim, kvl, uv.to_vec())?);
+        }
         let gate = if cfg.output_gate {
-            Some(ld.tensor(&name("g_proj.weight"), &[nh * cfg.v_dim, hidden])?)
+            Some(ld.matrix(&name("g_proj.weight"), nh * cfg.v_dim, hidden)?)
         } else {
             None
         };
         Ok(Self {
             cfg: cfg.clone(),
             q,
-            kv_a: ld.tensor(
+            kv_a: ld.matrix(
                 &name("kv_a_proj_with_mqa.weight"),
-                &[kvl + cfg.rope_dim, hidden],
+                kvl + cfg.rope_dim,
+                hidden,
             )?,
-            kv_a_norm: ld.tensor(&name("kv_a_layernorm.weight"), &[kvl])?,
-            w_uk,
-            w_uv_t,
+            kv_a_norm: ld.vec(&name("kv_a_layernorm.weight"), &[kvl])?,
+            w_uk_t,
+            w_uv,
             gate,
-            o_proj: ld.tensor(&name("o_proj.weight"), &[hidden, nh * cfg.v_dim])?,
+            o_proj: ld.matrix(&name("o_proj.weight"), hidden, nh * cfg.v_dim)?,
         })
     }
 
@@ -92,76 +109,77 @@ impl Mla {
     /// them to `cache`.
     pub fn forward(&self, x: &Tensor, cache: &mut MlaCache) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let (nh, kvl, rope) = (cfg.n_heads, cfg.kv_lora_rank, cfg.rope_dim);
+        let (nh, kvl, rope, nope, vd) = (
+            cfg.n_heads,
+            cfg.kv_lora_rank,
+            cfg.rope_dim,
+            cfg.nope_dim,
+            cfg.v_dim,
+        );
+        let qk = nope + rope;
         let t_len = x.dim(0)?;
-        let dev = x.device();
 
-        let q = match &self.q {
+        let q = values(&match &self.q {
             QueryProj::LowRank { a, norm, b } => {
                 linear(&rms_norm(&linear(x, a)?, norm, MLA_LORA_NORM_EPS)?, b)?
             }
             QueryProj::Plain(w) => linear(x, w)?,
-        };
-        // [T, heads, nope + rope] -> [heads, T, ·]
-        let q = q
-            .reshape((t_len, nh, cfg.nope_dim + rope))?
-            .transpose(0, 1)?;
-        let q_nope = q.narrow(2, 0, cfg.nope_dim)?.contiguous()?;
-        let q_pe = q.narrow(2, cfg.nope_dim, rope)?.contiguous()?;
+        })?; // [T, heads * (nope + rope)]
 
         // Compressed KV for the new rows, appended to the cache.
-        let ckv = linear(x, &self.kv_a)?; // [T, kvl + rope]
-        let c_new = rms_norm(&ckv.narrow(1, 0, kvl)?, &self.kv_a_norm, MLA_LORA_NORM_EPS)?;
-        let kpe_new = ckv.narrow(1, kvl, rope)?;
-        cache
-            .c
-            .extend(c_new.flatten_all()?.to_vec1::<f32>()?.iter());
-        cache
-            .k_pe
-            .extend(kpe_new.flatten_all()?.to_vec1::<f32>()?.iter());
+        let ckv = values(&linear(x, &self.kv_a)?)?; // [T, kvl + rope]
+        for row in ckv.chunks_exact(kvl + rope) {
+            let mut c = row[..kvl].to_vec();
+            rms_norm_row(&mut c, &self.kv_a_norm, MLA_LORA_NORM_EPS);
+            cache.c.extend_from_slice(&c);
+            cache.k_pe.extend_from_slice(&row[kvl..]);
+        }
         let past = cache.len;
         cache.len += t_len;
-        let s_len = cache.len;
-        let c_all = Tensor::from_slice(&cache.c, (s_len, kvl), dev)?;
-        let kpe_all = Tensor::from_slice(&cache.k_pe, (s_len, rope), dev)?;
 
-        // Absorbed scores: [heads, T, S].
-        let q_abs = q_nope.matmul(&self.w_uk)?; // [heads, T, kvl]
-        let scores =
-            (q_abs.broadcast_matmul(&c_all.t()?)? + q_pe.broadcast_matmul(&kpe_all.t()?)?)?;
-        let scale = ((cfg.nope_dim + rope) as f64).powf(-0.5);
-        let scores = (scores * scale)?;
-        let mask: Vec<f32> = (0..t_len)
-            .flat_map(|t| {
-                (0..s_len).map(move |s| {
-                    if s <= past + t {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
+        let scale = (qk as f32).powf(-0.5);
+        let mut out = vec![0.0f32; t_len * nh * vd];
+        let mut q_abs = vec![0.0f32; kvl];
+        let mut ctx = vec![0.0f32; kvl];
+        for t in 0..t_len {
+            let visible = past + t + 1;
+            let mut scores = vec![0.0f32; visible];
+            for h in 0..nh {
+                let qh = &q[(t * nh + h) * qk..(t * nh + h + 1) * qk];
+                let (q_nope, q_pe) = qh.split_at(nope);
+                for (l, v) in q_abs.iter_mut().enumerate() {
+                    *v = self.w_uk_t[h].dot_row(l, q_nope);
+                }
+                for (s, score) in scores.iter_mut().enumerate() {
+                    let c = &cache.c[s * kvl..(s + 1) * kvl];
+                    let kpe = &cache.k_pe[s * rope..(s + 1) * rope];
+                    *score = (dot_f32(&q_abs, c) + dot_f32(q_pe, kpe)) * scale;
+                }
+                let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0.0f32;
+                for sc in scores.iter_mut() {
+                    *sc = (*sc - max).exp();
+                    total += *sc;
+                }
+                ctx.iter_mut().for_each(|v| *v = 0.0);
+                for (s, &p) in scores.iter().enumerate() {
+                    let w = p / total;
+                    for (acc, &c) in ctx.iter_mut().zip(&cache.c[s * kvl..(s + 1) * kvl]) {
+                        *acc += w * c;
                     }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (t_len, s_len), dev)?;
-        let scores = scores.broadcast_add(&mask)?;
-        let max = scores.max_keepdim(D::Minus1)?;
-        let exp = scores.broadcast_sub(&max)?.exp()?;
-        let probs = exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)?;
-
-        let ctx = probs.broadcast_matmul(&c_all)?; // [heads, T, kvl]
-        let out = ctx.matmul(&self.w_uv_t)?; // [heads, T, v]
-        let out = out
-            .transpose(0, 1)?
-            .contiguous()?
-            .reshape((t_len, nh * cfg.v_dim))?;
-        let out = match &self.gate {
-            Some(g) => {
-                let gate = linear(x, g)?;
-                let sig = (gate.neg()?.exp()? + 1.0)?.recip()?;
-                (out * sig)?
+                }
+                let dst = &mut out[(t * nh + h) * vd..(t * nh + h + 1) * vd];
+                for (i, o) in dst.iter_mut().enumerate() {
+                    *o = self.w_uv[h].dot_row(i, &ctx);
+                }
             }
-            None => out,
-        };
-        linear(&out, &self.o_proj)
+        }
+        if let Some(g) = &self.gate {
+            let gate = values(&linear(x, g)?)?;
+            for (o, g) in out.iter_mut().zip(&gate) {
+                *o *= sigmoid(*g);
+            }
+        }
+        linear(&tensor(out, t_len, nh * vd)?, &self.o_proj)
     }
 }

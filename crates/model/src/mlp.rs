@@ -1,6 +1,7 @@
 //! The gated MLP (dense layer 0 and the fused shared experts): `down · act(gate·x, up·x)`.
 
 use candle_core::Tensor;
+use deltafin_quant::DenseMatrix;
 
 use crate::config::Activation;
 use crate::error::Result;
@@ -10,9 +11,9 @@ use crate::weights::Loader;
 /// A dense gated MLP.
 #[derive(Debug)]
 pub struct Mlp {
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: DenseMatrix,
+    up: DenseMatrix,
+    down: DenseMatrix,
     act: Activation,
 }
 
@@ -26,9 +27,9 @@ impl Mlp {
         act: Activation,
     ) -> Result<Self> {
         Ok(Self {
-            gate: ld.tensor(&format!("{prefix}gate_proj.weight"), &[inter, hidden])?,
-            up: ld.tensor(&format!("{prefix}up_proj.weight"), &[inter, hidden])?,
-            down: ld.tensor(&format!("{prefix}down_proj.weight"), &[hidden, inter])?,
+            gate: ld.matrix(&format!("{prefix}gate_proj.weight"), inter, hidden)?,
+            up: ld.matrix(&format!("{prefix}up_proj.weight"), inter, hidden)?,
+            down: ld.matrix(&format!("{prefix}down_proj.weight"), hidden, inter)?,
             act,
         })
     }

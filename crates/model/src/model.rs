@@ -1,12 +1,13 @@
 //! The whole text model: embedding, decoder layers, final mix, norm and the untied head.
 
 use candle_core::{Device, Tensor};
+use deltafin_quant::DenseMatrix;
 
 use crate::attn_res::ResMix;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layer::{Layer, ResidualBank};
-use crate::ops::{linear, rms_norm};
+use crate::ops::{linear, rms_norm, tensor};
 use crate::state::SessionState;
 use crate::weights::{ExpertSource, Loader, WeightSource};
 
@@ -23,20 +24,17 @@ pub enum LogitRows {
 #[derive(Debug)]
 pub struct Model {
     cfg: ModelConfig,
-    embed: Tensor,
+    embed: DenseMatrix,
     layers: Vec<Layer>,
     output_mix: Option<ResMix>,
-    norm: Tensor,
-    head: Tensor,
+    norm: Vec<f32>,
+    head: DenseMatrix,
 }
 
 impl Model {
     /// Loads every spine weight from `src`, checking each shape against `cfg`.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self> {
-        let ld = Loader {
-            src,
-            device: Device::Cpu,
-        };
+        let ld = Loader { src };
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let layers = (0..cfg.n_layers)
             .map(|l| Layer::load(&ld, &cfg, l))
@@ -51,9 +49,9 @@ impl Model {
             None => None,
         };
         Ok(Self {
-            embed: ld.tensor(&cfg.model_tensor("model.embed_tokens.weight"), &[v, h])?,
-            norm: ld.tensor(&cfg.model_tensor("model.norm.weight"), &[h])?,
-            head: ld.tensor(&cfg.model_tensor("lm_head.weight"), &[v, h])?,
+            embed: ld.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?,
+            norm: ld.vec(&cfg.model_tensor("model.norm.weight"), &[h])?,
+            head: ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?,
             layers,
             output_mix,
             cfg,
@@ -76,7 +74,7 @@ impl Model {
         ids: &[u32],
         state: &mut SessionState,
         experts: &dyn ExpertSource,
-        rows: LogitRows,
+        logit_rows: LogitRows,
     ) -> Result<Tensor> {
         if ids.is_empty() {
             return Ok(Tensor::zeros(
@@ -89,8 +87,12 @@ impl Model {
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
-        let idx = Tensor::from_vec(ids.to_vec(), ids.len(), &Device::Cpu)?;
-        let mut p = self.embed.index_select(&idx, 0)?; // [T, hidden]
+        let hidden = self.cfg.hidden_size;
+        let rows: Vec<f32> = ids
+            .iter()
+            .flat_map(|&id| self.embed.row_f32(id as usize))
+            .collect();
+        let mut p = tensor(rows, ids.len(), hidden)?; // [T, hidden]
         let mut bank = ResidualBank::default();
         // Work on a copy so a failed call leaves `state` untouched.
         let mut next = state.clone();
@@ -103,7 +105,7 @@ impl Model {
             Some(mix) => mix.mix(&p, &bank.blocks)?,
             None => p,
         };
-        let h = match rows {
+        let h = match logit_rows {
             LogitRows::All => h,
             LogitRows::Last => h.narrow(0, ids.len() - 1, 1)?,
         };

@@ -7,12 +7,12 @@
 use std::collections::BTreeMap;
 
 use candle_core::Tensor;
-use deltafin_quant::Mxfp4Matrix;
+use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
 
 use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use crate::mlp::Mlp;
-use crate::ops::{glu, linear, matvec, rms_norm, sigmoid};
+use crate::ops::{glu, linear, rms_norm, sigmoid, tensor, values};
 use crate::weights::{ExpertSource, ExpertWeights, Loader};
 
 /// Added to the sum of chosen weights before renormalising, as in the reference.
@@ -21,9 +21,9 @@ const RENORM_EPS: f32 = 1e-20;
 /// K3's latent projections around the routed experts.
 #[derive(Debug)]
 struct Latent {
-    down: Tensor,
-    norm: Option<Tensor>,
-    up: Tensor,
+    down: DenseMatrix,
+    norm: Option<Vec<f32>>,
+    up: DenseMatrix,
 }
 
 /// One MoE layer's non-expert weights.
@@ -34,7 +34,7 @@ pub struct Moe {
     act: Activation,
     width: usize,
     eps: f32,
-    router: Tensor,
+    router: DenseMatrix,
     bias: Option<Vec<f32>>,
     latent: Option<Latent>,
     shared: Option<Mlp>,
@@ -63,13 +63,13 @@ impl Moe {
         };
         let latent = match m.latent {
             Some(l) => Some(Latent {
-                down: ld.tensor(&name("routed_expert_down_proj.weight"), &[l, h])?,
+                down: ld.matrix(&name("routed_expert_down_proj.weight"), l, h)?,
                 norm: if m.latent_norm {
-                    Some(ld.tensor(&name("routed_expert_norm.weight"), &[l])?)
+                    Some(ld.vec(&name("routed_expert_norm.weight"), &[l])?)
                 } else {
                     None
                 },
-                up: ld.tensor(&name("routed_expert_up_proj.weight"), &[h, l])?,
+                up: ld.matrix(&name("routed_expert_up_proj.weight"), h, l)?,
             }),
             None => None,
         };
@@ -90,7 +90,7 @@ impl Moe {
             act: cfg.activation,
             width: cfg.expert_width(),
             eps: cfg.rms_eps,
-            router: ld.tensor(&name("gate.weight"), &[m.n_experts, h])?,
+            router: ld.matrix(&name("gate.weight"), m.n_experts, h)?,
             bias,
             latent,
             shared,
@@ -99,8 +99,11 @@ impl Moe {
 
     /// Routes every row of `x` (`[T, hidden]`, normed).
     pub fn route(&self, x: &Tensor) -> Result<Vec<Route>> {
-        let logits = linear(x, &self.router)?.to_vec2::<f32>()?;
-        Ok(logits.iter().map(|row| self.route_row(row)).collect())
+        let logits = values(&linear(x, &self.router)?)?;
+        Ok(logits
+            .chunks_exact(self.cfg.n_experts)
+            .map(|row| self.route_row(row))
+            .collect())
     }
 
     fn route_row(&self, logits: &[f32]) -> Route {
@@ -132,7 +135,8 @@ impl Moe {
             Some(l) => linear(x, &l.down)?,
             None => x.clone(),
         };
-        let z_rows = z.to_vec2::<f32>()?;
+        let z_vals = values(&z)?;
+        let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
 
         // expert -> rows that chose it, with the weight.
         let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
@@ -146,10 +150,7 @@ impl Moe {
         // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order.
         let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
         for (&e, weights) in ids.iter().zip(&loaded) {
-            let rows: Vec<&[f32]> = users[&e]
-                .iter()
-                .map(|&(t, _)| z_rows[t].as_slice())
-                .collect();
+            let rows: Vec<&[f32]> = users[&e].iter().map(|&(t, _)| z_rows[t]).collect();
             let ys = self.expert_forward(e, weights, &rows)?;
             for (&(t, w), y) in users[&e].iter().zip(ys) {
                 outs[t].push((e, w, y));
@@ -166,7 +167,7 @@ impl Moe {
                 }
             }
         }
-        let mut y = Tensor::from_vec(combined, (t_len, self.width), x.device())?;
+        let mut y = tensor(combined, t_len, self.width)?;
         if let Some(l) = &self.latent {
             if let Some(n) = &l.norm {
                 y = rms_norm(&y, n, self.eps)?;
@@ -179,7 +180,7 @@ impl Moe {
         Ok(y)
     }
 
-    /// Applies expert `e` to `rows` (each `width` long).
+    /// Applies expert `e` to `rows` (each `width` long): `w2 · act(w1·x, w3·x)`.
     fn expert_forward(
         &self,
         e: usize,
@@ -187,55 +188,53 @@ impl Moe {
         rows: &[&[f32]],
     ) -> Result<Vec<Vec<f32>>> {
         let (inter, width) = (self.cfg.inter, self.width);
-        let mut gate = vec![0.0f32; inter];
-        let mut up = vec![0.0f32; inter];
-        let mut out = Vec::with_capacity(rows.len());
-        match weights {
+        let t = rows.len();
+        let x: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        let bad = |msg: String| ModelError::BadWeight {
+            name: format!("layer {} expert {e}", self.layer),
+            msg,
+        };
+        let quant_err = |source| ModelError::Expert {
+            layer: self.layer,
+            expert: e,
+            source,
+        };
+        let glu_rows = |gate: &[f32], up: &[f32]| -> Vec<f32> {
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| glu(self.act, g, u))
+                .collect()
+        };
+        let y = match weights {
             ExpertWeights::Mxfp4(p) => {
-                let quant_err = |source| ModelError::Expert {
-                    layer: self.layer,
-                    expert: e,
-                    source,
-                };
-                let part = |i: usize| &p.bytes[p.parts[i].clone()];
+                let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
                 let w1 = Mxfp4Matrix::new(part(0), part(1), inter, width).map_err(quant_err)?;
                 let w2 = Mxfp4Matrix::new(part(2), part(3), width, inter).map_err(quant_err)?;
                 let w3 = Mxfp4Matrix::new(part(4), part(5), inter, width).map_err(quant_err)?;
-                for x in rows {
-                    w1.gemv_ref(x, &mut gate).map_err(quant_err)?;
-                    w3.gemv_ref(x, &mut up).map_err(quant_err)?;
-                    let a: Vec<f32> = gate
-                        .iter()
-                        .zip(&up)
-                        .map(|(&g, &u)| glu(self.act, g, u))
-                        .collect();
-                    let mut y = vec![0.0f32; width];
-                    w2.gemv_ref(&a, &mut y).map_err(quant_err)?;
-                    out.push(y);
-                }
+                let mut gate = vec![0.0f32; t * inter];
+                let mut up = vec![0.0f32; t * inter];
+                w1.gemm(&x, t, &mut gate).map_err(quant_err)?;
+                w3.gemm(&x, t, &mut up).map_err(quant_err)?;
+                let a = glu_rows(&gate, &up);
+                let mut y = vec![0.0f32; t * width];
+                w2.gemm(&a, t, &mut y).map_err(quant_err)?;
+                y
             }
             ExpertWeights::Dense { w1, w2, w3 } => {
-                let expect = inter * width;
-                if w1.len() != expect || w2.len() != expect || w3.len() != expect {
-                    return Err(ModelError::BadWeight {
-                        name: format!("layer {} expert {e}", self.layer),
-                        msg: format!("dense expert weights must hold {expect} values each"),
-                    });
-                }
-                for x in rows {
-                    matvec(w1, x, &mut gate);
-                    matvec(w3, x, &mut up);
-                    let a: Vec<f32> = gate
-                        .iter()
-                        .zip(&up)
-                        .map(|(&g, &u)| glu(self.act, g, u))
-                        .collect();
-                    let mut y = vec![0.0f32; width];
-                    matvec(w2, &a, &mut y);
-                    out.push(y);
-                }
+                let mat = |r, c, v: &Vec<f32>| {
+                    DenseMatrix::new(r, c, DenseData::F32(v.clone()))
+                        .map_err(|err| bad(err.to_string()))
+                };
+                let (w1, w2, w3) = (
+                    mat(inter, width, w1)?,
+                    mat(width, inter, w2)?,
+                    mat(inter, width, w3)?,
+                );
+                let gate = w1.gemm(&x, t).map_err(quant_err)?;
+                let up = w3.gemm(&x, t).map_err(quant_err)?;
+                w2.gemm(&glu_rows(&gate, &up), t).map_err(quant_err)?
             }
-        }
-        Ok(out)
+        };
+        Ok(y.chunks_exact(width).map(<[f32]>::to_vec).collect())
     }
 }

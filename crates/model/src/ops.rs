@@ -1,20 +1,44 @@
 //! Small numeric building blocks shared by the blocks: linear layers, norms and activations, all in f32.
 
-use candle_core::{D, Tensor};
+use candle_core::Tensor;
+use deltafin_quant::DenseMatrix;
 
 use crate::config::Activation;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 
-/// `x · wᵀ` for `x [T, in]` and a checkpoint weight `w [out, in]`, giving `[T, out]`.
-pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    Ok(x.matmul(&w.t()?)?)
+/// The values of a `[T, n]` tensor, row-major.
+pub fn values(x: &Tensor) -> Result<Vec<f32>> {
+    Ok(x.flatten_all()?.to_vec1::<f32>()?)
 }
 
-/// RMSNorm over the last axis: `w ⊙ x / sqrt(mean(x²) + eps)`.
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv = (ms + eps as f64)?.sqrt()?.recip()?;
-    Ok(x.broadcast_mul(&inv)?.broadcast_mul(w)?)
+/// A `[rows, cols]` tensor from row-major values.
+pub fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
+    Ok(Tensor::from_vec(
+        data,
+        (rows, cols),
+        &candle_core::Device::Cpu,
+    )?)
+}
+
+/// `x · wᵀ` for `x [T, in]` and a checkpoint weight `w [out, in]`, giving `[T, out]`. Each output is one dot
+/// product in the fixed order of `deltafin_quant::dot`, so rows do not depend on T.
+pub fn linear(x: &Tensor, w: &DenseMatrix) -> Result<Tensor> {
+    let t = x.dim(0)?;
+    let y = w.gemm(&values(x)?, t).map_err(|e| ModelError::BadWeight {
+        name: format!("linear {}x{}", w.rows(), w.cols()),
+        msg: e.to_string(),
+    })?;
+    tensor(y, t, w.rows())
+}
+
+/// RMSNorm over the last axis, row by row: `w ⊙ x / sqrt(mean(x²) + eps)`.
+pub fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
+    let (t, n) = x.dims2()?;
+    let mut v = values(x)?;
+    for row in v.chunks_exact_mut(n) {
+        rms_norm_row(row, w, eps);
+    }
+    tensor(v, t, n)
 }
 
 /// RMSNorm of one row in place, with weight `w`.
@@ -64,15 +88,6 @@ pub fn glu_tensor(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor>
     let u = up.flatten_all()?.to_vec1::<f32>()?;
     let out: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| glu(act, g, u)).collect();
     Ok(Tensor::from_vec(out, gate.shape(), gate.device())?)
-}
-
-/// Row-major `y[r] = Σ_c w[r, c] x[c]` for a plain f32 matrix.
-pub fn matvec(w: &[f32], x: &[f32], y: &mut [f32]) {
-    let cols = x.len();
-    for (r, out) in y.iter_mut().enumerate() {
-        let row = &w[r * cols..(r + 1) * cols];
-        *out = row.iter().zip(x).map(|(a, b)| a * b).sum();
-    }
 }
 
 #[cfg(test)]

@@ -3,17 +3,47 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{Device, Tensor};
+use deltafin_quant::{DenseData, DenseMatrix};
 
 use crate::error::{ModelError, Result};
 
-/// A dense weight converted to f32, row-major.
+/// A dense weight in its stored precision, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
     /// Shape as stored in the checkpoint.
     pub shape: Vec<usize>,
     /// Values, row-major.
-    pub data: Vec<f32>,
+    pub data: DenseData,
+}
+
+impl HostTensor {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32 (exact for f32 and bf16; dequantised for int8).
+    pub fn to_f32(&self) -> Vec<f32> {
+        match &self.data {
+            DenseData::F32(v) => v.clone(),
+            DenseData::Bf16(v) => v
+                .iter()
+                .map(|&b| deltafin_quant::dot::bf16_to_f32(b))
+                .collect(),
+            DenseData::Int8 { q, scales } => {
+                let cols = q.len() / scales.len().max(1);
+                q.iter()
+                    .enumerate()
+                    .map(|(i, &v)| v as f32 * scales[i / cols.max(1)])
+                    .collect()
+            }
+        }
+    }
 }
 
 /// Supplies dense (spine) weights by checkpoint name.
@@ -57,7 +87,6 @@ pub trait ExpertSource: Send + Sync {
 /// Loads weights with shape checks, naming the tensor in every error.
 pub(crate) struct Loader<'a> {
     pub src: &'a dyn WeightSource,
-    pub device: Device,
 }
 
 impl Loader<'_> {
@@ -72,13 +101,25 @@ impl Loader<'_> {
     pub fn vec(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let t = self.host(name)?;
         check_shape(name, &t.shape, shape)?;
-        Ok(t.data)
+        Ok(t.to_f32())
     }
 
-    /// The tensor as a candle tensor of `shape`.
-    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let data = self.vec(name, shape)?;
-        Ok(Tensor::from_vec(data, shape, &self.device)?)
+    /// A 2-D weight `[rows, cols]` in its stored precision.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
+        let t = self.host(name)?;
+        check_shape(name, &t.shape, &[rows, cols])?;
+        DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
+            name: name.to_string(),
+            msg: e.to_string(),
+        })
+    }
+
+    /// An f32 matrix built from values already loaded (for weights split or transposed at load).
+    pub fn f32_matrix(name: &str, rows: usize, cols: usize, data: Vec<f32>) -> Result<DenseMatrix> {
+        DenseMatrix::new(rows, cols, DenseData::F32(data)).map_err(|e| ModelError::BadWeight {
+            name: name.to_string(),
+            msg: e.to_string(),
+        })
     }
 
     /// Whether the checkpoint has `name`.

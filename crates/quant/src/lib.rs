@@ -1,11 +1,16 @@
 //! Weight formats and the kernels that multiply by them without materialising the weights.
 //!
-//! This crate knows byte slices and `f32` vectors only: no files, no async, no model. Every kernel has a
-//! plain scalar reference (`*_ref`) that faster paths are tested against.
+//! This crate knows byte slices and `f32` vectors only: no files, no async, no model. Every kernel has a plain
+//! scalar reference (`*_ref`); the SIMD paths follow the same accumulation order (see [`dot`]) and are tested bit
+//! for bit against it.
 #![deny(missing_docs)]
 
+pub mod dense;
+pub mod dot;
 pub mod error;
 pub mod mxfp4;
+pub mod simd;
 
+pub use dense::{DenseData, DenseMatrix};
 pub use error::{QuantError, Result};
 pub use mxfp4::{MXFP4_GROUP, Mxfp4Matrix, e2m1_value, e8m0_scale};

@@ -129,40 +129,91 @@ impl<'a> Mxfp4Matrix<'a> {
 
     /// The dot product of row `row` with `x`, fused with dequantisation. Scalar reference.
     ///
-    /// Accumulation order (the contract for faster twins): within a group, the 32 products `code_value * x` are
-    /// summed left to right into a group sum; the group sum is multiplied by the scale and added to the row sum,
-    /// groups left to right.
+    /// Each weight is decoded exactly as `(2·E2M1) · 2^(e-128)` and the products follow the accumulation contract
+    /// of [`crate::dot`] (a 32-group is one block), so the SIMD twin is bit-identical.
     pub fn dot_row_ref(&self, row: usize, x: &[f32]) -> f32 {
-        let groups = self.cols / MXFP4_GROUP;
-        let packed = &self.packed[row * self.cols / 2..(row + 1) * self.cols / 2];
-        let scales = &self.scales[row * groups..(row + 1) * groups];
-        let mut acc = 0.0f32;
+        let (packed, scales) = self.row_bytes(row);
+        let mut w = vec![0.0f32; self.cols];
         for (g, &e) in scales.iter().enumerate() {
-            let scale = e8m0_scale(e).unwrap_or(f32::NAN);
-            let bytes = &packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES];
-            let xs = &x[g * MXFP4_GROUP..(g + 1) * MXFP4_GROUP];
-            let mut group_sum = 0.0f32;
-            for (j, &b) in bytes.iter().enumerate() {
-                group_sum += e2m1_value(b) * xs[2 * j];
-                group_sum += e2m1_value(b >> 4) * xs[2 * j + 1];
+            let hs = half_scale(e);
+            for (j, &b) in packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES]
+                .iter()
+                .enumerate()
+            {
+                w[g * MXFP4_GROUP + 2 * j] = E2M1_DOUBLED[(b & 0x0f) as usize] as f32 * hs;
+                w[g * MXFP4_GROUP + 2 * j + 1] = E2M1_DOUBLED[(b >> 4) as usize] as f32 * hs;
             }
-            acc += group_sum * scale;
         }
-        acc
+        crate::dot::dot_f32_ref(&w, x)
     }
 
-    /// `y = W · x` with the fused scalar kernel.
+    /// The dot product of row `row` with `x` on the fastest path (bit-identical to [`Self::dot_row_ref`]).
+    pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx2_fma() && x.len() == self.cols {
+            let (packed, scales) = self.row_bytes(row);
+            // SAFETY: AVX2+FMA present; lengths follow from `new`'s checks and `x.len() == cols`; scale bytes were
+            // checked for 255 in `new`.
+            return unsafe { crate::simd::x86::mxfp4_dot(packed, scales, x) };
+        }
+        self.dot_row_ref(row, x)
+    }
+
+    fn row_bytes(&self, row: usize) -> (&[u8], &[u8]) {
+        let groups = self.cols / MXFP4_GROUP;
+        (
+            &self.packed[row * self.cols / 2..(row + 1) * self.cols / 2],
+            &self.scales[row * groups..(row + 1) * groups],
+        )
+    }
+
+    /// `y = W · x` with the scalar reference kernel.
     pub fn gemv_ref(&self, x: &[f32], y: &mut [f32]) -> Result<()> {
+        self.check_input(x)?;
+        for (r, out) in y.iter_mut().enumerate().take(self.rows) {
+            *out = self.dot_row_ref(r, x);
+        }
+        Ok(())
+    }
+
+    /// `y[t] = W · x[t]` for `t_rows` rows of activations (`x` is `[t_rows, cols]`, `y` is `[t_rows, rows]`), on
+    /// the fastest path, threaded over output rows. Each output is computed exactly as [`Self::dot_row`], so the
+    /// result does not depend on `t_rows` or the thread count.
+    pub fn gemm(&self, x: &[f32], t_rows: usize, y: &mut [f32]) -> Result<()> {
+        if x.len() != t_rows * self.cols || y.len() != t_rows * self.rows {
+            return Err(QuantError::BadInput {
+                expected: t_rows * self.cols,
+                actual: x.len(),
+            });
+        }
+        crate::dense::par_rows(self.rows, t_rows, y, |r, t| {
+            self.dot_row(r, &x[t * self.cols..(t + 1) * self.cols])
+        });
+        Ok(())
+    }
+
+    fn check_input(&self, x: &[f32]) -> Result<()> {
         if x.len() != self.cols {
             return Err(QuantError::BadInput {
                 expected: self.cols,
                 actual: x.len(),
             });
         }
-        for (r, out) in y.iter_mut().enumerate().take(self.rows) {
-            *out = self.dot_row_ref(r, x);
-        }
         Ok(())
+    }
+}
+
+/// Doubled E2M1 values: exact small integers, so `DOUBLED[c] · 2^(e-128)` is exactly `E2M1[c] · 2^(e-127)`.
+const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the multiplier of an E8M0 byte, `2^(e - 128)` (exact for every byte but 255, which `new` rejects).
+#[inline]
+pub fn half_scale(e: u8) -> f32 {
+    // 2^(e-128): biased exponent e-1 for e >= 2; subnormals 2^-127 (e = 1) and 2^-128 (e = 0).
+    match e {
+        0 => f32::from_bits(1 << 21),
+        1 => f32::from_bits(1 << 22),
+        _ => f32::from_bits(((e as u32) - 1) << 23),
     }
 }
 

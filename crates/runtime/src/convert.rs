@@ -1,7 +1,22 @@
 //! Conversion of stored dense tensors (f32, bf16, f16) to f32.
 
+use deltafin_quant::DenseData;
 use deltafin_storage::Dtype;
 use half::{bf16, f16};
+
+/// Little-endian bytes of a dense weight in the precision the engine keeps it: bf16 stays bf16 (half the memory
+/// of f32, converted exactly inside the kernels), f32 stays f32, f16 becomes f32. `None` for non-float dtypes.
+pub fn dense_data(bytes: &[u8], dtype: Dtype) -> Option<DenseData> {
+    match dtype {
+        Dtype::BF16 => Some(DenseData::Bf16(
+            bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+        )),
+        _ => to_f32(bytes, dtype).map(DenseData::F32),
+    }
+}
 
 /// Little-endian bytes of `dtype` as f32 values, or `None` for a dtype that is not a float.
 pub fn to_f32(bytes: &[u8], dtype: Dtype) -> Option<Vec<f32>> {

@@ -7,7 +7,7 @@ use deltafin_model::{
 };
 use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 
-use crate::convert::to_f32;
+use crate::convert::{dense_data, to_f32};
 use crate::error::RuntimeError;
 
 /// Dense spine weights read from the shards with positional reads.
@@ -25,7 +25,7 @@ impl WeightSource for SpineFromFiles<'_> {
             .files
             .read_tensor(info)
             .map_err(|e| ModelError::Source(Box::new(e)))?;
-        let data = to_f32(&bytes, info.dtype).ok_or_else(|| {
+        let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
             ModelError::Source(Box::new(RuntimeError::UnsupportedDtype {
                 name: name.to_string(),
                 dtype: format!("{:?}", info.dtype),

@@ -1,0 +1,210 @@
+//! Dense weight matrices (f32, bf16, row-wise int8) and their GEMM over a few rows of activations.
+//!
+//! Every output element is one dot product in the fixed order of [`crate::dot`], so results do not depend on the
+//! number of activation rows, the thread count or the SIMD path: a batch of T rows gives bit-identical rows to T
+//! calls with one row each.
+
+use rayon::prelude::*;
+
+use crate::dot::{bf16_to_f32, dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref, dot_i8, dot_i8_ref};
+use crate::error::{QuantError, Result};
+
+/// Storage of a dense `[rows, cols]` weight, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DenseData {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// Raw bf16 bits.
+    Bf16(Vec<u16>),
+    /// Row-wise int8: `w[r, c] = q[r, c] · scales[r]`.
+    Int8 {
+        /// Quantised values.
+        q: Vec<i8>,
+        /// One scale per row.
+        scales: Vec<f32>,
+    },
+}
+
+/// A dense weight `[rows, cols]` (PyTorch `[out, in]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DenseMatrix {
+    rows: usize,
+    cols: usize,
+    data: DenseData,
+}
+
+impl DenseMatrix {
+    /// Wraps `data` as `[rows, cols]`, checking its length.
+    pub fn new(rows: usize, cols: usize, data: DenseData) -> Result<Self> {
+        let (len, what) = match &data {
+            DenseData::F32(v) => (v.len(), "f32 data"),
+            DenseData::Bf16(v) => (v.len(), "bf16 data"),
+            DenseData::Int8 { q, scales } => {
+                if scales.len() != rows {
+                    return Err(QuantError::BadLength {
+                        what: "int8 scales",
+                        rows,
+                        cols,
+                        expected: rows,
+                        actual: scales.len(),
+                    });
+                }
+                (q.len(), "int8 data")
+            }
+        };
+        if len != rows * cols {
+            return Err(QuantError::BadLength {
+                what,
+                rows,
+                cols,
+                expected: rows * cols,
+                actual: len,
+            });
+        }
+        Ok(Self { rows, cols, data })
+    }
+
+    /// Rows (outputs).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (inputs).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The storage.
+    pub fn data(&self) -> &DenseData {
+        &self.data
+    }
+
+    /// Bytes of weight storage.
+    pub fn nbytes(&self) -> usize {
+        match &self.data {
+            DenseData::F32(v) => v.len() * 4,
+            DenseData::Bf16(v) => v.len() * 2,
+            DenseData::Int8 { q, scales } => q.len() + scales.len() * 4,
+        }
+    }
+
+    /// Row `r` as f32 values.
+    pub fn row_f32(&self, r: usize) -> Vec<f32> {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            DenseData::F32(v) => v[span].to_vec(),
+            DenseData::Bf16(v) => v[span].iter().map(|&b| bf16_to_f32(b)).collect(),
+            DenseData::Int8 { q, scales } => {
+                q[span].iter().map(|&v| v as f32 * scales[r]).collect()
+            }
+        }
+    }
+
+    /// `w[r] · x` on the fastest path.
+    #[inline]
+    pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            DenseData::F32(v) => dot_f32(&v[span], x),
+            DenseData::Bf16(v) => dot_bf16(&v[span], x),
+            DenseData::Int8 { q, scales } => dot_i8(&q[span], x) * scales[r],
+        }
+    }
+
+    /// `w[r] · x`, scalar reference.
+    pub fn dot_row_ref(&self, r: usize, x: &[f32]) -> f32 {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            DenseData::F32(v) => dot_f32_ref(&v[span], x),
+            DenseData::Bf16(v) => dot_bf16_ref(&v[span], x),
+            DenseData::Int8 { q, scales } => dot_i8_ref(&q[span], x) * scales[r],
+        }
+    }
+
+    /// `y = x · wᵀ` for `x [t_rows, cols]`, giving `y [t_rows, rows]`: fastest path, threaded over output rows.
+    pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
+        self.check(x, t_rows)?;
+        let mut y = vec![0.0f32; t_rows * self.rows];
+        par_rows(self.rows, t_rows, &mut y, |r, t| {
+            self.dot_row(r, &x[t * self.cols..(t + 1) * self.cols])
+        });
+        Ok(y)
+    }
+
+    /// Scalar, single-threaded twin of [`Self::gemm`].
+    pub fn gemm_ref(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
+        self.check(x, t_rows)?;
+        let mut y = vec![0.0f32; t_rows * self.rows];
+        for t in 0..t_rows {
+            for r in 0..self.rows {
+                y[t * self.rows + r] = self.dot_row_ref(r, &x[t * self.cols..(t + 1) * self.cols]);
+            }
+        }
+        Ok(y)
+    }
+
+    fn check(&self, x: &[f32], t_rows: usize) -> Result<()> {
+        if x.len() != t_rows * self.cols {
+            return Err(QuantError::BadInput {
+                expected: t_rows * self.cols,
+                actual: x.len(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Row-wise symmetric int8 quantisation of this matrix: `scale[r] = max|w[r]| / 127`, `q = round(w / scale)`.
+    pub fn to_int8(&self) -> DenseMatrix {
+        let mut q = Vec::with_capacity(self.rows * self.cols);
+        let mut scales = Vec::with_capacity(self.rows);
+        for r in 0..self.rows {
+            let row = self.row_f32(r);
+            let amax = row.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+            scales.push(scale);
+            q.extend(
+                row.iter()
+                    .map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8),
+            );
+        }
+        DenseMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            data: DenseData::Int8 { q, scales },
+        }
+    }
+}
+
+/// Output rows handled by one task.
+const ROWS_PER_TASK: usize = 16;
+
+/// Fills `y [t_rows, rows]` with `f(r, t)`, in parallel over output rows. Each weight row is visited once for all
+/// activation rows.
+pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usize) -> f32 + Sync) {
+    if rows * t_rows < 4096 {
+        for r in 0..rows {
+            for t in 0..t_rows {
+                y[t * rows + r] = f(r, t);
+            }
+        }
+        return;
+    }
+    // [rows, t_rows] first (contiguous per task), then transposed into y.
+    let mut by_row = vec![0.0f32; rows * t_rows];
+    by_row
+        .par_chunks_mut(ROWS_PER_TASK * t_rows)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let r0 = chunk * ROWS_PER_TASK;
+            for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
+                for (t, o) in row_out.iter_mut().enumerate() {
+                    *o = f(r0 + i, t);
+                }
+            }
+        });
+    for r in 0..rows {
+        for t in 0..t_rows {
+            y[t * rows + r] = by_row[r * t_rows + t];
+        }
+    }
+}

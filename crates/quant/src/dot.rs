@@ -1,0 +1,110 @@
+//! Dot products with one fixed accumulation order, shared by the scalar references and the SIMD paths so that
+//! every path gives bit-identical results.
+//!
+//! The contract (`n` values, weights `w` already exact in f32):
+//! - 4 accumulators × 8 lanes. Element `i` of each full 32-block goes to accumulator `(i % 32) / 8`, lane `i % 8`,
+//!   as `acc = fma(w, x, acc)`.
+//! - The tail (`n % 32` values) is processed in chunks of 8, zero-padded, into accumulator 0.
+//! - Reduction: `v[l] = (a0[l] + a1[l]) + (a2[l] + a3[l])`; then `v[l] + v[l+4]` (l < 4); then lanes `l` and `l+2`
+//!   (l < 2); then lane 0 + lane 1.
+//!
+//! The weight element type varies (f32, bf16, int8, decoded MXFP4); its conversion to f32 is exact in every case.
+
+/// Lanes of one accumulator (one AVX2 register of f32).
+pub const LANES: usize = 8;
+/// Independent accumulators (hide FMA latency).
+pub const ACCS: usize = 4;
+/// Elements consumed per step of the main loop.
+pub const BLOCK: usize = LANES * ACCS;
+
+/// Reduces the accumulators in the contract's order.
+#[inline]
+pub fn reduce(acc: &[[f32; LANES]; ACCS]) -> f32 {
+    let mut v = [0.0f32; LANES];
+    for l in 0..LANES {
+        v[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+    }
+    let s4 = [v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]];
+    let s2 = [s4[0] + s4[2], s4[1] + s4[3]];
+    s2[0] + s2[1]
+}
+
+/// Scalar reference of the contract over any weight type convertible to f32.
+#[inline]
+pub fn dot_ref_with<W: Copy>(w: &[W], x: &[f32], to_f32: impl Fn(W) -> f32) -> f32 {
+    debug_assert_eq!(w.len(), x.len());
+    let n = w.len().min(x.len());
+    let mut acc = [[0.0f32; LANES]; ACCS];
+    let full = n / BLOCK * BLOCK;
+    for b in (0..full).step_by(BLOCK) {
+        for (a, lanes) in acc.iter_mut().enumerate() {
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                let i = b + a * LANES + l;
+                *lane = to_f32(w[i]).mul_add(x[i], *lane);
+            }
+        }
+    }
+    for c in (full..n).step_by(LANES) {
+        for (l, lane) in acc[0].iter_mut().enumerate() {
+            let i = c + l;
+            let (wv, xv) = if i < n {
+                (to_f32(w[i]), x[i])
+            } else {
+                (0.0, 0.0)
+            };
+            *lane = wv.mul_add(xv, *lane);
+        }
+    }
+    reduce(&acc)
+}
+
+/// `Σ w·x` for f32 weights: scalar reference.
+pub fn dot_f32_ref(w: &[f32], x: &[f32]) -> f32 {
+    dot_ref_with(w, x, |v| v)
+}
+
+/// `Σ w·x` for bf16 weights (raw `u16` bits): scalar reference.
+pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
+    dot_ref_with(w, x, bf16_to_f32)
+}
+
+/// `Σ q·x` for int8 weights (the row scale is applied by the caller): scalar reference.
+pub fn dot_i8_ref(q: &[i8], x: &[f32]) -> f32 {
+    dot_ref_with(q, x, |v| v as f32)
+}
+
+/// The f32 value of raw bf16 bits (exact).
+#[inline]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// `Σ w·x` for f32 weights, on the fastest path this CPU has (bit-identical to [`dot_f32_ref`]).
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { crate::simd::x86::dot_f32(w, x) };
+    }
+    dot_f32_ref(w, x)
+}
+
+/// `Σ w·x` for bf16 weights, on the fastest path (bit-identical to [`dot_bf16_ref`]).
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { crate::simd::x86::dot_bf16(w, x) };
+    }
+    dot_bf16_ref(w, x)
+}
+
+/// `Σ q·x` for int8 weights, on the fastest path (bit-identical to [`dot_i8_ref`]).
+pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { crate::simd::x86::dot_i8(q, x) };
+    }
+    dot_i8_ref(q, x)
+}

@@ -1,0 +1,29 @@
+//! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
+//!
+//! Every kernel here follows the accumulation contract in [`crate::dot`] and is tested bit for bit against its
+//! scalar twin. NEON (aarch64) is not written yet; aarch64 uses the scalar paths.
+
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+/// Whether AVX2 and FMA (x86-64-v3) are available; detected once. `DELTAFIN_NO_SIMD=1` forces the scalar
+/// paths (for comparisons and debugging).
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx2_fma() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::env::var_os("DELTAFIN_NO_SIMD").is_none()
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+    })
+}
+
+/// The name of the kernel path in use (for logs and benchmarks).
+pub fn path_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        return "avx2+fma";
+    }
+    "scalar"
+}
