@@ -127,15 +127,13 @@ impl Mla {
         })?; // [T, heads * (nope + rope)]
 
         // Compressed KV for the new rows, appended to the cache.
-        let ckv = values(&linear(x, &self.kv_a)?)?; // [T, kvl + rope]
-        for row in ckv.chunks_exact(kvl + rope) {
-            let mut c = row[..kvl].to_vec();
-            rms_norm_row(&mut c, &self.kv_a_norm, MLA_LORA_NORM_EPS);
-            cache.c.extend_from_slice(&c);
-            cache.k_pe.extend_from_slice(&row[kvl..]);
+        let mut ckv = values(&linear(x, &self.kv_a)?)?; // [T, kvl + rope]: c normalised in place, k_pe raw
+        for row in ckv.chunks_exact_mut(kvl + rope) {
+            rms_norm_row(&mut row[..kvl], &self.kv_a_norm, MLA_LORA_NORM_EPS);
         }
-        let past = cache.len;
-        cache.len += t_len;
+        let past = cache.len();
+        cache.push_block(ckv, kvl + rope);
+        let rows: Vec<&[f32]> = cache.rows().collect();
 
         let scale = (qk as f32).powf(-0.5);
         let mut out = vec![0.0f32; t_len * nh * vd];
@@ -150,9 +148,8 @@ impl Mla {
                 for (l, v) in q_abs.iter_mut().enumerate() {
                     *v = self.w_uk_t[h].dot_row(l, q_nope);
                 }
-                for (s, score) in scores.iter_mut().enumerate() {
-                    let c = &cache.c[s * kvl..(s + 1) * kvl];
-                    let kpe = &cache.k_pe[s * rope..(s + 1) * rope];
+                for (score, row) in scores.iter_mut().zip(&rows) {
+                    let (c, kpe) = row.split_at(kvl);
                     *score = (dot_f32(&q_abs, c) + dot_f32(q_pe, kpe)) * scale;
                 }
                 let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
@@ -162,9 +159,9 @@ impl Mla {
                     total += *sc;
                 }
                 ctx.iter_mut().for_each(|v| *v = 0.0);
-                for (s, &p) in scores.iter().enumerate() {
+                for (&p, row) in scores.iter().zip(&rows) {
                     let w = p / total;
-                    for (acc, &c) in ctx.iter_mut().zip(&cache.c[s * kvl..(s + 1) * kvl]) {
+                    for (acc, &c) in ctx.iter_mut().zip(&row[..kvl]) {
                         *acc += w * c;
                     }
                 }

@@ -18,6 +18,8 @@ pub enum LogitRows {
     All,
     /// Only the last input token's row (generation).
     Last,
+    /// The last `n` rows (speculative verification).
+    Tail(usize),
 }
 
 /// A loaded model (spine weights in memory; routed experts come from an [`ExpertSource`] per call).
@@ -108,6 +110,10 @@ impl Model {
         let h = match logit_rows {
             LogitRows::All => h,
             LogitRows::Last => h.narrow(0, ids.len() - 1, 1)?,
+            LogitRows::Tail(n) => {
+                let n = n.clamp(1, ids.len());
+                h.narrow(0, ids.len() - n, n)?
+            }
         };
         let y = rms_norm(&h, &self.norm, self.cfg.rms_eps)?;
         linear(&y, &self.head)

@@ -16,15 +16,54 @@ pub struct KdaState {
     pub s: Vec<f32>,
 }
 
-/// The latent cache of one MLA layer: per token the normalised `c` (kv_lora) and the shared `k_pe`.
+/// The latent cache of one MLA layer: per token the normalised `c` (kv_lora values) followed by the shared `k_pe`
+/// (rope values), `kv_lora + rope` values a token.
+///
+/// Rows live in immutable blocks (one per forward call) behind `Arc`, so cloning a cache — a snapshot, or the
+/// state kept while a speculative draft is verified — copies pointers, never rows.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MlaCache {
-    /// `[len, kv_lora_rank]`.
-    pub c: Vec<f32>,
-    /// `[len, rope_dim]`.
-    pub k_pe: Vec<f32>,
+    blocks: Vec<Arc<Vec<f32>>>,
+    row: usize,
+    len: usize,
+}
+
+impl MlaCache {
     /// Cached tokens.
-    pub len: usize,
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Appends `rows` (`[n, row_width]`) as one block.
+    pub fn push_block(&mut self, rows: Vec<f32>, row_width: usize) {
+        if rows.is_empty() || row_width == 0 {
+            return;
+        }
+        self.row = row_width;
+        self.len += rows.len() / row_width;
+        self.blocks.push(Arc::new(rows));
+    }
+
+    /// Every cached row in order, each `row_width` values.
+    pub fn rows(&self) -> impl Iterator<Item = &[f32]> {
+        let w = self.row.max(1);
+        self.blocks.iter().flat_map(move |b| b.chunks_exact(w))
+    }
+
+    /// The blocks, oldest first (for serialisation).
+    pub fn blocks(&self) -> &[Arc<Vec<f32>>] {
+        &self.blocks
+    }
+
+    /// Values per row.
+    pub fn row_width(&self) -> usize {
+        self.row
+    }
 }
 
 /// The state of one layer.

@@ -10,13 +10,43 @@ use crate::error::{Result, RuntimeError};
 use crate::session::Session;
 use crate::sources::{ExpertsFromFiles, SpineFromFiles};
 
+/// Default prefill chunk: tokens per pass, so each expert a chunk needs is read once per layer.
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+
 /// Options for [`Engine::open`].
-#[derive(Clone, Debug, Default)]
-pub struct EngineOptions {}
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, default 64).
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        }
+    }
+}
+
+impl EngineOptions {
+    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`).
+    pub fn from_env() -> Self {
+        let mut o = Self::default();
+        if let Some(n) = std::env::var("K3_PREFILL_CHUNK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+        {
+            o.prefill_chunk = n;
+        }
+        o
+    }
+}
 
 /// An opened model.
 pub struct Engine {
     dir: PathBuf,
+    options: EngineOptions,
     model: Model,
     experts: ExpertsFromFiles,
 }
@@ -30,7 +60,7 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Opens the model in `dir`: parses `config.json`, reads every shard header, maps the experts and loads the
     /// spine, checking every shape.
-    pub fn open(dir: &Path, _options: EngineOptions) -> Result<Self> {
+    pub fn open(dir: &Path, options: EngineOptions) -> Result<Self> {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(RuntimeError::NoConfig(dir.to_path_buf()));
@@ -42,6 +72,7 @@ impl Engine {
         let model = Model::load(cfg, &SpineFromFiles { files: &files })?;
         Ok(Self {
             dir: dir.to_path_buf(),
+            options,
             model,
             experts: ExpertsFromFiles { files, map },
         })
@@ -55,6 +86,11 @@ impl Engine {
     /// The parsed configuration.
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// The options the engine was opened with.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
     }
 
     /// A new, empty conversation.

@@ -7,9 +7,15 @@
 pub mod convert;
 pub mod engine;
 pub mod error;
+pub mod ngram;
+pub mod sampling;
 pub mod session;
 pub mod sources;
 
-pub use engine::{Engine, EngineOptions};
+pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
-pub use session::{GreedyOptions, Logits, Session, argmax};
+pub use sampling::{Sampler, SamplingParams, argmax};
+pub use session::{
+    FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
+    Snapshot,
+};

@@ -1,9 +1,18 @@
-//! [`Session`]: one conversation's state over an [`Engine`], with prefill, single steps and greedy generation.
+//! [`Session`]: one conversation over an [`Engine`]: chunked prefill, single steps, generation with sampling and
+//! lossless n-gram speculation, snapshots and prefix reuse.
+//!
+//! The session keeps a *committed* state (every token in it has been fed) and a few *pending* tokens that are
+//! known but not yet fed. A speculative pass feeds `pending ++ drafts` on a copy of the committed state; if every
+//! draft is accepted the copy becomes the committed state, otherwise the committed state is kept untouched (the
+//! old immutable objects, no copying back) and the accepted tokens join the pending ones, fed by the next pass.
+//! Rows of a pass do not depend on how many tokens share it (fixed-order kernels), so this is bit-exact.
 
 use deltafin_model::{LogitRows, SessionState};
 
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
+use crate::ngram;
+use crate::sampling::{Sampler, SamplingParams, argmax};
 
 /// Logits for several positions, row-major `[rows, vocab]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,18 +35,7 @@ impl Logits {
     }
 }
 
-/// The id of the largest logit (the lowest id on exact ties).
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// Options for [`Session::generate_greedy`].
+/// Options for [`Session::generate_greedy`] (the plain greedy form used by tools).
 #[derive(Clone, Copy, Debug)]
 pub struct GreedyOptions {
     /// Tokens to generate at most.
@@ -46,73 +44,350 @@ pub struct GreedyOptions {
     pub ignore_eos: bool,
 }
 
+/// Options for [`Session::generate`].
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub max_new: usize,
+    /// How tokens are chosen.
+    pub sampling: SamplingParams,
+    /// Keep going past the end-of-turn token.
+    pub ignore_eos: bool,
+    /// Extra token ids that end generation (after being emitted).
+    pub stop_tokens: Vec<u32>,
+    /// Draft depth of n-gram speculation (0 = off). Used only for greedy sampling.
+    pub speculation_depth: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_new: 16,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            stop_tokens: Vec::new(),
+            speculation_depth: 0,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The end-of-turn token (or a stop token) was produced.
+    Stop,
+    /// `max_new` tokens were produced.
+    Length,
+    /// The token callback asked to stop (client gone, Ctrl-C, stop string).
+    Cancelled,
+}
+
+/// The result of [`Session::generate`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    /// New tokens, in order (the stop token included when there was one).
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+/// Counters of one session (printed by `--stats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionStats {
+    /// Forward passes run.
+    pub passes: u64,
+    /// Tokens fed through the model (re-fed pending tokens count again).
+    pub tokens_fed: u64,
+    /// Tokens produced by generation.
+    pub generated: u64,
+    /// Draft tokens proposed by speculation.
+    pub drafted: u64,
+    /// Draft tokens accepted.
+    pub accepted: u64,
+    /// Decode passes (one per generated token without speculation).
+    pub decode_passes: u64,
+    /// Tokens skipped thanks to prefix reuse.
+    pub reused_tokens: u64,
+}
+
+/// A copy of a session's position that can be restored later (cheap: states are shared, not copied).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// Every token consumed (committed and pending).
+    pub tokens: Vec<u32>,
+    /// How many of the last `tokens` are not yet in `state`.
+    pub pending: usize,
+    /// The committed state.
+    pub state: SessionState,
+}
+
 /// One conversation.
 pub struct Session<'e> {
     engine: &'e Engine,
-    state: SessionState,
+    committed: SessionState,
+    tokens: Vec<u32>,
+    pending: usize,
+    stats: SessionStats,
 }
 
 impl<'e> Session<'e> {
     pub(crate) fn new(engine: &'e Engine) -> Self {
         Self {
-            state: engine.model().new_state(),
+            committed: engine.model().new_state(),
             engine,
+            tokens: Vec::new(),
+            pending: 0,
+            stats: SessionStats::default(),
         }
+    }
+
+    /// Every token the session has consumed, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
     }
 
     /// Tokens consumed so far.
     pub fn n_tokens(&self) -> usize {
-        self.state.n_tokens
+        self.tokens.len()
     }
 
-    /// Feeds `ids` in one pass and returns one row of logits per id.
+    /// The session's counters.
+    pub fn stats(&self) -> &SessionStats {
+        &self.stats
+    }
+
+    /// Forgets everything (a fresh state).
+    pub fn reset(&mut self) {
+        self.committed = self.engine.model().new_state();
+        self.tokens.clear();
+        self.pending = 0;
+    }
+
+    /// Feeds `ids` (chunked) and returns one row of logits per id.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<Logits> {
-        self.run(ids, LogitRows::All)
+        self.feed(ids, true)
+    }
+
+    /// Feeds `ids` (chunked) and returns the logits after the last one.
+    pub fn prefill_last(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.feed(ids, false)?.data)
     }
 
     /// Feeds one token and returns the logits for the next.
     pub fn step(&mut self, id: u32) -> Result<Vec<f32>> {
-        Ok(self.run(&[id], LogitRows::Last)?.data)
+        self.prefill_last(&[id])
     }
 
-    fn run(&mut self, ids: &[u32], rows: LogitRows) -> Result<Logits> {
-        if ids.is_empty() {
+    /// Feeds pending tokens so that the committed state covers every consumed token.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.pending > 0 {
+            self.feed(&[], false)?;
+        }
+        Ok(())
+    }
+
+    /// The committed state (after [`Self::flush`], the state after every consumed token).
+    pub fn state(&self) -> &SessionState {
+        &self.committed
+    }
+
+    /// A snapshot of the current position.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            tokens: self.tokens.clone(),
+            pending: self.pending,
+            state: self.committed.clone(),
+        }
+    }
+
+    /// Returns to a snapshot taken from a session of the same engine.
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<()> {
+        if snap.state.layers.len() != self.committed.layers.len()
+            || snap.pending > snap.tokens.len()
+        {
+            return Err(RuntimeError::Usage(
+                "snapshot does not belong to this model".to_string(),
+            ));
+        }
+        self.tokens = snap.tokens.clone();
+        self.pending = snap.pending;
+        self.committed = snap.state.clone();
+        Ok(())
+    }
+
+    /// The part of `sequence` this session still has to feed: the suffix after its own tokens when `sequence`
+    /// strictly extends them (prefix reuse), else everything after a reset.
+    pub fn reuse_prefix<'a>(&mut self, sequence: &'a [u32]) -> &'a [u32] {
+        if sequence.len() > self.tokens.len() && sequence.starts_with(&self.tokens) {
+            self.stats.reused_tokens += self.tokens.len() as u64;
+            &sequence[self.tokens.len()..]
+        } else {
+            self.reset();
+            sequence
+        }
+    }
+
+    /// Feeds pending tokens plus `ids` in chunks of the engine's prefill chunk, committing each chunk (so each
+    /// expert a chunk needs is read once per layer). Returns all rows for `ids` when `all_rows`, else the last row.
+    /// On failure, the ids not yet fed are forgotten and the session stays consistent.
+    fn feed(&mut self, ids: &[u32], all_rows: bool) -> Result<Logits> {
+        let vocab = self.engine.config().vocab_size;
+        let n_pending = self.pending;
+        if n_pending + ids.len() == 0 {
             return Err(RuntimeError::Usage("no tokens to feed".to_string()));
         }
-        let model = self.engine.model();
-        let t = model.forward(ids, &mut self.state, self.engine.experts(), rows)?;
+        self.tokens.extend_from_slice(ids);
+        self.pending += ids.len();
+        let input: Vec<u32> = self.tokens[self.tokens.len() - self.pending..].to_vec();
+        let chunk = self.engine.options().prefill_chunk.max(1);
+        let rows = if all_rows {
+            LogitRows::All
+        } else {
+            LogitRows::Last
+        };
+        let mut data = Vec::new();
+        let mut offset = 0;
+        for piece in input.chunks(chunk) {
+            let (logits, state) = match self.pass(piece, rows) {
+                Ok(x) => x,
+                Err(e) => {
+                    let unfed_new = ids.len().min(self.pending);
+                    self.tokens.truncate(self.tokens.len() - unfed_new);
+                    self.pending -= unfed_new;
+                    return Err(e);
+                }
+            };
+            self.committed = state;
+            self.pending -= piece.len();
+            if all_rows {
+                // Rows of tokens that were already pending before this call are not returned.
+                let skip = n_pending.saturating_sub(offset).min(piece.len());
+                data.extend_from_slice(&logits[skip * vocab..]);
+            } else {
+                data = logits;
+            }
+            offset += piece.len();
+        }
+        Ok(Logits { vocab, data })
+    }
+
+    /// One forward pass of `input` on a copy of the committed state; returns the rows and the new state.
+    fn pass(&mut self, input: &[u32], rows: LogitRows) -> Result<(Vec<f32>, SessionState)> {
+        let mut st = self.committed.clone();
+        let t = self
+            .engine
+            .model()
+            .forward(input, &mut st, self.engine.experts(), rows)?;
         let data = t
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .map_err(deltafin_model::ModelError::from)?;
-        Ok(Logits {
-            vocab: model.config().vocab_size,
-            data,
-        })
+        self.stats.passes += 1;
+        self.stats.tokens_fed += input.len() as u64;
+        Ok((data, st))
     }
 
-    /// Greedy generation after `prompt`: prefill, then one step per token. Calls `on_token` with each new id;
-    /// returning `false` stops early. Returns the new ids.
+    /// Greedy generation after `prompt` without speculation. Calls `on_token` with each new id; returning `false`
+    /// stops early. Returns the new ids.
     pub fn generate_greedy(
         &mut self,
         prompt: &[u32],
         opts: GreedyOptions,
-        mut on_token: impl FnMut(u32) -> bool,
+        on_token: impl FnMut(u32) -> bool,
     ) -> Result<Vec<u32>> {
+        let g = self.generate(
+            prompt,
+            &GenerateOptions {
+                max_new: opts.max_new,
+                ignore_eos: opts.ignore_eos,
+                ..GenerateOptions::default()
+            },
+            on_token,
+        )?;
+        Ok(g.tokens)
+    }
+
+    /// Feeds `input` (may be empty when tokens are pending) and generates. `on_token` sees each new id as it is
+    /// decided; returning `false` stops generation.
+    pub fn generate(
+        &mut self,
+        input: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32) -> bool,
+    ) -> Result<Generation> {
+        opts.sampling.validate()?;
         let mut out = Vec::new();
         if opts.max_new == 0 {
-            return Ok(out);
+            return Ok(Generation {
+                tokens: out,
+                finish: FinishReason::Length,
+            });
         }
         let eos = self.engine.config().eos_token_id;
-        let logits = self.run(prompt, LogitRows::Last)?;
-        let mut next = argmax(&logits.data);
+        let spec_depth = if opts.sampling.is_greedy() {
+            opts.speculation_depth
+        } else {
+            0
+        };
+        let mut sampler = Sampler::new(opts.sampling);
+        let vocab = self.engine.config().vocab_size;
+        let mut row = self.prefill_last(input)?;
         loop {
-            out.push(next);
-            let keep_going = on_token(next);
-            if !keep_going || out.len() >= opts.max_new || (!opts.ignore_eos && Some(next) == eos) {
-                return Ok(out);
+            let next = sampler.sample(&row);
+            // `emit` records a decided token as pending and reports whether generation must end.
+            let mut emit = |s: &mut Self, id: u32, out: &mut Vec<u32>| -> Option<FinishReason> {
+                s.tokens.push(id);
+                s.pending += 1;
+                s.stats.generated += 1;
+                out.push(id);
+                if !on_token(id) {
+                    Some(FinishReason::Cancelled)
+                } else if (!opts.ignore_eos && Some(id) == eos) || opts.stop_tokens.contains(&id) {
+                    Some(FinishReason::Stop)
+                } else if out.len() >= opts.max_new {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                }
+            };
+            if let Some(finish) = emit(self, next, &mut out) {
+                return Ok(Generation {
+                    tokens: out,
+                    finish,
+                });
             }
-            next = argmax(&self.step(next)?);
+            let budget = opts.max_new - out.len();
+            let drafts = if spec_depth > 0 {
+                ngram::draft(&self.tokens, spec_depth.min(budget))
+            } else {
+                Vec::new()
+            };
+            let mut input: Vec<u32> = self.tokens[self.tokens.len() - self.pending..].to_vec();
+            input.extend_from_slice(&drafts);
+            let (rows, state) = self.pass(&input, LogitRows::Tail(drafts.len() + 1))?;
+            self.stats.decode_passes += 1;
+            self.stats.drafted += drafts.len() as u64;
+            let mut accepted = 0;
+            while accepted < drafts.len() {
+                let g = argmax(&rows[accepted * vocab..(accepted + 1) * vocab]);
+                if g != drafts[accepted] {
+                    break;
+                }
+                accepted += 1;
+                self.stats.accepted += 1;
+                if let Some(finish) = emit(self, g, &mut out) {
+                    // The pass also fed later drafts: keep the committed state, the accepted tokens stay pending.
+                    return Ok(Generation {
+                        tokens: out,
+                        finish,
+                    });
+                }
+            }
+            if accepted == drafts.len() {
+                self.committed = state;
+                self.pending = 0;
+            }
+            row = rows[accepted * vocab..(accepted + 1) * vocab].to_vec();
         }
     }
 }
