@@ -6,6 +6,7 @@ use std::sync::Arc;
 use deltafin_model::{ExpertSource, Model, ModelConfig};
 use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 
+use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
 use crate::session::Session;
 use crate::sources::{ExpertsFromFiles, SpineFromFiles};
@@ -47,8 +48,9 @@ impl EngineOptions {
 pub struct Engine {
     dir: PathBuf,
     options: EngineOptions,
+    fingerprint: u32,
     model: Model,
-    experts: ExpertsFromFiles,
+    experts: CountingExperts<ExpertsFromFiles>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -66,15 +68,21 @@ impl Engine {
             return Err(RuntimeError::NoConfig(dir.to_path_buf()));
         }
         let cfg = ModelConfig::from_file(&config_path)?;
+        let config_bytes = std::fs::read(&config_path).unwrap_or_default();
         let files = Arc::new(ModelFiles::open(dir)?);
         let map = Arc::new(ExpertMap::build(&files)?);
         check_experts(dir, &cfg, &map)?;
+        let n_layers = cfg.n_layers;
         let model = Model::load(cfg, &SpineFromFiles { files: &files })?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&config_bytes);
+        hasher.update(&files.total_tensor_bytes().to_le_bytes());
         Ok(Self {
             dir: dir.to_path_buf(),
             options,
+            fingerprint: hasher.finalize(),
             model,
-            experts: ExpertsFromFiles { files, map },
+            experts: CountingExperts::new(ExpertsFromFiles { files, map }, n_layers),
         })
     }
 
@@ -91,6 +99,21 @@ impl Engine {
     /// The options the engine was opened with.
     pub fn options(&self) -> &EngineOptions {
         &self.options
+    }
+
+    /// Identifies the model (config and checkpoint size) in snapshots.
+    pub fn fingerprint(&self) -> u32 {
+        self.fingerprint
+    }
+
+    /// Expert requests per layer since open (or the last [`Self::reset_expert_reads`]).
+    pub fn expert_reads(&self) -> ExpertReadStats {
+        self.experts.stats()
+    }
+
+    /// Zeroes the expert request counters.
+    pub fn reset_expert_reads(&self) {
+        self.experts.reset()
     }
 
     /// A new, empty conversation.

@@ -30,6 +30,14 @@ pub enum RuntimeError {
         /// Its dtype.
         dtype: String,
     },
+    /// A snapshot file is unreadable, corrupt or from another model.
+    #[error("snapshot {path}: {msg}")]
+    Snapshot {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// A session was asked to do something impossible (empty prompt, …).
     #[error("{0}")]
     Usage(String),

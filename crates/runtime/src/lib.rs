@@ -5,11 +5,13 @@
 #![deny(missing_docs)]
 
 pub mod convert;
+pub mod counters;
 pub mod engine;
 pub mod error;
 pub mod ngram;
 pub mod sampling;
 pub mod session;
+pub mod snapshot_file;
 pub mod sources;
 
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};

@@ -184,6 +184,12 @@ mod tests {
             top_p: 0.0,
             ..Default::default()
         };
-        assert!(bad_p.validate().expect_err("top_p 0").to_string().contains("top_p"));
+        assert!(
+            bad_p
+                .validate()
+                .expect_err("top_p 0")
+                .to_string()
+                .contains("top_p")
+        );
     }
 }

@@ -215,6 +215,18 @@ impl<'e> Session<'e> {
         Ok(())
     }
 
+    /// Saves the current position to `path` (atomic, checksummed).
+    pub fn save_snapshot(&self, path: &std::path::Path) -> Result<()> {
+        crate::snapshot_file::save(path, &self.snapshot(), self.engine.fingerprint())
+    }
+
+    /// Restores a position saved by [`Self::save_snapshot`] (possibly by another process).
+    pub fn load_snapshot(&mut self, path: &std::path::Path) -> Result<()> {
+        let snap =
+            crate::snapshot_file::load(path, self.engine.config(), self.engine.fingerprint())?;
+        self.restore(&snap)
+    }
+
     /// The part of `sequence` this session still has to feed: the suffix after its own tokens when `sequence`
     /// strictly extends them (prefix reuse), else everything after a reset.
     pub fn reuse_prefix<'a>(&mut self, sequence: &'a [u32]) -> &'a [u32] {

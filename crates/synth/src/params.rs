@@ -1,0 +1,133 @@
+//! The shape of a synthetic model and the named presets.
+
+/// Every size of a synthetic K3-architecture model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthParams {
+    /// Seed of every random weight.
+    pub seed: u64,
+    /// Hidden width.
+    pub hidden: usize,
+    /// Decoder layers (layer 0 dense, the rest MoE).
+    pub layers: usize,
+    /// 1-based MLA layers; the others are KDA.
+    pub mla_layers: Vec<usize>,
+    /// AttnRes block size.
+    pub block: usize,
+    /// Routed experts per MoE layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Latent width of the routed experts.
+    pub latent: usize,
+    /// Inner width of a routed expert.
+    pub moe_inter: usize,
+    /// Shared experts (fused).
+    pub shared: usize,
+    /// Dense MLP width (layer 0).
+    pub dense_inter: usize,
+    /// KDA heads.
+    pub kda_heads: usize,
+    /// KDA head width.
+    pub kda_head_dim: usize,
+    /// MLA heads.
+    pub mla_heads: usize,
+    /// MLA nope width.
+    pub nope: usize,
+    /// MLA rope width (unrotated).
+    pub rope: usize,
+    /// MLA value width.
+    pub v: usize,
+    /// MLA query low rank.
+    pub q_lora: usize,
+    /// MLA latent width.
+    pub kv_lora: usize,
+    /// When non-zero, `lm_head` is a scaled copy of the embedding with rows permuted in cycles of this length, so
+    /// greedy text tends to repeat with this period (repetitive text for speculation tests and benchmarks).
+    pub cycle: usize,
+}
+
+impl SynthParams {
+    /// Bytes of one MXFP4 expert.
+    pub fn expert_bytes(&self) -> u64 {
+        let (l, i) = (self.latent as u64, self.moe_inter as u64);
+        // w1, w3: [i, l/2] + [i, l/32]; w2: [l, i/2] + [l, i/32]
+        2 * (i * l / 2 + i * l / 32) + (l * i / 2 + l * i / 32)
+    }
+
+    /// Bytes of all routed experts.
+    pub fn total_expert_bytes(&self) -> u64 {
+        self.expert_bytes() * self.experts as u64 * (self.layers.saturating_sub(1)) as u64
+    }
+}
+
+/// Names accepted by [`preset`].
+pub fn preset_names() -> &'static [&'static str] {
+    &["demo", "demo-cyclic", "large", "large-cyclic"]
+}
+
+/// A named preset: `demo` (a few MB, 64 experts top-4) or `large` (K3's real expert shape, top-16, 7 MoE layers
+/// of 96 experts: 11.8 GB of experts, 1.97 GB read per token); the `-cyclic` variants produce repetitive text.
+pub fn preset(name: &str) -> Option<SynthParams> {
+    if let Some(base) = name.strip_suffix("-cyclic") {
+        return preset(base).map(|p| SynthParams { cycle: 8, ..p });
+    }
+    match name {
+        "demo" => Some(SynthParams {
+            seed: 1,
+            hidden: 64,
+            layers: 6,
+            mla_layers: vec![4, 6],
+            block: 2,
+            experts: 64,
+            top_k: 4,
+            latent: 32,
+            moe_inter: 32,
+            shared: 2,
+            dense_inter: 96,
+            kda_heads: 4,
+            kda_head_dim: 16,
+            mla_heads: 4,
+            nope: 16,
+            rope: 8,
+            v: 16,
+            q_lora: 32,
+            kv_lora: 24,
+            cycle: 0,
+        }),
+        "large" => Some(SynthParams {
+            seed: 3,
+            hidden: 1024,
+            layers: 8,
+            mla_layers: vec![4, 8],
+            block: 4,
+            experts: 96,
+            top_k: 16,
+            latent: 3584,
+            moe_inter: 3072,
+            shared: 2,
+            dense_inter: 2048,
+            kda_heads: 8,
+            kda_head_dim: 128,
+            mla_heads: 8,
+            nope: 64,
+            rope: 32,
+            v: 64,
+            q_lora: 256,
+            kv_lora: 128,
+            cycle: 0,
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_has_k3_expert_shape() {
+        let p = preset("large").expect("preset");
+        assert_eq!(p.expert_bytes(), 17_547_264);
+        assert!(p.total_expert_bytes() as f64 >= 2.5 * 4.0 * (1u64 << 30) as f64);
+    }
+}
