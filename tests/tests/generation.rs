@@ -9,14 +9,9 @@ use deltafin_runtime::{
 use deltafin_tests::{Golden, fixture, max_abs_diff};
 
 fn open_with_chunk(dir: &Path, chunk: usize) -> Engine {
-    Engine::open(
-        dir,
-        EngineOptions {
-            prefill_chunk: chunk,
-            ..EngineOptions::default()
-        },
-    )
-    .expect("open")
+    let mut options = EngineOptions::default();
+    options.prefill_chunk = chunk;
+    Engine::open(dir, options).expect("open")
 }
 
 /// A synthetic model written once per test binary run into a temporary directory.
