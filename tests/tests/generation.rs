@@ -9,9 +9,7 @@ use deltafin_runtime::{
 use deltafin_tests::{Golden, fixture, max_abs_diff};
 
 fn open_with_chunk(dir: &Path, chunk: usize) -> Engine {
-    let mut options = EngineOptions::default();
-    options.prefill_chunk = chunk;
-    Engine::open(dir, options).expect("open")
+    Engine::open(dir, EngineOptions::default().with_prefill_chunk(chunk)).expect("open")
 }
 
 /// A synthetic model written once per test binary run into a temporary directory.

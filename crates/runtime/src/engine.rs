@@ -30,6 +30,12 @@ impl Default for EngineOptions {
 }
 
 impl EngineOptions {
+    /// These options with `prefill_chunk` set to `n` (at least 1).
+    pub fn with_prefill_chunk(mut self, n: usize) -> Self {
+        self.prefill_chunk = n.max(1);
+        self
+    }
+
     /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`).
     pub fn from_env() -> Self {
         let mut o = Self::default();
