@@ -1,10 +1,10 @@
-//! `deltafin run`: greedy generation after a prompt of token ids.
+//! `deltafin run`: generation after a prompt of token ids (greedy by default, with lossless n-gram speculation).
 
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use deltafin_runtime::{Engine, EngineOptions, GreedyOptions};
+use deltafin_runtime::{Engine, EngineOptions, GenerateOptions, SamplingParams, Session};
 use serde::Serialize;
 
 use crate::demo;
@@ -28,6 +28,45 @@ pub struct RunArgs {
     /// Print one JSON object instead of plain ids.
     #[arg(long)]
     json: bool,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of the sampling stream.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// n-gram speculation for greedy decoding (lossless).
+    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = parse_on_off)]
+    spec: bool,
+    /// Draft tokens verified per pass.
+    #[arg(long, env = "K3_SPEC_DEPTH", default_value_t = 1)]
+    spec_depth: usize,
+    /// Tokens per prefill pass.
+    #[arg(long, env = "K3_PREFILL_CHUNK", default_value_t = deltafin_runtime::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Restore this snapshot first; the prompt then continues it.
+    #[arg(long)]
+    load_snapshot: Option<PathBuf>,
+    /// Save the session (prompt and generated tokens) to this file at the end.
+    #[arg(long)]
+    save_snapshot: Option<PathBuf>,
+    /// Print per-run counters to stderr.
+    #[arg(long)]
+    stats: bool,
+}
+
+/// `on`/`off` (also `1`/`0`, `true`/`false`).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" | "yes" => Ok(true),
+        "off" | "0" | "false" | "no" => Ok(false),
+        other => Err(format!("expected on or off, got `{other}`")),
+    }
 }
 
 #[derive(Serialize)]
@@ -38,8 +77,8 @@ struct RunReport {
 
 /// Runs `deltafin run`.
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let model_dir = match args.model {
-        Some(dir) => dir,
+    let model_dir = match &args.model {
+        Some(dir) => dir.clone(),
         None => demo::default_model_dir()?,
     };
     let prompt = match (&args.prompt_ids, demo::is_demo(&model_dir)) {
@@ -47,30 +86,78 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         (None, true) => demo::DEMO_PROMPT_IDS.to_vec(),
         (None, false) => bail!("give a prompt with --prompt-ids 1,2,3"),
     };
-    let engine = Engine::open(&model_dir, EngineOptions::default())
+    let options = EngineOptions::default().with_prefill_chunk(args.prefill_chunk);
+    let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     let mut session = engine.session();
-    let opts = GreedyOptions {
+    if let Some(path) = &args.load_snapshot {
+        session
+            .load_snapshot(path)
+            .with_context(|| format!("loading snapshot {}", path.display()))?;
+    }
+    let opts = GenerateOptions {
         max_new: args.max_new,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+        },
         ignore_eos: args.ignore_eos,
+        stop_tokens: Vec::new(),
+        speculation_depth: if args.spec { args.spec_depth } else { 0 },
     };
-    if args.json {
-        let new_ids = session.generate_greedy(&prompt, opts, |_| true)?;
-        let report = RunReport {
-            prompt_ids: prompt,
-            new_ids,
-        };
-        println!("{}", serde_json::to_string(&report)?);
+    let started = std::time::Instant::now();
+    let new_ids = if args.json {
+        session.generate(&prompt, &opts, |_| true)?.tokens
     } else {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
         writeln!(out, "prompt ids: {prompt:?}")?;
         write!(out, "new ids:")?;
-        session.generate_greedy(&prompt, opts, |id| {
+        let g = session.generate(&prompt, &opts, |id| {
             // A closed stdout ends generation instead of failing it.
             write!(out, " {id}").and_then(|_| out.flush()).is_ok()
         })?;
         writeln!(out)?;
+        g.tokens
+    };
+    if let Some(path) = &args.save_snapshot {
+        session
+            .save_snapshot(path)
+            .with_context(|| format!("saving snapshot {}", path.display()))?;
+    }
+    if args.json {
+        let report = RunReport {
+            prompt_ids: prompt,
+            new_ids,
+        };
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    if args.stats {
+        print_stats(&engine, &session, started.elapsed());
     }
     Ok(())
+}
+
+fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Duration) {
+    let s = session.stats();
+    let reads = engine.expert_reads();
+    let passes = s.decode_passes.max(1);
+    eprintln!("--- stats");
+    eprintln!("wall time            {:.3} s", elapsed.as_secs_f64());
+    eprintln!(
+        "forward passes       {} ({} decode)",
+        s.passes, s.decode_passes
+    );
+    eprintln!("tokens generated     {}", s.generated);
+    eprintln!(
+        "speculation          {} drafted, {} accepted ({:.1}%), {:.2} tokens per decode pass",
+        s.drafted,
+        s.accepted,
+        100.0 * s.accepted as f64 / s.drafted.max(1) as f64,
+        s.generated.saturating_sub(1) as f64 / passes as f64
+    );
+    eprintln!("expert requests      {}", reads.total_reads());
+    eprintln!("prefix reuse         {} tokens", s.reused_tokens);
 }

@@ -150,3 +150,58 @@ fn bad_arguments_fail_with_a_message() {
     assert!(stderr.contains("/nonexistent/model"), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
+
+/// A snapshot saved by one process and loaded by another continues exactly like an uninterrupted run.
+#[test]
+fn snapshot_continues_in_a_new_process() {
+    let g = golden("k3/k3-tiny-b");
+    let prompt = ids_of(&g["greedy_prompt"]);
+    let dir = fixture("k3/k3-tiny-b");
+    let model = dir.to_str().expect("utf-8 path");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let snap = tmp.path().join("prefix.snap");
+    let snap_s = snap.to_str().expect("utf-8 path");
+    let first = deltafin_json(&[
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        &join(&prompt),
+        "--max-new",
+        "4",
+        "--ignore-eos",
+        "--json",
+        "--save-snapshot",
+        snap_s,
+    ]);
+    let gen1 = ids_of(&first["new_ids"]);
+    let more = [17u64, 18, 19];
+    let resumed = deltafin_json(&[
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        &join(&more),
+        "--max-new",
+        "6",
+        "--ignore-eos",
+        "--json",
+        "--load-snapshot",
+        snap_s,
+    ]);
+    let mut whole = prompt.clone();
+    whole.extend(&gen1);
+    whole.extend(more);
+    let straight = deltafin_json(&[
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        &join(&whole),
+        "--max-new",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert_eq!(ids_of(&resumed["new_ids"]), ids_of(&straight["new_ids"]));
+}
