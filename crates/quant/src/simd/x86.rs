@@ -18,103 +18,75 @@ fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// Loads 8 weights as f32 from `w[i..i + 8]`.
-trait LoadF32 {
-    /// # Safety
-    /// `i + 8 <= len`, AVX2 available.
-    unsafe fn load8(&self, i: usize) -> __m256;
-    /// The element at `i` as f32.
-    fn get(&self, i: usize) -> f32;
-    fn len(&self) -> usize;
-}
-
-impl LoadF32 for &[f32] {
-    #[inline(always)]
-    unsafe fn load8(&self, i: usize) -> __m256 {
-        // SAFETY: the caller guarantees i + 8 <= len.
-        unsafe { _mm256_loadu_ps(self.as_ptr().add(i)) }
-    }
-    fn get(&self, i: usize) -> f32 {
-        self[i]
-    }
-    fn len(&self) -> usize {
-        <[f32]>::len(self)
-    }
-}
-
-impl LoadF32 for &[u16] {
-    #[inline(always)]
-    unsafe fn load8(&self, i: usize) -> __m256 {
-        // SAFETY: the caller guarantees i + 8 <= len; 8 u16 = 16 bytes.
-        unsafe {
-            let h = _mm_loadu_si128(self.as_ptr().add(i) as *const __m128i);
-            let w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-            _mm256_castsi256_ps(w)
-        }
-    }
-    fn get(&self, i: usize) -> f32 {
-        crate::dot::bf16_to_f32(self[i])
-    }
-    fn len(&self) -> usize {
-        <[u16]>::len(self)
-    }
-}
-
-impl LoadF32 for &[i8] {
-    #[inline(always)]
-    unsafe fn load8(&self, i: usize) -> __m256 {
-        // SAFETY: the caller guarantees i + 8 <= len; 8 i8 = 8 bytes.
-        unsafe {
-            let b = _mm_loadl_epi64(self.as_ptr().add(i) as *const __m128i);
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
-        }
-    }
-    fn get(&self, i: usize) -> f32 {
-        self[i] as f32
-    }
-    fn len(&self) -> usize {
-        <[i8]>::len(self)
-    }
-}
-
+/// Loads 8 f32 weights.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn dot_generic<W: LoadF32>(w: W, x: &[f32]) -> f32 {
-    let n = w.len().min(x.len());
-    let full = n / BLOCK * BLOCK;
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let xp = x.as_ptr();
-    let mut b = 0;
-    while b < full {
-        for (a, acc_a) in acc.iter_mut().enumerate() {
-            let i = b + a * LANES;
-            // SAFETY: i + 8 <= full <= n for both slices.
+unsafe fn load_f32(p: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees 8 readable values at p.
+    unsafe { _mm256_loadu_ps(p) }
+}
+
+/// Loads 8 bf16 weights (raw bits) as f32: zero-extend and shift into the high half (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_bf16(p: *const u16) -> __m256 {
+    // SAFETY: the caller guarantees 8 readable values (16 bytes) at p.
+    unsafe {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+}
+
+/// Loads 8 int8 weights as f32 (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_i8(p: *const i8) -> __m256 {
+    // SAFETY: the caller guarantees 8 readable bytes at p.
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
+/// The dot contract over weights read by `$load` from `$w` (a slice) and f32 `$x`; `$get` converts one weight for
+/// the zero-padded tail.
+macro_rules! dot_body {
+    ($w:expr, $x:expr, $load:ident, $get:expr) => {{
+        let (w, x) = ($w, $x);
+        let n = w.len().min(x.len());
+        let full = n / BLOCK * BLOCK;
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+            _mm256_setzero_ps(),
+        );
+        let mut b = 0;
+        while b < full {
+            // SAFETY: b + 32 <= full <= n for both slices.
             unsafe {
-                *acc_a = _mm256_fmadd_ps(w.load8(i), _mm256_loadu_ps(xp.add(i)), *acc_a);
+                a0 = _mm256_fmadd_ps($load(wp.add(b)), _mm256_loadu_ps(xp.add(b)), a0);
+                a1 = _mm256_fmadd_ps($load(wp.add(b + 8)), _mm256_loadu_ps(xp.add(b + 8)), a1);
+                a2 = _mm256_fmadd_ps($load(wp.add(b + 16)), _mm256_loadu_ps(xp.add(b + 16)), a2);
+                a3 = _mm256_fmadd_ps($load(wp.add(b + 24)), _mm256_loadu_ps(xp.add(b + 24)), a3);
             }
+            b += BLOCK;
         }
-        b += BLOCK;
-    }
-    let mut c = full;
-    while c < n {
-        // Zero-padded chunk of 8 into accumulator 0, as in the contract.
-        let mut wb = [0.0f32; LANES];
-        let mut xb = [0.0f32; LANES];
-        for l in 0..LANES.min(n - c) {
-            wb[l] = w.get(c + l);
-            xb[l] = x[c + l];
+        let mut c = full;
+        while c < n {
+            // Zero-padded chunk of 8 into accumulator 0, as in the contract.
+            let mut wb = [0.0f32; LANES];
+            let mut xb = [0.0f32; LANES];
+            for l in 0..LANES.min(n - c) {
+                wb[l] = $get(w[c + l]);
+                xb[l] = x[c + l];
+            }
+            // SAFETY: both buffers hold 8 f32.
+            unsafe {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wb.as_ptr()), _mm256_loadu_ps(xb.as_ptr()), a0);
+            }
+            c += LANES;
         }
-        // SAFETY: both buffers hold 8 f32.
-        unsafe {
-            acc[0] = _mm256_fmadd_ps(
-                _mm256_loadu_ps(wb.as_ptr()),
-                _mm256_loadu_ps(xb.as_ptr()),
-                acc[0],
-            );
-        }
-        c += LANES;
-    }
-    reduce(acc[0], acc[1], acc[2], acc[3])
+        reduce(a0, a1, a2, a3)
+    }};
 }
 
 /// AVX2 twin of [`crate::dot::dot_f32_ref`].
@@ -123,7 +95,7 @@ fn dot_generic<W: LoadF32>(w: W, x: &[f32]) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
-    dot_generic(w, x)
+    dot_body!(w, x, load_f32, |v: f32| v)
 }
 
 /// AVX2 twin of [`crate::dot::dot_bf16_ref`].
@@ -132,7 +104,7 @@ pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    dot_generic(w, x)
+    dot_body!(w, x, load_bf16, crate::dot::bf16_to_f32)
 }
 
 /// AVX2 twin of [`crate::dot::dot_i8_ref`].
@@ -141,7 +113,7 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
-    dot_generic(q, x)
+    dot_body!(q, x, load_i8, |v: i8| v as f32)
 }
 
 /// AVX2 twin of the MXFP4 row dot (see [`crate::mxfp4`]): decodes each 32-group to exact f32 weights and follows
