@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use deltafin_runtime::{Engine, EngineOptions};
+use deltafin_runtime::{Engine, EngineOptions, SpineMode};
 use serde::Serialize;
 
 use crate::ids::parse_ids;
@@ -33,6 +33,9 @@ pub struct NllArgs {
     /// Print one JSON object (the only output format).
     #[arg(long)]
     json: bool,
+    /// Spine precision: bf16, int8 or auto.
+    #[arg(long, env = "K3_SPINE", default_value = "auto")]
+    spine: String,
 }
 
 #[derive(Serialize)]
@@ -50,7 +53,8 @@ pub fn run(args: NllArgs) -> anyhow::Result<()> {
         bail!("nll prints JSON only: pass --json");
     }
     let ids = parse_ids(&args.ids)?;
-    let engine = Engine::open(&args.model, EngineOptions::default())
+    let options = EngineOptions::default().with_spine(SpineMode::parse(&args.spine)?);
+    let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let mut session = engine.session();
     let rows: Vec<Vec<f32>> = match args.mode {

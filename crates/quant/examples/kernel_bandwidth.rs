@@ -112,8 +112,15 @@ fn main() {
     } else {
         println!("threads {threads}, kernels {path}, median of {RUNS}");
         println!("memory read       {mem_gbs:8.2} GB/s");
-        for (name, gbs) in [("mxfp4 gemv", mx_gbs), ("int8 gemv", i8_gbs), ("bf16 gemv", bf_gbs)] {
-            println!("{name:<17} {gbs:8.2} GB/s  ({:.2} of memory bandwidth)", gbs / mem_gbs);
+        for (name, gbs) in [
+            ("mxfp4 gemv", mx_gbs),
+            ("int8 gemv", i8_gbs),
+            ("bf16 gemv", bf_gbs),
+        ] {
+            println!(
+                "{name:<17} {gbs:8.2} GB/s  ({:.2} of memory bandwidth)",
+                gbs / mem_gbs
+            );
         }
     }
 }

@@ -9,7 +9,8 @@ use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
 use crate::session::Session;
-use crate::sources::{ExpertsFromFiles, SpineFromFiles};
+use crate::sources::ExpertsFromFiles;
+use crate::spine::{SpineMode, SpineSource};
 
 /// Default prefill chunk: tokens per pass, so each expert a chunk needs is read once per layer.
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
@@ -19,12 +20,15 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 pub struct EngineOptions {
     /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, default 64).
     pub prefill_chunk: usize,
+    /// Spine precision (`K3_SPINE`: bf16, int8, auto).
+    pub spine: SpineMode,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
         Self {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            spine: SpineMode::Auto,
         }
     }
 }
@@ -36,9 +40,18 @@ impl EngineOptions {
         self
     }
 
-    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`).
-    pub fn from_env() -> Self {
-        let mut o = Self::default();
+    /// These options with the spine precision set to `mode`.
+    pub fn with_spine(mut self, mode: SpineMode) -> Self {
+        self.spine = mode;
+        self
+    }
+
+    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`).
+    pub fn from_env() -> Result<Self> {
+        let mut o = Self {
+            spine: SpineMode::from_env()?,
+            ..Self::default()
+        };
         if let Some(n) = std::env::var("K3_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
@@ -46,7 +59,7 @@ impl EngineOptions {
         {
             o.prefill_chunk = n;
         }
-        o
+        Ok(o)
     }
 }
 
@@ -54,6 +67,7 @@ impl EngineOptions {
 pub struct Engine {
     dir: PathBuf,
     options: EngineOptions,
+    spine_int8: bool,
     fingerprint: u32,
     model: Model,
     experts: CountingExperts<ExpertsFromFiles>,
@@ -79,13 +93,16 @@ impl Engine {
         let map = Arc::new(ExpertMap::build(&files)?);
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
-        let model = Model::load(cfg, &SpineFromFiles { files: &files })?;
+        let spine = SpineSource::open(&files, options.spine, available_memory_bytes())?;
+        let spine_int8 = spine.is_int8();
+        let model = Model::load(cfg, &spine)?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);
         hasher.update(&files.total_tensor_bytes().to_le_bytes());
         Ok(Self {
             dir: dir.to_path_buf(),
             options,
+            spine_int8,
             fingerprint: hasher.finalize(),
             model,
             experts: CountingExperts::new(ExpertsFromFiles { files, map }, n_layers),
@@ -100,6 +117,11 @@ impl Engine {
     /// The parsed configuration.
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// Whether the spine came from the int8 copy.
+    pub fn spine_is_int8(&self) -> bool {
+        self.spine_int8
     }
 
     /// The options the engine was opened with.
@@ -183,4 +205,12 @@ fn check_experts(dir: &Path, cfg: &ModelConfig, map: &ExpertMap) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes (`None` where it cannot be read).
+fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -13,6 +13,7 @@ pub mod sampling;
 pub mod session;
 pub mod snapshot_file;
 pub mod sources;
+pub mod spine;
 
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
@@ -21,3 +22,4 @@ pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
     Snapshot,
 };
+pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8};

@@ -2,41 +2,11 @@
 
 use std::sync::Arc;
 
-use deltafin_model::{
-    ExpertSource, ExpertWeights, HostTensor, ModelError, PackedExpert, WeightSource,
-};
+use deltafin_model::{ExpertSource, ExpertWeights, ModelError, PackedExpert};
 use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 
-use crate::convert::{dense_data, to_f32};
+use crate::convert::to_f32;
 use crate::error::RuntimeError;
-
-/// Dense spine weights read from the shards with positional reads.
-pub struct SpineFromFiles<'a> {
-    /// The opened checkpoint.
-    pub files: &'a ModelFiles,
-}
-
-impl WeightSource for SpineFromFiles<'_> {
-    fn load(&self, name: &str) -> deltafin_model::Result<Option<HostTensor>> {
-        let Some(info) = self.files.get(name) else {
-            return Ok(None);
-        };
-        let bytes = self
-            .files
-            .read_tensor(info)
-            .map_err(|e| ModelError::Source(Box::new(e)))?;
-        let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
-            ModelError::Source(Box::new(RuntimeError::UnsupportedDtype {
-                name: name.to_string(),
-                dtype: format!("{:?}", info.dtype),
-            }))
-        })?;
-        Ok(Some(HostTensor {
-            shape: info.shape.clone(),
-            data,
-        }))
-    }
-}
 
 /// Routed experts read from the shards: one positional read per expert span.
 pub struct ExpertsFromFiles {

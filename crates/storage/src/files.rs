@@ -78,8 +78,22 @@ impl ModelFiles {
         }
     }
 
+    /// Opens one safetensors file on its own (for example the int8 spine copy next to a model).
+    pub fn open_file(path: &Path) -> Result<Self> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Self::open_named(dir, path, &name)
+    }
+
     fn open_single(dir: &Path, path: &Path) -> Result<Self> {
-        let (shard, handle, header) = open_shard(SINGLE_FILE, path, None)?;
+        Self::open_named(dir, path, SINGLE_FILE)
+    }
+
+    fn open_named(dir: &Path, path: &Path, name: &str) -> Result<Self> {
+        let (shard, handle, header) = open_shard(name, path, None)?;
         let mut builder = Builder::default();
         for raw in header.tensors {
             builder.insert(0, raw);

@@ -16,8 +16,10 @@ mod files;
 mod header;
 mod index;
 mod pread;
+mod writer;
 
 pub use dtype::Dtype;
 pub use error::{Result, StorageError};
 pub use experts::{ExpertFormat, ExpertMap, ExpertPart, ExpertSpan};
 pub use files::{ModelFiles, ShardInfo, TensorInfo};
+pub use writer::{PlannedTensor, write_safetensors};

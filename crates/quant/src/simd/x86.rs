@@ -81,7 +81,11 @@ macro_rules! dot_body {
             }
             // SAFETY: both buffers hold 8 f32.
             unsafe {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wb.as_ptr()), _mm256_loadu_ps(xb.as_ptr()), a0);
+                a0 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(wb.as_ptr()),
+                    _mm256_loadu_ps(xb.as_ptr()),
+                    a0,
+                );
             }
             c += LANES;
         }

@@ -1,0 +1,216 @@
+//! The spine (every dense weight): read from the shards, or from the row-wise int8 copy written by
+//! [`convert_spine_int8`] when `K3_SPINE` asks for it.
+
+use std::path::{Path, PathBuf};
+
+use deltafin_model::{HostTensor, ModelError, WeightSource};
+use deltafin_quant::{DenseData, DenseMatrix};
+use deltafin_storage::{Dtype, ModelFiles, PlannedTensor, write_safetensors};
+
+use crate::convert::{dense_data, to_f32};
+use crate::error::{Result, RuntimeError};
+
+/// File name of the int8 spine copy, next to the model's shards.
+pub const INT8_SPINE_FILE: &str = "spine-int8.safetensors";
+/// Suffix of a quantised weight in the int8 file.
+const QWEIGHT: &str = ".qweight";
+/// Suffix of its per-row scales.
+const ROW_SCALE: &str = ".row_scale";
+/// Narrower matrices are kept as they are (vectors, AttnRes projections, tiny ranks).
+const MIN_INT8_COLS: usize = 32;
+
+/// Which precision the spine is kept in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpineMode {
+    /// As stored (bf16 in K3): exact.
+    Bf16,
+    /// The row-wise int8 copy (about half the bytes; lossy).
+    Int8,
+    /// int8 when the copy exists and the bf16 spine would not fit in the memory budget, else bf16.
+    Auto,
+}
+
+impl SpineMode {
+    /// Parses `bf16`, `int8` or `auto`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(Self::Bf16),
+            "int8" => Ok(Self::Int8),
+            "auto" => Ok(Self::Auto),
+            other => Err(RuntimeError::Usage(format!(
+                "K3_SPINE must be bf16, int8 or auto, got `{other}`"
+            ))),
+        }
+    }
+
+    /// `K3_SPINE`, defaulting to `auto`.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("K3_SPINE") {
+            Ok(v) => Self::parse(&v),
+            Err(_) => Ok(Self::Auto),
+        }
+    }
+}
+
+/// Whether a checkpoint tensor is a dense spine matrix that gets an int8 copy.
+fn quantisable(name: &str, shape: &[usize], dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::BF16 | Dtype::F32 | Dtype::F16)
+        && shape.len() == 2
+        && shape[0] > 1
+        && shape[1] >= MIN_INT8_COLS
+        && !name.contains(".experts.")
+        && !name.ends_with("embed_tokens.weight")
+}
+
+/// What [`convert_spine_int8`] wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Int8Report {
+    /// The file written.
+    pub path: PathBuf,
+    /// Matrices converted.
+    pub tensors: usize,
+    /// Their bytes in the checkpoint.
+    pub bytes_in: u64,
+    /// Bytes of the int8 copy (values and scales).
+    pub bytes_out: u64,
+}
+
+/// Writes the row-wise int8 copy of every dense 2-D spine matrix of the model in `dir` to
+/// `dir/spine-int8.safetensors` (`NAME.qweight` int8 `[rows, cols]`, `NAME.row_scale` f32 `[rows]`).
+pub fn convert_spine_int8(dir: &Path) -> Result<Int8Report> {
+    let files = ModelFiles::open(dir)?;
+    let sources: Vec<_> = files
+        .tensors()
+        .filter(|t| quantisable(&t.name, &t.shape, t.dtype))
+        .cloned()
+        .collect();
+    let mut plan = Vec::with_capacity(sources.len() * 2);
+    for t in &sources {
+        plan.push(PlannedTensor {
+            name: format!("{}{QWEIGHT}", t.name),
+            dtype: Dtype::I8,
+            shape: t.shape.clone(),
+        });
+        plan.push(PlannedTensor {
+            name: format!("{}{ROW_SCALE}", t.name),
+            dtype: Dtype::F32,
+            shape: vec![t.shape[0]],
+        });
+    }
+    let path = dir.join(INT8_SPINE_FILE);
+    let mut current: Option<(Vec<i8>, Vec<f32>)> = None;
+    let bytes_out = write_safetensors(&path, &plan, |i| {
+        let t = &sources[i / 2];
+        if i % 2 == 0 {
+            let raw = files.read_tensor(t)?;
+            let data = dense_data(&raw, t.dtype).unwrap_or(DenseData::F32(Vec::new()));
+            let m = DenseMatrix::new(t.shape[0], t.shape[1], data).map_err(|e| {
+                deltafin_storage::StorageError::Io {
+                    path: PathBuf::from(&t.name),
+                    source: std::io::Error::other(e.to_string()),
+                }
+            })?;
+            let (q, scales) = match m.to_int8().data() {
+                DenseData::Int8 { q, scales } => (q.clone(), scales.clone()),
+                _ => (Vec::new(), Vec::new()),
+            };
+            let bytes = q.iter().map(|&v| v as u8).collect();
+            current = Some((q, scales));
+            Ok(bytes)
+        } else {
+            let scales = current.take().map(|c| c.1).unwrap_or_default();
+            Ok(scales.iter().flat_map(|s| s.to_le_bytes()).collect())
+        }
+    })?;
+    Ok(Int8Report {
+        path,
+        tensors: sources.len(),
+        bytes_in: sources.iter().map(|t| t.len).sum(),
+        bytes_out,
+    })
+}
+
+/// Dense weights for the model: from the int8 copy where it has the tensor (when enabled), else the shards.
+pub struct SpineSource<'a> {
+    files: &'a ModelFiles,
+    int8: Option<ModelFiles>,
+}
+
+impl<'a> SpineSource<'a> {
+    /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`).
+    pub fn open(files: &'a ModelFiles, mode: SpineMode, budget_bytes: Option<u64>) -> Result<Self> {
+        let path = files.dir().join(INT8_SPINE_FILE);
+        let use_int8 = match mode {
+            SpineMode::Bf16 => false,
+            SpineMode::Int8 => {
+                if !path.is_file() {
+                    return Err(RuntimeError::Usage(format!(
+                        "K3_SPINE=int8 but {} does not exist: run `cargo xtask convert-spine-int8 --model {}`",
+                        path.display(),
+                        files.dir().display()
+                    )));
+                }
+                true
+            }
+            SpineMode::Auto => {
+                let spine: u64 = files
+                    .tensors()
+                    .filter(|t| !t.name.contains(".experts."))
+                    .map(|t| t.len)
+                    .sum();
+                path.is_file() && budget_bytes.is_some_and(|b| spine > b)
+            }
+        };
+        let int8 = if use_int8 {
+            Some(ModelFiles::open_file(&path)?)
+        } else {
+            None
+        };
+        Ok(Self { files, int8 })
+    }
+
+    /// Whether the int8 copy is in use.
+    pub fn is_int8(&self) -> bool {
+        self.int8.is_some()
+    }
+}
+
+fn source_err(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
+    ModelError::Source(Box::new(e))
+}
+
+impl WeightSource for SpineSource<'_> {
+    fn load(&self, name: &str) -> deltafin_model::Result<Option<HostTensor>> {
+        if let Some(int8) = &self.int8
+            && let (Some(q), Some(s)) = (
+                int8.get(&format!("{name}{QWEIGHT}")),
+                int8.get(&format!("{name}{ROW_SCALE}")),
+            )
+        {
+            let qb = int8.read_tensor(q).map_err(source_err)?;
+            let sb = int8.read_tensor(s).map_err(source_err)?;
+            let scales = to_f32(&sb, Dtype::F32).unwrap_or_default();
+            return Ok(Some(HostTensor {
+                shape: q.shape.clone(),
+                data: DenseData::Int8 {
+                    q: qb.into_iter().map(|b| b as i8).collect(),
+                    scales,
+                },
+            }));
+        }
+        let Some(info) = self.files.get(name) else {
+            return Ok(None);
+        };
+        let bytes = self.files.read_tensor(info).map_err(source_err)?;
+        let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
+            source_err(RuntimeError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: info.dtype.to_string(),
+            })
+        })?;
+        Ok(Some(HostTensor {
+            shape: info.shape.clone(),
+            data,
+        }))
+    }
+}
