@@ -86,6 +86,9 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { crate::simd::x86::dot_f32(w, x) };
     }
+    #[cfg(target_arch = "aarch64")]
+    return crate::simd::neon::dot_f32(w, x);
+    #[allow(unreachable_code)]
     dot_f32_ref(w, x)
 }
 
@@ -96,6 +99,9 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { crate::simd::x86::dot_bf16(w, x) };
     }
+    #[cfg(target_arch = "aarch64")]
+    return crate::simd::neon::dot_bf16(w, x);
+    #[allow(unreachable_code)]
     dot_bf16_ref(w, x)
 }
 
@@ -106,5 +112,8 @@ pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { crate::simd::x86::dot_i8(q, x) };
     }
+    #[cfg(target_arch = "aarch64")]
+    return crate::simd::neon::dot_i8(q, x);
+    #[allow(unreachable_code)]
     dot_i8_ref(q, x)
 }

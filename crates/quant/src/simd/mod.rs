@@ -1,8 +1,11 @@
 //! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
 //!
 //! Every kernel here follows the accumulation contract in [`crate::dot`] and is tested bit for bit against its
-//! scalar twin. NEON (aarch64) is not written yet; aarch64 uses the scalar paths.
+//! scalar twin. The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 uses the
+//! scalar path on aarch64.
 
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
 
@@ -25,5 +28,8 @@ pub fn path_name() -> &'static str {
     if has_avx2_fma() {
         return "avx2+fma";
     }
+    #[cfg(target_arch = "aarch64")]
+    return "neon";
+    #[allow(unreachable_code)]
     "scalar"
 }

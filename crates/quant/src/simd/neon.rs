@@ -1,0 +1,127 @@
+//! NEON kernels (aarch64). Each follows the contract in [`crate::dot`]: an 8-lane accumulator is a pair of
+//! `float32x4_t` (lanes 0..4 and 4..8), so lane-wise FMAs and the fixed reduction give the scalar twin's bits.
+//!
+//! Untested here: the project builds and tests on x86-64; this module is type-checked with
+//! `cargo check --target aarch64-unknown-linux-gnu -p deltafin-quant`.
+
+use std::arch::aarch64::*;
+
+use crate::dot::{BLOCK, LANES};
+
+/// Two halves of an 8-lane accumulator.
+#[derive(Clone, Copy)]
+struct Acc8 {
+    lo: float32x4_t,
+    hi: float32x4_t,
+}
+
+#[inline]
+fn zero() -> Acc8 {
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe {
+        Acc8 {
+            lo: vdupq_n_f32(0.0),
+            hi: vdupq_n_f32(0.0),
+        }
+    }
+}
+
+/// `acc += w * x` for 8 lanes, fused.
+#[inline]
+fn fma8(acc: Acc8, w: [float32x4_t; 2], x: *const f32) -> Acc8 {
+    // SAFETY: the caller guarantees 8 readable f32 at x; NEON is baseline on aarch64.
+    unsafe {
+        Acc8 {
+            lo: vfmaq_f32(acc.lo, w[0], vld1q_f32(x)),
+            hi: vfmaq_f32(acc.hi, w[1], vld1q_f32(x.add(4))),
+        }
+    }
+}
+
+/// The contract's reduction.
+#[inline]
+fn reduce(a: [Acc8; 4]) -> f32 {
+    // SAFETY: NEON is baseline on aarch64.
+    unsafe {
+        let lo = vaddq_f32(vaddq_f32(a[0].lo, a[1].lo), vaddq_f32(a[2].lo, a[3].lo));
+        let hi = vaddq_f32(vaddq_f32(a[0].hi, a[1].hi), vaddq_f32(a[2].hi, a[3].hi));
+        let s4 = vaddq_f32(lo, hi); // lanes l and l+4
+        let s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4)); // lanes l and l+2
+        vget_lane_f32::<0>(s2) + vget_lane_f32::<1>(s2)
+    }
+}
+
+/// The dot contract over `n` weights, `load(i)` giving weights `i..i+8` as two f32 vectors and `get(i)` one.
+#[inline]
+fn dot_with(
+    n: usize,
+    x: &[f32],
+    load: impl Fn(usize) -> [float32x4_t; 2],
+    get: impl Fn(usize) -> f32,
+) -> f32 {
+    let n = n.min(x.len());
+    let full = n / BLOCK * BLOCK;
+    let xp = x.as_ptr();
+    let mut acc = [zero(); 4];
+    let mut b = 0;
+    while b < full {
+        for (a, acc_a) in acc.iter_mut().enumerate() {
+            let i = b + a * LANES;
+            // SAFETY: i + 8 <= full <= n.
+            *acc_a = fma8(*acc_a, load(i), unsafe { xp.add(i) });
+        }
+        b += BLOCK;
+    }
+    let mut c = full;
+    while c < n {
+        let mut wb = [0.0f32; LANES];
+        let mut xb = [0.0f32; LANES];
+        for l in 0..LANES.min(n - c) {
+            wb[l] = get(c + l);
+            xb[l] = x[c + l];
+        }
+        // SAFETY: wb holds 8 f32.
+        let w = unsafe { [vld1q_f32(wb.as_ptr()), vld1q_f32(wb.as_ptr().add(4))] };
+        acc[0] = fma8(acc[0], w, xb.as_ptr());
+        c += LANES;
+    }
+    reduce(acc)
+}
+
+/// NEON twin of [`crate::dot::dot_f32_ref`].
+pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    let wp = w.as_ptr();
+    // SAFETY (in the closure): dot_with only loads i..i+8 within n = min(len) values.
+    dot_with(w.len(), x, |i| unsafe { [vld1q_f32(wp.add(i)), vld1q_f32(wp.add(i + 4))] }, |i| w[i])
+}
+
+/// NEON twin of [`crate::dot::dot_bf16_ref`].
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    let wp = w.as_ptr();
+    let load = |i: usize| {
+        // SAFETY: 8 u16 at wp + i are in bounds (see dot_with).
+        unsafe {
+            let h = vld1q_u16(wp.add(i));
+            let lo = vshlq_n_u32::<16>(vmovl_u16(vget_low_u16(h)));
+            let hi = vshlq_n_u32::<16>(vmovl_u16(vget_high_u16(h)));
+            [vreinterpretq_f32_u32(lo), vreinterpretq_f32_u32(hi)]
+        }
+    };
+    dot_with(w.len(), x, load, |i| crate::dot::bf16_to_f32(w[i]))
+}
+
+/// NEON twin of [`crate::dot::dot_i8_ref`].
+pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
+    let qp = q.as_ptr();
+    let load = |i: usize| {
+        // SAFETY: 8 i8 at qp + i are in bounds (see dot_with).
+        unsafe {
+            let b = vmovl_s8(vld1_s8(qp.add(i)));
+            [
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(b))),
+                vcvtq_f32_s32(vmovl_s16(vget_high_s16(b))),
+            ]
+        }
+    };
+    dot_with(q.len(), x, load, |i| q[i] as f32)
+}
