@@ -1,1 +1,4 @@
 //! placeholder
+
+pub mod chat;
+pub mod tokenizer;

@@ -1,0 +1,2 @@
+//! Tokenizer benchmark (placeholder).
+fn main() {}

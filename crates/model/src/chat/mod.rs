@@ -1,0 +1,1 @@
+//! K3's XTML chat format: rendering conversations and parsing generated output.
