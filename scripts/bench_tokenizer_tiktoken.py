@@ -4,7 +4,9 @@
 Builds a tiktoken Encoding from the cl100k fixture (same ranks, K3's pat_str,
 K3's 256 specials, as tokenization_kimi.py does), encodes the text that
 `cargo bench -p deltafin-model --bench tokenizer` dumped (DELTAFIN_BENCH_DUMP),
-checks the ids are identical to deltafin's, and prints the median MB/s.
+checks the ids are identical to deltafin's, and prints the median MB/s, for
+tiktoken alone and with the 400k/25k-character slicing that K3's
+tokenization_kimi.py `encode` wraps around it (deltafin's `encode` slices too).
 
     DELTAFIN_BENCH_DUMP=/tmp/tokbench cargo bench -p deltafin-model --bench tokenizer
     python3 scripts/bench_tokenizer_tiktoken.py --dump /tmp/tokbench
@@ -49,6 +51,34 @@ def load_encoding(model_dir):
     return tiktoken.Encoding(name="k3-cl100k", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
 
 
+TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+MAX_NO_WHITESPACES_CHARS = 25_000
+
+
+def split_runs(s, max_run):
+    """Cut `s` wherever a whitespace or non-whitespace run exceeds `max_run` characters."""
+    start, run_len, run_space = 0, 0, s[:1].isspace()
+    for i, c in enumerate(s):
+        space = c.isspace()
+        if space != run_space:
+            run_space, run_len = space, 1
+        else:
+            run_len += 1
+            if run_len > max_run:
+                yield s[start:i]
+                start, run_len = i, 1
+    yield s[start:]
+
+
+def reference_encode(enc, text, **kwargs):
+    """The slicing K3's tokenization_kimi.py `encode` does around tiktoken."""
+    ids = []
+    for i in range(0, len(text), TIKTOKEN_MAX_ENCODE_CHARS):
+        for sub in split_runs(text[i:i + TIKTOKEN_MAX_ENCODE_CHARS], MAX_NO_WHITESPACES_CHARS):
+            ids.extend(enc.encode(sub, **kwargs))
+    return ids
+
+
 def median_seconds(fn, runs):
     times = []
     for _ in range(runs):
@@ -73,17 +103,21 @@ def main():
         rust_ids = json.load(f)
     n_bytes = len(text.encode("utf-8"))
 
-    ids = enc.encode_ordinary(text)
+    ids = reference_encode(enc, text, disallowed_special=())
     assert ids == rust_ids, "tiktoken and deltafin disagree on the benchmark text"
     with open(os.path.join(args.dump, "bench_ids_special.json")) as f:
         rust_ids_special = json.load(f)
-    assert enc.encode(text, allowed_special="all") == rust_ids_special, "disagreement with specials allowed"
-    print(f"tiktoken {tiktoken.__version__}: {n_bytes} bytes, {len(ids)} tokens, ids identical to deltafin's "
-          f"(with and without specials)")
+    assert reference_encode(enc, text, allowed_special="all") == rust_ids_special, "disagreement with specials"
+    unsliced_same = enc.encode_ordinary(text) == ids
+    print(f"tiktoken {tiktoken.__version__}: {n_bytes} bytes, {len(text)} chars, {len(ids)} tokens, "
+          f"ids identical to deltafin's (with and without specials); "
+          f"unsliced tiktoken ids {'also identical' if unsliced_same else 'differ at a 400k-character seam'}")
 
     for name, fn in [
-        ("encode_ordinary", lambda: enc.encode_ordinary(text)),
-        ("encode(allowed_special='all')", lambda: enc.encode(text, allowed_special="all")),
+        ("tiktoken encode_ordinary (engine only, unsliced)", lambda: enc.encode_ordinary(text)),
+        ("tiktoken encode(allowed_special='all') (engine only)", lambda: enc.encode(text, allowed_special="all")),
+        ("reference encode (slicing + tiktoken, no specials)",
+         lambda: reference_encode(enc, text, disallowed_special=())),
         ("decode_bytes", lambda: enc.decode_bytes(ids)),
     ]:
         fn()  # warm-up

@@ -372,8 +372,22 @@ fn malformed_files_give_clear_errors() {
     );
 }
 
-/// Encoding a long piece with no pre-tokenizer split must stay fast (no
-/// quadratic merge): a megabyte of one repeated letter and of random digits-free noise.
+/// Long texts are cut where the reference cuts them: a run of more than 25,000
+/// non-space (or space) characters, and every 400,000 characters.
+#[test]
+fn long_texts_are_sliced_like_the_reference() {
+    let tok = load("toy");
+    let joined = |parts: &[&str]| parts.iter().flat_map(|p| tok.encode(p)).collect::<Vec<_>>();
+    let run = "ab".repeat(12_500);
+    assert_eq!(tok.encode(&format!("{run}c")), joined(&[&run, "c"]));
+    let words = "hello ".repeat(66_667); // 400,002 characters
+    let (head, tail) = words.split_at(400_000);
+    assert_eq!(tok.encode(&words), joined(&[head, tail]));
+    assert_eq!(tok.encode_with_specials(&words), joined(&[head, tail]));
+}
+
+/// Encoding long pieces must stay fast (no quadratic merge): a megabyte of one
+/// repeated letter, and of a two-letter pattern.
 #[test]
 fn long_pieces_are_not_quadratic() {
     let tok = load("cl100k");

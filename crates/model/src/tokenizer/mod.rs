@@ -33,6 +33,13 @@ pub const TIKTOKEN_MODEL_FILE: &str = "tiktoken.model";
 /// File name of the tokenizer config (special-token names) inside a model directory.
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// Longest slice, in characters, that K3's `tokenization_kimi.py` hands to
+/// tiktoken in one call; longer text is cut at every multiple of it.
+pub const MAX_ENCODE_CHARS: usize = 400_000;
+/// Longest run of consecutive whitespace (or of consecutive non-whitespace)
+/// characters the reference encodes in one call; a longer run is cut.
+pub const MAX_RUN_CHARS: usize = 25_000;
+
 /// A loaded K3 tokenizer. Cheap to share (`Arc<Tokenizer>`), `Send + Sync`.
 #[derive(Debug)]
 pub struct Tokenizer {
@@ -158,25 +165,36 @@ impl Tokenizer {
 
     /// Encodes text with no special tokens recognised: `<|open|>` in the text is
     /// ordinary characters. This is how user-supplied text must be encoded.
+    ///
+    /// Like the reference `encode`, text is first cut every [`MAX_ENCODE_CHARS`]
+    /// characters and wherever a whitespace or non-whitespace run exceeds
+    /// [`MAX_RUN_CHARS`], and the slices are encoded separately (this only
+    /// matters for texts longer than 25,000 characters).
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
-        self.encode_ordinary_into(text, &mut Vec::new(), &mut out);
+        let mut scratch = Vec::new();
+        reference_slices(text, |slice| {
+            self.encode_ordinary_into(slice, &mut scratch, &mut out)
+        });
         out
     }
 
     /// Encodes text with every special token recognised (tiktoken's
     /// `allowed_special="all"`): each occurrence of a special name becomes its id.
+    /// Slicing of long texts is as in [`Tokenizer::encode`].
     pub fn encode_with_specials(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::with_capacity(text.len() / 3 + 1);
         let mut scratch = Vec::new();
-        let mut last = 0;
-        for m in self.special_matcher.find_iter(text) {
-            self.encode_ordinary_into(&text[last..m.start()], &mut scratch, &mut out);
-            // Pattern i of the matcher is special slot i.
-            out.push(self.n_ranks + m.pattern().as_u32());
-            last = m.end();
-        }
-        self.encode_ordinary_into(&text[last..], &mut scratch, &mut out);
+        reference_slices(text, |slice| {
+            let mut last = 0;
+            for m in self.special_matcher.find_iter(slice) {
+                self.encode_ordinary_into(&slice[last..m.start()], &mut scratch, &mut out);
+                // Pattern i of the matcher is special slot i.
+                out.push(self.n_ranks + m.pattern().as_u32());
+                last = m.end();
+            }
+            self.encode_ordinary_into(&slice[last..], &mut scratch, &mut out);
+        });
         out
     }
 
@@ -265,6 +283,48 @@ impl Tokenizer {
     }
 }
 
+/// Python's `str.isspace`: Unicode White_Space plus U+001C..U+001F.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Calls `f` on the slices the reference tokenizer encodes one by one: cuts
+/// every [`MAX_ENCODE_CHARS`] characters, and inside each such chunk wherever a
+/// run of whitespace or of non-whitespace grows past [`MAX_RUN_CHARS`]
+/// characters (the run count restarts with each chunk). One pass over the text.
+fn reference_slices(text: &str, mut f: impl FnMut(&str)) {
+    // Fewer bytes than the limit means fewer characters: nothing to cut.
+    if text.len() <= MAX_RUN_CHARS {
+        f(text);
+        return;
+    }
+    let mut start = 0;
+    let mut chunk_chars = 0;
+    let mut run_len = 0;
+    let mut run_is_space = false;
+    for (i, c) in text.char_indices() {
+        if chunk_chars == MAX_ENCODE_CHARS {
+            f(&text[start..i]);
+            start = i;
+            chunk_chars = 0;
+        }
+        let is_space = is_python_space(c);
+        if chunk_chars == 0 || is_space != run_is_space {
+            run_is_space = is_space;
+            run_len = 1;
+        } else {
+            run_len += 1;
+            if run_len > MAX_RUN_CHARS {
+                f(&text[start..i]);
+                start = i;
+                run_len = 1;
+            }
+        }
+        chunk_chars += 1;
+    }
+    f(&text[start..]);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -274,5 +334,42 @@ mod tests {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Tokenizer>();
         assert_send_sync::<std::sync::Arc<Tokenizer>>();
+    }
+
+    fn slices(text: &str) -> Vec<usize> {
+        let mut lens = Vec::new();
+        reference_slices(text, |s| lens.push(s.chars().count()));
+        lens
+    }
+
+    #[test]
+    fn reference_slicing() {
+        assert_eq!(slices(""), [0]);
+        assert_eq!(slices("short text"), [10]);
+        // A run of 25,001 non-spaces is cut after 25,000 characters.
+        let run = "é".repeat(MAX_RUN_CHARS + 1);
+        assert_eq!(slices(&run), [MAX_RUN_CHARS, 1]);
+        // Alternating runs below the limit are never cut, until 400k characters.
+        let words = "ab ".repeat(MAX_ENCODE_CHARS / 3 + 2);
+        assert_eq!(
+            slices(&words),
+            [MAX_ENCODE_CHARS, words.len() - MAX_ENCODE_CHARS]
+        );
+        // The run count restarts at a 400k-character cut.
+        let tail = "y".repeat(MAX_RUN_CHARS + 5);
+        let crossing = format!("{}{tail}", "ab ".repeat((MAX_ENCODE_CHARS - 10) / 3));
+        let head = MAX_ENCODE_CHARS - 10;
+        assert_eq!(
+            slices(&crossing),
+            [
+                MAX_ENCODE_CHARS,
+                head + MAX_RUN_CHARS + 5 - MAX_ENCODE_CHARS
+            ]
+        );
+        // U+001F counts as space (Python's isspace), so it breaks a run.
+        let mut mixed = "x".repeat(MAX_RUN_CHARS);
+        mixed.push('\u{1f}');
+        mixed.push_str(&"x".repeat(10));
+        assert_eq!(slices(&mixed), [MAX_RUN_CHARS + 11]);
     }
 }
