@@ -41,7 +41,6 @@ pub const MAX_ENCODE_CHARS: usize = 400_000;
 pub const MAX_RUN_CHARS: usize = 25_000;
 
 /// A loaded K3 tokenizer. Cheap to share (`Arc<Tokenizer>`), `Send + Sync`.
-#[derive(Debug)]
 pub struct Tokenizer {
     /// Mergeable token bytes to rank (= id).
     ranks: RankMap,
@@ -56,6 +55,16 @@ pub struct Tokenizer {
     /// Finds special-token names in text, for [`Tokenizer::encode_with_specials`].
     special_matcher: AhoCorasick,
     pre: PreTokenizer,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    // The tables hold hundreds of thousands of entries: show their sizes only.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("n_ranks", &self.n_ranks)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
 }
 
 impl Tokenizer {

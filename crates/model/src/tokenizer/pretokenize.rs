@@ -1,7 +1,7 @@
 //! K3's pre-tokenizer: the `pat_str` regex that splits text into pieces before BPE.
 //!
 //! The reference pattern (`tokenization_kimi.py`, eight alternatives joined by `|`)
-//! contains one look-ahead, `\s+(?!\S)`, which the linear-time `regex` crate does
+//! contains one look-ahead, `\s+(?!\S)`, which the linear-time `regex` engine does
 //! not support. Instead of a backtracking engine we drop that alternative and
 //! emulate it after the fact, which keeps matching linear and fast:
 //!
@@ -16,8 +16,14 @@
 //! `\s+`; if it is followed by more text and holds at least two characters, give
 //! its last character back. A test checks this against `fancy-regex` running the
 //! original pattern.
+//!
+//! Every character is matched by some alternative, so each piece starts where
+//! the previous one ended; searching *anchored* there (`regex-automata`'s meta
+//! engine) needs one forward scan and no reverse scan to locate the start,
+//! which roughly doubles throughput over `regex::Regex::find_at`.
 
-use regex::Regex;
+use regex_automata::meta::Regex;
+use regex_automata::{Anchored, Input};
 
 /// The reference pattern's alternatives, in order (`\s+(?!\S)` is the 7th).
 pub const PATTERN_PARTS: [&str; 8] = [
@@ -94,9 +100,14 @@ impl<'t> Iterator for Pieces<'t> {
         }
         // Every character is matched by some alternative, so the match starts at
         // `pos`; like tiktoken we would skip unmatched text if it ever did not.
-        let m = self.regex.find_at(self.text, self.pos)?;
+        // Anchored at `pos`: one forward scan, no reverse scan for the start.
+        let input = Input::new(self.text).range(self.pos..);
+        let m = match self.regex.search(&input.clone().anchored(Anchored::Yes)) {
+            Some(m) => m,
+            None => self.regex.search(&input)?,
+        };
         let (start, mut end) = (m.start(), m.end());
-        let piece = m.as_str();
+        let piece = &self.text[start..end];
         let mut chars = piece.chars();
         if let Some(last) = chars.next_back()
             && last.is_whitespace()
