@@ -1,11 +1,15 @@
 //! The Kimi K3 / Kimi Linear text graph on candle tensors, computed in f32 on the CPU.
 //!
-//! This crate does no I/O: spine weights arrive through [`WeightSource`] and routed experts through
+//! The tokenizer and the XTML chat format live here too ([`tokenizer`], [`chat`]); loading the tokenizer's two
+//! files is the crate's only I/O.
+//!
+//! Otherwise this crate does no I/O: spine weights arrive through [`WeightSource`] and routed experts through
 //! [`ExpertSource`], both implemented by the runtime. Blocks follow the checkpoint map: one struct per block with a
 //! `load` that names its tensors and a `forward`.
 #![deny(missing_docs)]
 
 pub mod attn_res;
+pub mod chat;
 pub mod config;
 pub mod error;
 pub mod kda;
@@ -16,6 +20,7 @@ pub mod model;
 pub mod moe;
 pub mod ops;
 pub mod state;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{AttnKind, Family, ModelConfig};

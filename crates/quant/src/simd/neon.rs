@@ -92,7 +92,12 @@ fn dot_with(
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     let wp = w.as_ptr();
     // SAFETY (in the closure): dot_with only loads i..i+8 within n = min(len) values.
-    dot_with(w.len(), x, |i| unsafe { [vld1q_f32(wp.add(i)), vld1q_f32(wp.add(i + 4))] }, |i| w[i])
+    dot_with(
+        w.len(),
+        x,
+        |i| unsafe { [vld1q_f32(wp.add(i)), vld1q_f32(wp.add(i + 4))] },
+        |i| w[i],
+    )
 }
 
 /// NEON twin of [`crate::dot::dot_bf16_ref`].
