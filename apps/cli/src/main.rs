@@ -7,6 +7,7 @@ mod demo;
 mod ids;
 mod nll;
 mod run;
+mod text;
 mod tokenize;
 
 use clap::{Parser, Subcommand};

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use anyhow::{Context, bail};
 use clap::Args;
 use deltafin_runtime::{Engine, EngineOptions, GenerateOptions, SamplingParams, Session};
+
+use crate::text::{TextMode, TextPrinter};
 use serde::Serialize;
 
 use crate::demo;
@@ -17,8 +19,20 @@ pub struct RunArgs {
     #[arg(long)]
     model: Option<PathBuf>,
     /// Comma-separated prompt token ids.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "prompt")]
     prompt_ids: Option<String>,
+    /// Prompt text (encoded with the model's tokenizer).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Treat `--prompt` as a user message in K3's chat format; reasoning and answer are shown apart.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// Chat without the thinking phase.
+    #[arg(long, requires = "chat")]
+    no_thinking: bool,
+    /// Thinking effort announced to the model (low, high, max).
+    #[arg(long, requires = "chat")]
+    effort: Option<String>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 16)]
     max_new: usize,
@@ -81,14 +95,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(dir) => dir.clone(),
         None => demo::default_model_dir()?,
     };
-    let prompt = match (&args.prompt_ids, demo::is_demo(&model_dir)) {
-        (Some(text), _) => parse_ids(text)?,
-        (None, true) => demo::DEMO_PROMPT_IDS.to_vec(),
-        (None, false) => bail!("give a prompt with --prompt-ids 1,2,3"),
-    };
     let options = EngineOptions::default().with_prefill_chunk(args.prefill_chunk);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
+    let (prompt, text_mode) = match (&args.prompt_ids, &args.prompt) {
+        (Some(text), _) => (parse_ids(text)?, None),
+        (None, Some(text)) => {
+            let mode = if args.chat {
+                TextMode::Chat {
+                    thinking: !args.no_thinking,
+                    effort: args.effort.clone(),
+                }
+            } else {
+                TextMode::Plain
+            };
+            let ids = crate::text::encode_prompt(&engine, text, &mode)?;
+            (ids, Some(mode))
+        }
+        (None, None) if demo::is_demo(&model_dir) => (demo::DEMO_PROMPT_IDS.to_vec(), None),
+        (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-ids 1,2,3"),
+    };
     let mut session = engine.session();
     if let Some(path) = &args.load_snapshot {
         session
@@ -108,8 +134,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         speculation_depth: if args.spec { args.spec_depth } else { 0 },
     };
     let started = std::time::Instant::now();
+    let stop = crate::text::ctrl_c_flag();
+    let keep_going = || !stop.load(std::sync::atomic::Ordering::Relaxed);
     let new_ids = if args.json {
-        session.generate(&prompt, &opts, |_| true)?.tokens
+        session.generate(&prompt, &opts, |_| keep_going())?.tokens
+    } else if let Some(mode) = &text_mode {
+        let mut printer = TextPrinter::new(&engine, mode)?;
+        let g = session.generate(&prompt, &opts, |id| printer.push(id) && keep_going())?;
+        printer.finish();
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!("\n(stopped by Ctrl-C after {} tokens)", g.tokens.len());
+        }
+        g.tokens
     } else {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -117,7 +153,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         write!(out, "new ids:")?;
         let g = session.generate(&prompt, &opts, |id| {
             // A closed stdout ends generation instead of failing it.
-            write!(out, " {id}").and_then(|_| out.flush()).is_ok()
+            write!(out, " {id}").and_then(|_| out.flush()).is_ok() && keep_going()
         })?;
         writeln!(out)?;
         g.tokens

@@ -205,3 +205,73 @@ fn snapshot_continues_in_a_new_process() {
     ]);
     assert_eq!(ids_of(&resumed["new_ids"]), ids_of(&straight["new_ids"]));
 }
+
+/// `run --prompt TEXT` encodes with the model's tokenizer, and `--chat` renders K3's chat format: the prompt ids
+/// equal what `tokenize` gives for the same input.
+#[test]
+fn run_takes_text_and_chat_prompts() {
+    let dir = fixture("k3/k3-tiny-a");
+    let model = dir.to_str().expect("utf-8 path");
+    let plain = deltafin_json(&[
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "hello world",
+        "--max-new",
+        "3",
+        "--json",
+    ]);
+    let tok = deltafin_json(&[
+        "tokenize",
+        "--model",
+        model,
+        "--text",
+        "hello world",
+        "--json",
+    ]);
+    assert_eq!(plain["prompt_ids"], tok["ids"]);
+    let tmp = tempfile::tempdir().expect("tmp");
+    let chat_file = tmp.path().join("chat.json");
+    std::fs::write(&chat_file, r#"[{"role": "user", "content": "hello"}]"#).expect("write");
+    let chat = deltafin_json(&[
+        "run",
+        "--model",
+        model,
+        "--prompt",
+        "hello",
+        "--chat",
+        "--max-new",
+        "3",
+        "--json",
+    ]);
+    let rendered = deltafin_json(&[
+        "tokenize",
+        "--model",
+        model,
+        "--chat-file",
+        chat_file.to_str().expect("utf-8"),
+        "--json",
+    ]);
+    assert_eq!(chat["prompt_ids"], rendered["ids"]);
+    // Text output mode prints something and exits cleanly.
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "run",
+            "--model",
+            model,
+            "--prompt",
+            "hello",
+            "--chat",
+            "--max-new",
+            "8",
+        ])
+        .output()
+        .expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("[thinking]"));
+}

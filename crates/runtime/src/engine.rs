@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use deltafin_model::tokenizer::Tokenizer;
 use deltafin_model::{ExpertSource, Model, ModelConfig};
 use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 
@@ -11,6 +12,9 @@ use crate::error::{Result, RuntimeError};
 use crate::session::Session;
 use crate::sources::ExpertsFromFiles;
 use crate::spine::{SpineMode, SpineSource};
+
+/// The tokenizer's rank file in a model directory.
+const TOKENIZER_FILE: &str = "tiktoken.model";
 
 /// Default prefill chunk: tokens per pass, so each expert a chunk needs is read once per layer.
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
@@ -66,6 +70,7 @@ impl EngineOptions {
 /// An opened model.
 pub struct Engine {
     dir: PathBuf,
+    tokenizer: Option<Arc<Tokenizer>>,
     options: EngineOptions,
     spine_int8: bool,
     fingerprint: u32,
@@ -99,8 +104,19 @@ impl Engine {
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);
         hasher.update(&files.total_tensor_bytes().to_le_bytes());
+        let tokenizer = if dir.join(TOKENIZER_FILE).is_file() {
+            Some(Arc::new(Tokenizer::from_dir(dir).map_err(|e| {
+                RuntimeError::Tokenizer {
+                    dir: dir.to_path_buf(),
+                    msg: e.to_string(),
+                }
+            })?))
+        } else {
+            None
+        };
         Ok(Self {
             dir: dir.to_path_buf(),
+            tokenizer,
             options,
             spine_int8,
             fingerprint: hasher.finalize(),
@@ -117,6 +133,21 @@ impl Engine {
     /// The parsed configuration.
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// The model's tokenizer, when the directory has one (`tiktoken.model` + `tokenizer_config.json`).
+    pub fn tokenizer(&self) -> Option<&Arc<Tokenizer>> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The tokenizer, or a clear error naming the model directory.
+    pub fn require_tokenizer(&self) -> Result<&Arc<Tokenizer>> {
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Tokenizer {
+                dir: self.dir.clone(),
+                msg: format!("no {TOKENIZER_FILE}: this model has no tokenizer; use token ids"),
+            })
     }
 
     /// Whether the spine came from the int8 copy.

@@ -30,6 +30,14 @@ pub enum RuntimeError {
         /// Its dtype.
         dtype: String,
     },
+    /// The model's tokenizer files are missing or malformed.
+    #[error("tokenizer in {dir}: {msg}")]
+    Tokenizer {
+        /// Model directory.
+        dir: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
     /// A snapshot file is unreadable, corrupt or from another model.
     #[error("snapshot {path}: {msg}")]
     Snapshot {
