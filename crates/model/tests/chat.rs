@@ -444,6 +444,21 @@ fn parser_streams_and_rejects_bad_markup() {
         .unwrap_err();
     assert!(err.to_string().contains("outside a tag"), "{err}");
 
+    // Layout whitespace between elements is not answer text; other loose text is.
+    let mut parser = OutputParser::new(Arc::clone(&tok), ParserStart::Thinking).unwrap();
+    let ids = tok.encode_with_specials(
+        "hm<|close|>think<|sep|>\n<|open|>response<|sep|>A<|close|>response<|sep|>\nB",
+    );
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for event in ids.iter().flat_map(|&id| parser.push(id).unwrap()) {
+        match event {
+            ChatEvent::Reasoning(t) => reasoning.push_str(&t),
+            ChatEvent::Content(t) => content.push_str(&t),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("hm", "AB"));
+
     // A stream cut off mid-answer still releases its text.
     let mut parser = OutputParser::new(Arc::clone(&tok), ParserStart::Response).unwrap();
     for &id in &tok.encode("partial") {
