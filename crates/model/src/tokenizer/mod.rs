@@ -4,7 +4,7 @@
 //! token ids) and `tokenizer_config.json`, whose `added_tokens_decoder` names some
 //! of the 256 special slots that follow the ranks. Encoding is tiktoken's: split
 //! the text with K3's pre-tokenizer regex ([`pretokenize`]), then rank-BPE each
-//! piece ([`bpe`]).
+//! piece in tiktoken's merge order.
 //!
 //! A [`Tokenizer`] is immutable once loaded: share one through an `Arc` between
 //! threads. [`StreamDecoder`] turns a stream of generated ids into text without
