@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use deltafin_model::chat::{
     self, AssistantMessage, ChatEvent, ChatOptions, Content, FunctionCall, Message, OutputParser,
-    ParserStart, Segment, ThinkingEffort, Tool, ToolCall, ToolChoice, ToolMessage,
+    ParserStart, ResponseFormat, Segment, ThinkingEffort, Tool, ToolCall, ToolChoice, ToolMessage,
 };
 use deltafin_model::tokenizer::Tokenizer;
 
@@ -352,6 +352,29 @@ fn rendering_details() {
     assert!(required.contains("<|open|>message role=\"system\" type=\"tool-choice\"<|sep|>The system is invoked with `tool_choice=required`."));
 
     assert!("medium".parse::<ThinkingEffort>().is_err());
+
+    let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "a": 1.5e-5}}});
+    let format = ResponseFormat::from_openai(&schema);
+    let with_schema = text(&ChatOptions {
+        response_format: format,
+        ..Default::default()
+    });
+    assert!(
+        with_schema.contains("must match the following schema:\n```json\n{\"a\":1.5e-05,\"type\":\"object\"}\n```<|close|>"),
+        "{with_schema}"
+    );
+    let object = ResponseFormat::from_openai(&serde_json::json!({"type": "json_object"}));
+    assert!(
+        text(&ChatOptions {
+            response_format: object,
+            ..Default::default()
+        })
+        .contains("`response_format=json_object`")
+    );
+    assert_eq!(
+        ResponseFormat::from_openai(&serde_json::json!({"type": "text"})),
+        ResponseFormat::Text
+    );
 }
 
 #[test]
