@@ -200,6 +200,13 @@ fn encode(c: &mut Criterion) {
     });
     group.bench_function("decode", |b| b.iter(|| tok.decode_bytes(black_box(&ids))));
     group.finish();
+
+    let mut group = c.benchmark_group("tokenizer_cl100k_load");
+    group.sample_size(10);
+    group.bench_function("from_dir", |b| {
+        b.iter(|| Tokenizer::from_dir(fixture_dir()))
+    });
+    group.finish();
 }
 
 criterion_group!(benches, encode);

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use deltafin_model::chat::{
     self, AssistantMessage, ChatEvent, ChatOptions, Content, FunctionCall, Message, OutputParser,
-    ParserStart, Segment, ThinkingEffort, Tool, ToolCall, ToolChoice, ToolMessage,
+    ParserStart, ResponseFormat, Segment, ThinkingEffort, Tool, ToolCall, ToolChoice, ToolMessage,
 };
 use deltafin_model::tokenizer::Tokenizer;
 
@@ -352,6 +352,29 @@ fn rendering_details() {
     assert!(required.contains("<|open|>message role=\"system\" type=\"tool-choice\"<|sep|>The system is invoked with `tool_choice=required`."));
 
     assert!("medium".parse::<ThinkingEffort>().is_err());
+
+    let schema = serde_json::json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "a": 1.5e-5}}});
+    let format = ResponseFormat::from_openai(&schema);
+    let with_schema = text(&ChatOptions {
+        response_format: format,
+        ..Default::default()
+    });
+    assert!(
+        with_schema.contains("must match the following schema:\n```json\n{\"a\":1.5e-05,\"type\":\"object\"}\n```<|close|>"),
+        "{with_schema}"
+    );
+    let object = ResponseFormat::from_openai(&serde_json::json!({"type": "json_object"}));
+    assert!(
+        text(&ChatOptions {
+            response_format: object,
+            ..Default::default()
+        })
+        .contains("`response_format=json_object`")
+    );
+    assert_eq!(
+        ResponseFormat::from_openai(&serde_json::json!({"type": "text"})),
+        ResponseFormat::Text
+    );
 }
 
 #[test]
@@ -443,6 +466,21 @@ fn parser_streams_and_rejects_bad_markup() {
         .push(tok.require_special("<|sep|>").unwrap())
         .unwrap_err();
     assert!(err.to_string().contains("outside a tag"), "{err}");
+
+    // Layout whitespace between elements is not answer text; other loose text is.
+    let mut parser = OutputParser::new(Arc::clone(&tok), ParserStart::Thinking).unwrap();
+    let ids = tok.encode_with_specials(
+        "hm<|close|>think<|sep|>\n<|open|>response<|sep|>A<|close|>response<|sep|>\nB",
+    );
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for event in ids.iter().flat_map(|&id| parser.push(id).unwrap()) {
+        match event {
+            ChatEvent::Reasoning(t) => reasoning.push_str(&t),
+            ChatEvent::Content(t) => content.push_str(&t),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("hm", "AB"));
 
     // A stream cut off mid-answer still releases its text.
     let mut parser = OutputParser::new(Arc::clone(&tok), ParserStart::Response).unwrap();

@@ -238,9 +238,16 @@ impl OutputParser {
             Some(Element::Think) => {
                 push_text(&mut self.reasoning, bytes, ChatEvent::Reasoning, events)
             }
-            // Text directly in the message (no response element) is answer text too.
-            Some(Element::Response | Element::Message) | None => {
+            Some(Element::Response) => {
                 push_text(&mut self.content, bytes, ChatEvent::Content, events)
+            }
+            // Text directly in the message, outside think/response: keep it as
+            // answer text, except layout whitespace between elements.
+            Some(Element::Message) | None => {
+                let text = self.content.push(bytes);
+                if !text.trim().is_empty() {
+                    events.push(ChatEvent::Content(text));
+                }
             }
             Some(Element::Argument { value, .. } | Element::Json { value }) => {
                 value.extend_from_slice(bytes)

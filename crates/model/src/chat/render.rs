@@ -92,6 +92,31 @@ pub enum ResponseFormat {
     JsonSchema(serde_json::Value),
 }
 
+impl ResponseFormat {
+    /// Reads OpenAI's `response_format` the way the reference renderer does: a
+    /// `type` of `json_object` or `json_schema`; the schema is taken from
+    /// `json_schema.schema`, else `json_schema.json_schema`, else `json_schema`
+    /// itself. Anything else (including `{"type": "text"}`) is plain text.
+    pub fn from_openai(value: &serde_json::Value) -> Self {
+        let kind = value
+            .get("type")
+            .and_then(|t| t.as_str())
+            .or_else(|| value.as_str());
+        match kind {
+            Some("json_object") => Self::JsonObject,
+            Some("json_schema") => {
+                let wrapper = value.get("json_schema").unwrap_or(&serde_json::Value::Null);
+                let schema = wrapper
+                    .get("schema")
+                    .or_else(|| wrapper.get("json_schema"))
+                    .unwrap_or(wrapper);
+                Self::JsonSchema(schema.clone())
+            }
+            _ => Self::Text,
+        }
+    }
+}
+
 /// Rendering options (the reference renderer's keyword arguments).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatOptions {

@@ -21,12 +21,59 @@ const NO_RANK: u32 = u32::MAX;
 /// Byte string to rank (= token id) for the mergeable ranks.
 pub(crate) type RankMap = FxHashMap<Box<[u8]>, u32>;
 
+/// The mergeable ranks, with direct tables for one- and two-byte strings: the
+/// initial pair ranks of every piece are two-byte lookups, so most lookups
+/// skip hashing.
+pub(crate) struct Vocab {
+    map: RankMap,
+    /// Rank of each single byte (`NO_RANK` if absent).
+    bytes: Vec<u32>,
+    /// Rank of each byte pair, indexed `first * 256 + second`.
+    pairs: Vec<u32>,
+}
+
+impl Vocab {
+    pub(crate) fn new(map: RankMap) -> Self {
+        let mut bytes = vec![NO_RANK; 256];
+        let mut pairs = vec![NO_RANK; 256 * 256];
+        for (token, &rank) in &map {
+            match **token {
+                [b] => bytes[usize::from(b)] = rank,
+                [b0, b1] => pairs[usize::from(b0) * 256 + usize::from(b1)] = rank,
+                _ => {}
+            }
+        }
+        Self { map, bytes, pairs }
+    }
+
+    /// The rank of `token`, or `NO_RANK`.
+    #[inline]
+    pub(crate) fn rank(&self, token: &[u8]) -> u32 {
+        match *token {
+            [b] => self.bytes[usize::from(b)],
+            [b0, b1] => self.pairs[usize::from(b0) * 256 + usize::from(b1)],
+            _ => self.map.get(token).copied().unwrap_or(NO_RANK),
+        }
+    }
+
+    /// The rank of `token`, if it is a mergeable token.
+    pub(crate) fn get(&self, token: &[u8]) -> Option<u32> {
+        Some(self.rank(token)).filter(|&r| r != NO_RANK)
+    }
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Vocab({} ranks)", self.map.len())
+    }
+}
+
 /// Encodes one pre-tokenized piece, appending its token ids to `out`.
 ///
 /// `scratch` is reused between calls to avoid an allocation per piece.
 /// Every single byte must be in `ranks` (checked when the vocabulary is loaded).
 pub(crate) fn encode_piece(
-    ranks: &RankMap,
+    ranks: &Vocab,
     piece: &[u8],
     scratch: &mut Vec<(usize, u32)>,
     out: &mut Vec<u32>,
@@ -34,7 +81,7 @@ pub(crate) fn encode_piece(
     if piece.is_empty() {
         return;
     }
-    if let Some(&id) = ranks.get(piece) {
+    if let Some(id) = ranks.get(piece) {
         out.push(id);
         return;
     }
@@ -45,11 +92,12 @@ pub(crate) fn encode_piece(
     }
 }
 
-fn rank_of(ranks: &RankMap, bytes: &[u8]) -> u32 {
-    ranks.get(bytes).copied().unwrap_or(NO_RANK)
+#[inline]
+fn rank_of(ranks: &Vocab, bytes: &[u8]) -> u32 {
+    ranks.rank(bytes)
 }
 
-fn push_part(ranks: &RankMap, bytes: &[u8], out: &mut Vec<u32>) {
+fn push_part(ranks: &Vocab, bytes: &[u8], out: &mut Vec<u32>) {
     // Every final part is a single byte or the result of a merge, and both are
     // in `ranks` (single bytes are checked at load); NO_RANK is unreachable.
     out.push(rank_of(ranks, bytes));
@@ -57,7 +105,7 @@ fn push_part(ranks: &RankMap, bytes: &[u8], out: &mut Vec<u32>) {
 
 /// tiktoken's `_byte_pair_merge`: `parts[i] = (start of part i, rank of the pair
 /// starting at part i)`, with a sentinel at the end. O(n·m) for m merges.
-fn merge_scan(ranks: &RankMap, piece: &[u8], parts: &mut Vec<(usize, u32)>, out: &mut Vec<u32>) {
+fn merge_scan(ranks: &Vocab, piece: &[u8], parts: &mut Vec<(usize, u32)>, out: &mut Vec<u32>) {
     let n = piece.len();
     parts.clear();
     for i in 0..n - 1 {
@@ -104,7 +152,7 @@ fn merge_scan(ranks: &RankMap, piece: &[u8], parts: &mut Vec<(usize, u32)>, out:
 /// Parts form a linked list over byte offsets. A heap entry is stale when its
 /// part was merged away or its pair rank changed since it was pushed; a rank
 /// names a unique byte string, so comparing ranks detects any change.
-fn merge_heap(ranks: &RankMap, piece: &[u8], out: &mut Vec<u32>) {
+fn merge_heap(ranks: &Vocab, piece: &[u8], out: &mut Vec<u32>) {
     let n = piece.len();
     // next[i]/prev[i]: neighbouring part starts; n is the end sentinel.
     let mut next: Vec<usize> = (1..=n).collect();
@@ -162,7 +210,7 @@ fn merge_heap(ranks: &RankMap, piece: &[u8], out: &mut Vec<u32>) {
 
 /// Scalar reference: tiktoken's algorithm written as plainly as possible.
 #[cfg(test)]
-pub(crate) fn merge_ref(ranks: &RankMap, piece: &[u8]) -> Vec<u32> {
+pub(crate) fn merge_ref(ranks: &Vocab, piece: &[u8]) -> Vec<u32> {
     let mut parts: Vec<Vec<u8>> = piece.iter().map(|&b| vec![b]).collect();
     loop {
         let best = (0..parts.len().saturating_sub(1))
@@ -192,7 +240,7 @@ mod tests {
     use super::*;
 
     /// A small vocabulary with overlapping merges, to exercise tie-breaking.
-    fn toy_ranks() -> RankMap {
+    fn toy_ranks() -> Vocab {
         let mut ranks = RankMap::default();
         for b in 0..=255u8 {
             ranks.insert(vec![b].into_boxed_slice(), u32::from(b));
@@ -203,7 +251,7 @@ mod tests {
         {
             ranks.insert(tok.as_bytes().to_vec().into_boxed_slice(), 256 + i as u32);
         }
-        ranks
+        Vocab::new(ranks)
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! token ids) and `tokenizer_config.json`, whose `added_tokens_decoder` names some
 //! of the 256 special slots that follow the ranks. Encoding is tiktoken's: split
 //! the text with K3's pre-tokenizer regex ([`pretokenize`]), then rank-BPE each
-//! piece ([`bpe`]).
+//! piece in tiktoken's merge order.
 //!
 //! A [`Tokenizer`] is immutable once loaded: share one through an `Arc` between
 //! threads. [`StreamDecoder`] turns a stream of generated ids into text without
@@ -25,7 +25,7 @@ pub use error::{Result, TokenizerError};
 pub use load::N_SPECIAL_SLOTS;
 pub use stream::{StreamDecoder, Utf8Buffer};
 
-use bpe::RankMap;
+use bpe::{RankMap, Vocab};
 use pretokenize::PreTokenizer;
 
 /// File name of the mergeable ranks inside a model directory.
@@ -43,7 +43,7 @@ pub const MAX_RUN_CHARS: usize = 25_000;
 /// A loaded K3 tokenizer. Cheap to share (`Arc<Tokenizer>`), `Send + Sync`.
 pub struct Tokenizer {
     /// Mergeable token bytes to rank (= id).
-    ranks: RankMap,
+    ranks: Vocab,
     /// Bytes of every id (ranks, then special names) back to back.
     id_bytes: Vec<u8>,
     /// `id_bytes[id_offsets[id]..id_offsets[id + 1]]` are the bytes of `id`.
@@ -152,7 +152,7 @@ impl Tokenizer {
             })?;
 
         Ok(Self {
-            ranks,
+            ranks: Vocab::new(ranks),
             id_bytes,
             id_offsets,
             n_ranks,
@@ -271,7 +271,7 @@ impl Tokenizer {
     /// The id of an exact token: a mergeable byte string or a special name.
     pub fn token_to_id(&self, token: impl AsRef<[u8]>) -> Option<u32> {
         let token = token.as_ref();
-        if let Some(&id) = self.ranks.get(token) {
+        if let Some(id) = self.ranks.get(token) {
             return Some(id);
         }
         std::str::from_utf8(token)
