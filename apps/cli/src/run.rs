@@ -28,6 +28,9 @@ pub struct RunArgs {
     /// Print one JSON object instead of plain ids.
     #[arg(long)]
     json: bool,
+    /// RAM for the expert cache, in GiB (default: half of physical memory).
+    #[arg(long, env = "K3_RAM_GB")]
+    ram_gb: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -47,8 +50,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         (None, true) => demo::DEMO_PROMPT_IDS.to_vec(),
         (None, false) => bail!("give a prompt with --prompt-ids 1,2,3"),
     };
-    let engine = Engine::open(&model_dir, EngineOptions::default())
+    let options = EngineOptions {
+        ram_gb: args.ram_gb,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
+    if let Some(missing) = engine.missing_experts() {
+        eprintln!(
+            "warning: streaming install: {} experts ({:.1} GB) are not local yet and will be fetched as \
+             they are needed; `deltafin setup fetch-experts-all` fetches them all",
+            missing.experts,
+            missing.bytes as f64 / 1e9
+        );
+    }
     let mut session = engine.session();
     let opts = GreedyOptions {
         max_new: args.max_new,
@@ -72,5 +87,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         })?;
         writeln!(out)?;
     }
+    eprintln!("{}", engine.expert_stats());
     Ok(())
 }

@@ -7,9 +7,13 @@
 pub mod convert;
 pub mod engine;
 pub mod error;
+pub mod expert_cache;
 pub mod session;
 pub mod sources;
 
+pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
+pub use expert_cache::CacheStats;
 pub use session::{GreedyOptions, Logits, Session, argmax};
+pub use sources::ExpertStats;
