@@ -22,6 +22,7 @@ mod experts;
 mod files;
 mod header;
 mod index;
+pub mod install;
 mod pread;
 mod read_pool;
 mod remote;

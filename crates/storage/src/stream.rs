@@ -316,12 +316,9 @@ impl StreamInstall {
         let paths: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
         // Headers first: nothing else can be known without them.
         let mut lens = Vec::with_capacity(names.len());
-        progress.start("shard headers", names.len() as u64);
         for (shard, (name, path)) in names.iter().zip(&paths).enumerate() {
             lens.push(ensure_header(&hub, &manifest, shard, name, path)?);
-            progress.advance(1);
         }
-        progress.finish();
         let files = Arc::new(ModelFiles::open(dir)?);
         let map = Arc::new(ExpertMap::build(&files)?);
         let ctx = FetchCtx {
