@@ -7,6 +7,7 @@ mod demo;
 mod ids;
 mod nll;
 mod run;
+mod setup;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +25,8 @@ enum Command {
     Run(run::RunArgs),
     /// Score a token sequence: per-position NLL and top-5 logits.
     Nll(nll::NllArgs),
+    /// Install Kimi K3 from the hub (--full, --stream), or fill a streaming install (fetch-experts-all).
+    Setup(setup::SetupCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Nll(a) => nll::run(a),
+        Command::Setup(a) => setup::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -308,6 +308,25 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
     }
 }
 
+/// `DELTAFIN_ROOT`, or the user's cache directory + `deltafin` (as the CLI's demo model uses).
+pub fn deltafin_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("DELTAFIN_ROOT") {
+        return PathBuf::from(root);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    cache.join("deltafin")
+}
+
+/// Where `repo` is installed by default: `$DELTAFIN_ROOT/models/{name}` (for K3, the CLI's default model
+/// directory `$DELTAFIN_ROOT/models/Kimi-K3`).
+pub fn default_dest(repo: &str) -> PathBuf {
+    let name = repo.rsplit('/').next().unwrap_or(repo);
+    deltafin_root().join("models").join(name)
+}
+
 fn gb(bytes: u64) -> String {
     format!("{:.1} GB", bytes as f64 / 1e9)
 }

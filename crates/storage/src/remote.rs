@@ -275,7 +275,7 @@ impl HubClient {
             .tcp_nodelay(true)
             .user_agent(concat!("deltafin/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| http_err(format!("cannot build the http client: {}", chain(&e))))?;
+            .map_err(|e| http_err(format!("cannot build the http client: {}", chain(e))))?;
         Ok(Self {
             origin: Some(origin),
             token: opts.resolve_token(),
@@ -404,7 +404,7 @@ impl HubClient {
                     return Err(format!(
                         "body error after {} bytes: {}",
                         out.len(),
-                        chain(&e)
+                        chain(e)
                     ));
                 }
                 Ok(Ok(None)) => return Ok(()),
@@ -437,7 +437,7 @@ impl HubClient {
             }
             let resp = match req.send().await {
                 Ok(r) => r,
-                Err(e) => return Attempt::Retry(format!("request failed: {}", chain(&e))),
+                Err(e) => return Attempt::Retry(format!("request failed: {}", chain(e))),
             };
             if !resp.status().is_redirection() {
                 return Attempt::Done(resp);
@@ -566,7 +566,7 @@ impl HubClient {
                 Err(_) => {
                     return Attempt::Retry(format!("no data for {:?}", self.opts.idle_timeout));
                 }
-                Ok(Err(e)) => return Attempt::Retry(format!("body error: {}", chain(&e))),
+                Ok(Err(e)) => return Attempt::Retry(format!("body error: {}", chain(e))),
                 Ok(Ok(None)) => break,
                 Ok(Ok(Some(chunk))) => {
                     if let Err(e) = file.write_all(&chunk) {
@@ -651,8 +651,9 @@ fn origin_of(u: &Url) -> (String, String, Option<u16>) {
 }
 
 /// An error and its sources on one line, without the URL reqwest would add (the caller names it).
-fn chain(e: &reqwest::Error) -> String {
+fn chain(e: reqwest::Error) -> String {
     use std::error::Error as _;
+    let e = e.without_url();
     let mut out = e.to_string();
     let mut src = e.source();
     while let Some(s) = src {
