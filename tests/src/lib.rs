@@ -1,6 +1,7 @@
 //! Shared helpers for the workspace tests: fixture paths and the reference outputs in `golden.safetensors`.
 
 pub mod corrupt;
+pub mod hub;
 
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,7 @@
 //! `cargo xtask`: project automation written in Rust (one module per subcommand).
 
+mod setup;
+
 use clap::{Parser, Subcommand};
 
 /// deltafin project tasks.
@@ -14,21 +16,40 @@ struct Cli {
 enum Command {
     /// Print the workspace's crate map (a quick orientation).
     Crates,
+    /// Install Kimi K3 from the hub: --full, --stream, or neither (full if the disk has room).
+    Setup(setup::SetupArgs),
+    /// Fetch every missing expert of a streaming install (resumable).
+    FetchExpertsAll(setup::FetchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     match Cli::parse().command {
         Command::Crates => {
             for (name, role) in [
-                ("crates/storage", "shard index, expert span map, reads"),
+                (
+                    "crates/storage",
+                    "shard index, expert span map, read pool, hub, installs",
+                ),
                 ("crates/quant", "MXFP4 codec and fused kernels"),
                 ("crates/model", "the K3 / Kimi Linear graph"),
-                ("crates/runtime", "engine, sessions, generation"),
+                (
+                    "crates/runtime",
+                    "engine, sessions, generation, RAM expert cache",
+                ),
                 ("apps/cli", "the deltafin binary"),
             ] {
                 println!("{name:16} {role}");
             }
         }
+        Command::Setup(args) => setup::setup(args)?,
+        Command::FetchExpertsAll(args) => setup::fetch_experts_all(args)?,
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ mod demo;
 mod ids;
 mod nll;
 mod run;
+mod setup;
 mod text;
 mod tokenize;
 
@@ -28,6 +29,8 @@ enum Command {
     Nll(nll::NllArgs),
     /// Encode text or render a chat with the model's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
+    /// Install Kimi K3 from the hub (--full, --stream), or fill a streaming install (fetch-experts-all).
+    Setup(setup::SetupCommand),
 }
 
 fn main() -> std::process::ExitCode {
@@ -43,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::run(a),
         Command::Nll(a) => nll::run(a),
         Command::Tokenize(a) => tokenize::run(a),
+        Command::Setup(a) => setup::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -72,6 +72,9 @@ pub struct RunArgs {
     /// Print per-run counters to stderr.
     #[arg(long)]
     stats: bool,
+    /// RAM for the expert cache, in GiB (default: half of physical memory).
+    #[arg(long, env = "K3_RAM_GB")]
+    ram_gb: Option<f64>,
 }
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
@@ -95,9 +98,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(dir) => dir.clone(),
         None => demo::default_model_dir()?,
     };
-    let options = EngineOptions::default().with_prefill_chunk(args.prefill_chunk);
+    let options = EngineOptions {
+        ram_gb: args.ram_gb,
+        ..EngineOptions::default()
+    }
+    .with_prefill_chunk(args.prefill_chunk);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
+    if let Some(missing) = engine.missing_experts() {
+        eprintln!(
+            "warning: streaming install: {} experts ({:.1} GB) are not local yet and will be fetched as \
+             they are needed; `deltafin setup fetch-experts-all` fetches them all",
+            missing.experts,
+            missing.bytes as f64 / 1e9
+        );
+    }
     let (prompt, text_mode) = match (&args.prompt_ids, &args.prompt) {
         (Some(text), _) => (parse_ids(text)?, None),
         (None, Some(text)) => {
@@ -173,6 +188,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.stats {
         print_stats(&engine, &session, started.elapsed());
     }
+    eprintln!("{}", engine.expert_stats());
     Ok(())
 }
 

@@ -5,12 +5,15 @@ use std::sync::Arc;
 
 use deltafin_model::tokenizer::Tokenizer;
 use deltafin_model::{ExpertSource, Model, ModelConfig};
-use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
+use deltafin_storage::{
+    ExpertFormat, ExpertMap, HubOptions, Missing, ModelFiles, NoProgress, ReadPoolOptions,
+    SpanReader, StreamInstall, is_stream_install,
+};
 
 use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
 use crate::session::Session;
-use crate::sources::ExpertsFromFiles;
+use crate::sources::{ExpertStats, ExpertStore};
 use crate::spine::{SpineMode, SpineSource};
 
 /// The tokenizer's rank file in a model directory.
@@ -26,6 +29,12 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Spine precision (`K3_SPINE`: bf16, int8, auto).
     pub spine: SpineMode,
+    /// RAM for the expert cache, in GiB; `None` means `K3_RAM_GB`, else half of physical memory.
+    pub ram_gb: Option<f64>,
+    /// Reader threads (reads in flight) for expert spans; `None` means the read pool's default.
+    pub read_threads: Option<usize>,
+    /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
+    pub hub: HubOptions,
 }
 
 impl Default for EngineOptions {
@@ -33,6 +42,9 @@ impl Default for EngineOptions {
         Self {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             spine: SpineMode::Auto,
+            ram_gb: None,
+            read_threads: None,
+            hub: HubOptions::default(),
         }
     }
 }
@@ -67,6 +79,40 @@ impl EngineOptions {
     }
 }
 
+/// Default expert-cache share of physical memory when no budget is given.
+const DEFAULT_RAM_SHARE: f64 = 0.5;
+/// Budget when physical memory cannot be read.
+const FALLBACK_RAM_GB: f64 = 4.0;
+
+impl EngineOptions {
+    /// The expert cache budget in bytes: `ram_gb`, else `K3_RAM_GB`, else half of physical memory.
+    pub fn cache_budget_bytes(&self) -> Result<u64> {
+        let gb = match self.ram_gb {
+            Some(gb) => gb,
+            None => match std::env::var("K3_RAM_GB") {
+                Ok(v) => v.trim().parse::<f64>().map_err(|_| {
+                    RuntimeError::Usage(format!("K3_RAM_GB={v:?} is not a number of GiB"))
+                })?,
+                Err(_) => physical_memory_gb().map_or(FALLBACK_RAM_GB, |m| m * DEFAULT_RAM_SHARE),
+            },
+        };
+        if !gb.is_finite() || gb < 0.0 {
+            return Err(RuntimeError::Usage(format!(
+                "expert cache budget {gb} GiB is not a non-negative number"
+            )));
+        }
+        Ok((gb * (1u64 << 30) as f64) as u64)
+    }
+}
+
+/// `MemTotal` from `/proc/meminfo`, in GiB.
+fn physical_memory_gb() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / (1u64 << 20) as f64)
+}
+
 /// An opened model.
 pub struct Engine {
     dir: PathBuf,
@@ -75,7 +121,7 @@ pub struct Engine {
     spine_int8: bool,
     fingerprint: u32,
     model: Model,
-    experts: CountingExperts<ExpertsFromFiles>,
+    experts: CountingExperts<ExpertStore>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -87,6 +133,10 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Opens the model in `dir`: parses `config.json`, reads every shard header, maps the experts and loads the
     /// spine, checking every shape.
+    ///
+    /// A streaming install (see `deltafin setup --stream`) is opened through storage's `StreamInstall`: any
+    /// missing header or spine span is fetched and every cached spine span verified first; experts are then
+    /// fetched on demand.
     pub fn open(dir: &Path, options: EngineOptions) -> Result<Self> {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
@@ -94,13 +144,26 @@ impl Engine {
         }
         let cfg = ModelConfig::from_file(&config_path)?;
         let config_bytes = std::fs::read(&config_path).unwrap_or_default();
-        let files = Arc::new(ModelFiles::open(dir)?);
-        let map = Arc::new(ExpertMap::build(&files)?);
+        let budget = options.cache_budget_bytes()?;
+        let (files, map, stream) = if is_stream_install(dir)? {
+            let s = StreamInstall::open(dir, &options.hub, &NoProgress)?;
+            (Arc::clone(s.files()), Arc::clone(s.map()), Some(s))
+        } else {
+            let files = Arc::new(ModelFiles::open(dir)?);
+            let map = Arc::new(ExpertMap::build(&files)?);
+            (files, map, None)
+        };
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
         let spine = SpineSource::open(&files, options.spine, available_memory_bytes())?;
         let spine_int8 = spine.is_int8();
         let model = Model::load(cfg, &spine)?;
+        drop(spine);
+        let mut pool = ReadPoolOptions::default();
+        if let Some(n) = options.read_threads {
+            pool.threads = n;
+        }
+        let reader = SpanReader::new(&files, stream, &pool, true)?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);
         hasher.update(&files.total_tensor_bytes().to_le_bytes());
@@ -121,8 +184,18 @@ impl Engine {
             spine_int8,
             fingerprint: hasher.finalize(),
             model,
-            experts: CountingExperts::new(ExpertsFromFiles { files, map }, n_layers),
+            experts: CountingExperts::new(ExpertStore::new(map, reader, budget), n_layers),
         })
+    }
+
+    /// Experts not yet on local disk (a streaming install still filling); `None` for a full install.
+    pub fn missing_experts(&self) -> Option<Missing> {
+        self.experts.inner().missing().filter(|m| m.experts > 0)
+    }
+
+    /// Expert cache hits and misses, disk reads and network fetches so far.
+    pub fn expert_stats(&self) -> ExpertStats {
+        self.experts.inner().stats()
     }
 
     /// The model directory.

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod counters;
 pub mod engine;
 pub mod error;
+pub mod expert_cache;
 pub mod ngram;
 pub mod sampling;
 pub mod session;
@@ -15,11 +16,14 @@ pub mod snapshot_file;
 pub mod sources;
 pub mod spine;
 
+pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
+pub use expert_cache::CacheStats;
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
     Snapshot,
 };
+pub use sources::ExpertStats;
 pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8};

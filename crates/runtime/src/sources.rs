@@ -1,66 +1,185 @@
-//! The model's weight and expert traits implemented over the checkpoint files.
+//! The model's weight and expert traits implemented over the checkpoint files: the spine read once at load,
+//! routed experts through the RAM cache ([`crate::expert_cache`]) and storage's span reader (read pool on a
+//! full install, sparse cache plus range requests on a streaming one).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use deltafin_model::{ExpertSource, ExpertWeights, ModelError, PackedExpert};
-use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
+use deltafin_storage::{
+    ExpertFormat, ExpertMap, ExpertSpan, Missing, ReaderStats, SpanBytes, SpanKey, SpanReader,
+    SpanRequest, StorageError,
+};
 
 use crate::convert::to_f32;
 use crate::error::RuntimeError;
+use crate::expert_cache::{CacheStats, ExpertCache};
 
-/// Routed experts read from the shards: one positional read per expert span.
-pub struct ExpertsFromFiles {
-    /// The opened checkpoint.
-    pub files: Arc<ModelFiles>,
-    /// Where each expert lies.
-    pub map: Arc<ExpertMap>,
+/// Everything the expert store counts, for the end-of-run report.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertStats {
+    /// The RAM cache's hits, misses and size.
+    pub cache: CacheStats,
+    /// Disk reads (read pool) and network fetches.
+    pub reader: ReaderStats,
 }
 
-impl ExpertsFromFiles {
-    fn load_one(&self, layer: usize, expert: usize) -> Result<ExpertWeights, RuntimeError> {
-        let span = self.map.span(layer, expert)?;
-        let mut bytes = vec![0u8; span.len as usize];
-        self.files
-            .read_span(span.shard, span.offset, span.len, &mut bytes)?;
-        let range = |i: usize| {
-            let p = &span.parts[i];
-            p.rel_offset as usize..(p.rel_offset + p.len) as usize
-        };
-        match span.format {
-            ExpertFormat::Mxfp4 => Ok(ExpertWeights::Mxfp4(PackedExpert {
-                parts: [range(0), range(1), range(2), range(3), range(4), range(5)],
-                bytes,
-            })),
-            ExpertFormat::Dense(dtype) => {
-                let conv = |i: usize| {
-                    to_f32(&bytes[range(i)], dtype).ok_or_else(|| RuntimeError::UnsupportedDtype {
-                        name: format!("layer {layer} expert {expert}"),
-                        dtype: format!("{dtype:?}"),
-                    })
-                };
-                Ok(ExpertWeights::Dense {
-                    w1: conv(0)?,
-                    w2: conv(1)?,
-                    w3: conv(2)?,
-                })
+impl std::fmt::Display for ExpertStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.cache;
+        let d = &self.reader.disk;
+        write!(
+            f,
+            "expert cache: {} hits, {} misses ({:.1}% hit rate), {} evictions, {:.1} of {:.1} MiB held; \
+             disk: {} reads, {:.1} MiB, {:.3} s waiting",
+            c.hits,
+            c.misses,
+            100.0 * c.hit_rate(),
+            c.evictions,
+            c.bytes as f64 / MIB,
+            c.budget as f64 / MIB,
+            d.reads,
+            d.bytes as f64 / MIB,
+            d.wait_ns as f64 / 1e9,
+        )?;
+        if self.reader.fetched_spans > 0 || self.reader.corrupt_spans > 0 {
+            write!(
+                f,
+                "; network: {} spans fetched, {} corrupt cached spans refetched",
+                self.reader.fetched_spans, self.reader.corrupt_spans
+            )?;
+        }
+        Ok(())
+    }
+}
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// Routed experts: RAM cache first, then one read (local disk) or one range request (streaming install)
+/// per missing expert, a layer's misses submitted as one batch and decoded as each arrives.
+pub struct ExpertStore {
+    map: Arc<ExpertMap>,
+    reader: SpanReader,
+    cache: Mutex<ExpertCache>,
+}
+
+impl std::fmt::Debug for ExpertStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpertStore")
+            .field("reader", &self.reader)
+            .finish()
+    }
+}
+
+impl ExpertStore {
+    /// A store over `reader` for the experts in `map`, with a RAM cache of `cache_budget` bytes.
+    pub fn new(map: Arc<ExpertMap>, reader: SpanReader, cache_budget: u64) -> Self {
+        Self {
+            map,
+            reader,
+            cache: Mutex::new(ExpertCache::new(cache_budget)),
+        }
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, ExpertCache> {
+        // The cache's maps stay consistent between statements; a panic elsewhere does not poison them.
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> ExpertStats {
+        ExpertStats {
+            cache: self.cache().stats(),
+            reader: self.reader.stats(),
+        }
+    }
+
+    /// Experts not yet local (streaming installs only).
+    pub fn missing(&self) -> Option<Missing> {
+        self.reader.stream().map(|s| s.missing_experts(None))
+    }
+
+    fn load(
+        &self,
+        layer: usize,
+        experts: &[usize],
+    ) -> Result<Vec<Arc<ExpertWeights>>, RuntimeError> {
+        let mut out: Vec<Option<Arc<ExpertWeights>>> = vec![None; experts.len()];
+        let mut requests = Vec::new();
+        {
+            let mut cache = self.cache();
+            for (i, &e) in experts.iter().enumerate() {
+                match cache.get(layer, e) {
+                    Some(w) => out[i] = Some(w),
+                    None => {
+                        let span = self.map.span(layer, e)?;
+                        requests.push(SpanRequest {
+                            tag: i,
+                            key: SpanKey {
+                                shard: span.shard,
+                                offset: span.offset,
+                                len: span.len,
+                            },
+                        });
+                    }
+                }
             }
+        }
+        if !requests.is_empty() {
+            for done in self.reader.read(&requests) {
+                let bytes = done.result?;
+                let e = experts[done.tag];
+                let weights = Arc::new(decode(self.map.span(layer, e)?, bytes)?);
+                self.cache().insert(layer, e, Arc::clone(&weights));
+                out[done.tag] = Some(weights);
+            }
+        }
+        out.into_iter()
+            .zip(experts)
+            .map(|(w, &e)| {
+                w.ok_or(RuntimeError::Storage(StorageError::NoSuchExpert {
+                    layer,
+                    expert: e,
+                }))
+            })
+            .collect()
+    }
+}
+
+/// Turns an expert span's bytes into weights: MXFP4 stays packed, dense parts become f32.
+fn decode(span: &ExpertSpan, bytes: SpanBytes) -> Result<ExpertWeights, RuntimeError> {
+    let (layer, expert) = (span.layer, span.expert);
+    let range = |i: usize| {
+        let p = &span.parts[i];
+        p.rel_offset as usize..(p.rel_offset + p.len) as usize
+    };
+    match span.format {
+        ExpertFormat::Mxfp4 => Ok(ExpertWeights::Mxfp4(PackedExpert {
+            parts: [range(0), range(1), range(2), range(3), range(4), range(5)],
+            bytes: bytes.into_vec(),
+        })),
+        ExpertFormat::Dense(dtype) => {
+            let conv = |i: usize| {
+                to_f32(&bytes[range(i)], dtype).ok_or_else(|| RuntimeError::UnsupportedDtype {
+                    name: format!("layer {layer} expert {expert}"),
+                    dtype: format!("{dtype:?}"),
+                })
+            };
+            Ok(ExpertWeights::Dense {
+                w1: conv(0)?,
+                w2: conv(1)?,
+                w3: conv(2)?,
+            })
         }
     }
 }
 
-impl ExpertSource for ExpertsFromFiles {
+impl ExpertSource for ExpertStore {
     fn load_experts(
         &self,
         layer: usize,
         experts: &[usize],
     ) -> deltafin_model::Result<Vec<Arc<ExpertWeights>>> {
-        experts
-            .iter()
-            .map(|&e| {
-                self.load_one(layer, e)
-                    .map(Arc::new)
-                    .map_err(|err| ModelError::Source(Box::new(err)))
-            })
-            .collect()
+        self.load(layer, experts)
+            .map_err(|err| ModelError::Source(Box::new(err)))
     }
 }

@@ -317,6 +317,51 @@ pub enum StorageError {
         /// The expert looked up.
         expert: usize,
     },
+
+    /// A cached span's bytes disagree with the checksum its manifest records (or the manifest record
+    /// itself is damaged); the span is treated as missing and fetched again.
+    #[error("corrupt span of {len} bytes at offset {offset} in {path}: {reason}")]
+    CorruptSpan {
+        /// The cache file (or manifest).
+        path: PathBuf,
+        /// Absolute offset of the span.
+        offset: u64,
+        /// Span length.
+        len: u64,
+        /// What disagrees.
+        reason: String,
+    },
+
+    /// The streaming cache's manifest cannot be read or written.
+    #[error("manifest {path}: {reason}")]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// An HTTP request to the hub failed for good (after retries, or with a status that retrying
+    /// cannot fix). The URL never carries the access token.
+    #[error("http request for {url}{range} failed: {reason}")]
+    Http {
+        /// The URL requested.
+        url: String,
+        /// The byte range requested, as ` (bytes a-b)`, or empty.
+        range: String,
+        /// What went wrong, last attempt first.
+        reason: String,
+    },
+
+    /// A setup or streaming-install problem that is not about one file: bad options, no disk room, an
+    /// unfinished install, an unknown repository layout.
+    #[error("install in {dir}: {reason}")]
+    Install {
+        /// The model directory.
+        dir: PathBuf,
+        /// What is wrong and what to do about it.
+        reason: String,
+    },
 }
 
 /// The crate's result type.

@@ -5,7 +5,14 @@
 //! serves positional reads. [`ExpertMap::build`] maps each routed expert to one contiguous byte span
 //! so that an expert costs exactly one read.
 //!
-//! **Invariant:** this crate knows bytes, names, dtypes and shapes; it does no tensor math.
+//! Reading those spans fast is the [`ReadPool`]'s job (a fixed set of threads doing page-cache-bypassing
+//! positional reads into reused aligned buffers). A streaming install ([`StreamInstall`]) keeps shards as
+//! sparse files plus a manifest of verified spans ([`SpanManifest`]) and fetches missing experts from the
+//! hub with one HTTP range request each ([`Hub`]); [`SpanReader`] serves either kind of install.
+//! [`install`] holds `setup` and `fetch-experts-all`, shared by `cargo xtask` and the CLI.
+//!
+//! **Invariant:** this crate knows bytes, names, dtypes and shapes, and where bytes come from (files or
+//! the hub); it does no tensor math and knows no tokens.
 
 #![deny(missing_docs)]
 
@@ -15,11 +22,27 @@ mod experts;
 mod files;
 mod header;
 mod index;
+pub mod install;
 mod pread;
+mod read_pool;
+mod remote;
+mod span_cache;
+mod stream;
 mod writer;
 
 pub use dtype::Dtype;
 pub use error::{Result, StorageError};
 pub use experts::{ExpertFormat, ExpertMap, ExpertPart, ExpertSpan};
 pub use files::{ModelFiles, ShardInfo, TensorInfo};
+pub use read_pool::{
+    Batch, DIRECT_ALIGN, PoolFile, PooledBuf, ReadPool, ReadPoolOptions, ReadRequest, ReadStats,
+    SpanBytes, SpanRead,
+};
+pub use remote::{DEFAULT_ENDPOINT, Hub, HubClient, HubOptions, RangeBody, RepoRef, Secret};
+pub use span_cache::{ManifestRepairs, SpanKey, SpanManifest};
+pub use stream::{
+    INSTALL_FILE, InstallInfo, InstallMode, MANIFEST_FILE, MAX_SPINE_SPAN, Missing, NoProgress,
+    Progress, ReaderStats, STATE_DIR, SpanBatch, SpanReader, SpanRequest, StreamInstall,
+    header_span, is_stream_install, spine_spans,
+};
 pub use writer::{PlannedTensor, write_safetensors};

@@ -5,3 +5,4 @@ mod bad_experts;
 mod bad_files;
 mod common;
 mod open_ok;
+mod read_pool;

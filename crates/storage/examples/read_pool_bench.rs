@@ -1,0 +1,89 @@
+//! Read-pool throughput on expert-sized spans at random offsets of a large file, for
+//! `scripts/bench-read-pool.sh` (which runs fio on the same file for comparison).
+//!
+//! `read_pool_bench FILE SPAN_LEN THREADS SECONDS [MODE]`: MODE `stream` (default) keeps 2 × THREADS reads
+//! queued, like fio's constant queue depth; `layer` submits batches of 16 spans (a K3 layer's experts)
+//! and waits for each batch. Offsets are random and not aligned (real expert spans are not), so every
+//! read covers up to one extra 4 KiB block; only span bytes are counted. Prints one line:
+//! `GB/s=<x> reads=<n> bytes=<n> direct=<bool>`.
+
+use std::sync::Arc;
+use std::sync::mpsc::channel;
+use std::time::{Duration, Instant};
+
+use deltafin_storage::{PoolFile, ReadPool, ReadPoolOptions, ReadRequest};
+
+/// Experts per layer batch in `layer` mode (K3's top-16).
+const LAYER_BATCH: usize = 16;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.len() < 4 {
+        return Err("usage: read_pool_bench FILE SPAN_LEN THREADS SECONDS [stream|layer]".into());
+    }
+    let path = std::path::PathBuf::from(&args[0]);
+    let span: u64 = args[1].parse()?;
+    let threads: usize = args[2].parse()?;
+    let seconds: f64 = args[3].parse()?;
+    let layer_mode = args.get(4).is_some_and(|m| m == "layer");
+    let file = Arc::new(PoolFile::open(&path, true)?);
+    let file_len = std::fs::metadata(&path)?.len();
+    if file_len <= span {
+        return Err("file shorter than one span".into());
+    }
+    let pool = ReadPool::new(&ReadPoolOptions {
+        threads,
+        max_idle_buffers: 2 * threads + LAYER_BATCH,
+    })?;
+    let mut seed = 0x2545_f491_4f6c_dd1du64 ^ std::process::id() as u64;
+    let mut next_offset = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % (file_len - span)
+    };
+    let request = |tag: usize, offset: u64| ReadRequest {
+        tag,
+        file: Arc::clone(&file),
+        offset,
+        len: span,
+        expect_crc: None,
+    };
+    let limit = Duration::from_secs_f64(seconds);
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let mut reads = 0u64;
+    if layer_mode {
+        while start.elapsed() < limit {
+            let batch = (0..LAYER_BATCH)
+                .map(|t| request(t, next_offset()))
+                .collect();
+            for done in pool.submit(batch) {
+                bytes += done.result?.len() as u64;
+                reads += 1;
+            }
+        }
+    } else {
+        let (tx, rx) = channel();
+        let depth = 2 * threads.max(1);
+        pool.submit_to((0..depth).map(|t| request(t, next_offset())).collect(), &tx);
+        let mut in_flight = depth;
+        while in_flight > 0 {
+            let done = rx.recv()?;
+            bytes += done.result?.len() as u64;
+            reads += 1;
+            in_flight -= 1;
+            if start.elapsed() < limit {
+                pool.submit_to(vec![request(0, next_offset())], &tx);
+                in_flight += 1;
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "GB/s={:.3} reads={reads} bytes={bytes} direct={}",
+        bytes as f64 / secs / 1e9,
+        file.is_direct()
+    );
+    Ok(())
+}

@@ -1,0 +1,183 @@
+//! The read pool against plain buffered reads of the same file: same bytes for aligned and unaligned
+//! spans, spans that end at the end of the file, direct I/O where the filesystem allows it, and reused
+//! buffers.
+//!
+//! The file lives under Cargo's target tmp dir (a real disk here), not in `/tmp`, which may be tmpfs
+//! where `O_DIRECT` is refused.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use deltafin_storage::{PoolFile, ReadPool, ReadPoolOptions, ReadRequest, StorageError};
+
+/// Deterministic pseudo-random bytes (xorshift), so a misplaced read cannot match by accident.
+fn noise(len: usize, mut seed: u64) -> Vec<u8> {
+    (0..len)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
+fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("read-pool");
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let path = dir.join(name);
+    let mut f = std::fs::File::create(&path).expect("create");
+    f.write_all(bytes).expect("write");
+    f.sync_all().expect("sync");
+    path
+}
+
+fn check(direct: bool, name: &str) {
+    // Odd length, so the last span ends off the 4096 grid.
+    let data = noise(3 * 1024 * 1024 + 1234, 0x9e37_79b9_7f4a_7c15);
+    let path = scratch_file(name, &data);
+    let file = Arc::new(PoolFile::open(&path, direct).expect("open"));
+    if direct {
+        eprintln!("{}: direct = {}", path.display(), file.is_direct());
+    }
+    let pool = ReadPool::new(&ReadPoolOptions {
+        threads: 3,
+        max_idle_buffers: 8,
+    })
+    .expect("pool");
+    let n = data.len() as u64;
+    let spans: Vec<(u64, u64)> = vec![
+        (0, 4096),
+        (4096, 8192),
+        (1, 10),
+        (4095, 2),
+        (12_345, 1_000_000),
+        (n - 1, 1),
+        (n - 777, 777),
+        (n - 1_500_000, 1_500_000),
+        (0, n),
+    ];
+    // Twice, so the second round reuses the first round's buffers.
+    for round in 0..2 {
+        let requests = spans
+            .iter()
+            .enumerate()
+            .map(|(tag, &(offset, len))| ReadRequest {
+                tag,
+                file: Arc::clone(&file),
+                offset,
+                len,
+                expect_crc: None,
+            })
+            .collect();
+        let mut seen = 0;
+        for done in pool.submit(requests) {
+            let (offset, len) = spans[done.tag];
+            let bytes = done.result.expect("read");
+            assert_eq!(bytes.len() as u64, len, "round {round} span {offset}+{len}");
+            assert!(
+                bytes[..] == data[offset as usize..(offset + len) as usize],
+                "round {round}: bytes differ for span {offset}+{len}"
+            );
+            seen += 1;
+        }
+        assert_eq!(seen, spans.len());
+    }
+    let stats = pool.stats();
+    assert_eq!(stats.reads, 2 * spans.len() as u64);
+    assert!(
+        stats.buffers_allocated < stats.reads,
+        "buffers are reused: {stats:?}"
+    );
+    if file.is_direct() {
+        assert_eq!(stats.buffered_reads, 0, "{stats:?}");
+        assert!(stats.device_bytes >= stats.bytes);
+    } else {
+        assert_eq!(stats.buffered_reads, stats.reads);
+    }
+    std::fs::remove_file(&path).expect("cleanup");
+}
+
+#[test]
+fn direct_reads_match_buffered_reads() {
+    check(true, "direct.bin");
+}
+
+#[test]
+fn buffered_reads_match() {
+    check(false, "buffered.bin");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn direct_io_is_used_on_a_real_disk() {
+    // The target dir is on the project's disk (ext4 here); tmpfs would refuse O_DIRECT and fall back,
+    // which `check` covers.
+    let path = scratch_file("probe.bin", &noise(8192, 1));
+    let file = PoolFile::open(&path, true).expect("open");
+    let fs_refuses = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags_direct()
+        .open(&path)
+        .is_err();
+    assert_eq!(file.is_direct(), !fs_refuses);
+    std::fs::remove_file(&path).expect("cleanup");
+}
+
+/// `custom_flags(O_DIRECT)` without a libc dependency in the test: 0o40000 on x86-64, 0o200000 on arm64.
+#[cfg(target_os = "linux")]
+trait DirectFlag {
+    fn custom_flags_direct(&mut self) -> &mut Self;
+}
+
+#[cfg(target_os = "linux")]
+impl DirectFlag for std::fs::OpenOptions {
+    fn custom_flags_direct(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        #[cfg(target_arch = "aarch64")]
+        const O_DIRECT: i32 = 0o200000;
+        #[cfg(not(target_arch = "aarch64"))]
+        const O_DIRECT: i32 = 0o40000;
+        self.custom_flags(O_DIRECT)
+    }
+}
+
+#[test]
+fn crc_mismatch_is_reported() {
+    let data = noise(10_000, 7);
+    let path = scratch_file("crc.bin", &data);
+    let file = Arc::new(PoolFile::open(&path, true).expect("open"));
+    let pool = ReadPool::new(&ReadPoolOptions::default()).expect("pool");
+    let good = crc32fast_like(&data[100..200]);
+    let req = |crc| ReadRequest {
+        tag: 0,
+        file: Arc::clone(&file),
+        offset: 100,
+        len: 100,
+        expect_crc: Some(crc),
+    };
+    let ok: Vec<_> = pool.submit(vec![req(good)]).collect();
+    assert!(ok[0].result.is_ok());
+    let bad: Vec<_> = pool.submit(vec![req(good ^ 1)]).collect();
+    assert!(matches!(
+        bad[0].result,
+        Err(StorageError::CorruptSpan { .. })
+    ));
+    std::fs::remove_file(&path).expect("cleanup");
+}
+
+/// CRC-32 (IEEE), bitwise: the reference the pool's SIMD CRC must agree with.
+fn crc32fast_like(bytes: &[u8]) -> u32 {
+    let mut crc = 0xffff_ffffu32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
