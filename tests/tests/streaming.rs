@@ -172,7 +172,9 @@ fn check_shard_lengths(dest: &Path) -> usize {
     let files = deltafin_storage::ModelFiles::open(dest).expect("files");
     for shard in files.shards() {
         let ours = std::fs::metadata(&shard.path).expect("sparse shard").len();
-        let theirs = std::fs::metadata(k3b().join(&shard.file_name)).expect("original").len();
+        let theirs = std::fs::metadata(k3b().join(&shard.file_name))
+            .expect("original")
+            .len();
         assert_eq!(ours, theirs, "{}", shard.file_name);
     }
     files.shards().len()

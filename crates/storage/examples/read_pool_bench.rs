@@ -55,7 +55,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut reads = 0u64;
     if layer_mode {
         while start.elapsed() < limit {
-            let batch = (0..LAYER_BATCH).map(|t| request(t, next_offset())).collect();
+            let batch = (0..LAYER_BATCH)
+                .map(|t| request(t, next_offset()))
+                .collect();
             for done in pool.submit(batch) {
                 bytes += done.result?.len() as u64;
                 reads += 1;
