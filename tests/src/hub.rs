@@ -14,6 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+/// The commit the fake hub says every revision resolves to (`X-Repo-Commit`); it also serves this commit.
+pub const FAKE_COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
 /// A fault to inject into one ranged CDN response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
@@ -228,8 +231,12 @@ fn serve_hub(
     range: Option<&str>,
     seen: &mut Seen,
 ) -> std::io::Result<bool> {
-    let prefix = format!("/{}/resolve/{}/", shared.repo, shared.revision);
-    let Some(file) = path.strip_prefix(&prefix) else {
+    let by_name = format!("/{}/resolve/{}/", shared.repo, shared.revision);
+    let by_commit = format!("/{}/resolve/{FAKE_COMMIT}/", shared.repo);
+    let Some(file) = path
+        .strip_prefix(&by_name)
+        .or_else(|| path.strip_prefix(&by_commit))
+    else {
         seen.status = 404;
         respond(out, 404, &[], b"no such repository or revision")?;
         return Ok(true);
@@ -237,10 +244,23 @@ fn serve_hub(
     if file.ends_with(".safetensors") {
         seen.status = 302;
         let location = format!("{}/cdn/{file}?X-Amz-Signature=fake", shared.cdn_base);
-        respond(out, 302, &[("Location", location)], b"")?;
+        respond(
+            out,
+            302,
+            &[
+                ("Location", location),
+                ("X-Repo-Commit", FAKE_COMMIT.to_string()),
+            ],
+            b"",
+        )?;
         return Ok(true);
     }
     serve_file(out, shared, file, range, None, seen)
+}
+
+/// Headers every hub answer carries.
+fn hub_headers() -> Vec<(&'static str, String)> {
+    vec![("X-Repo-Commit", FAKE_COMMIT.to_string())]
 }
 
 /// The CDN: serves `/cdn/{file}`, applying the next queued fault to ranged requests.
@@ -287,7 +307,9 @@ fn serve_file(
     let total = bytes.len() as u64;
     let Some(range) = range else {
         seen.status = 200;
-        respond(out, 200, &[], &bytes)?;
+        // Small files come straight from the hub, which names the commit it served.
+        let headers = if seen.cdn { Vec::new() } else { hub_headers() };
+        respond(out, 200, &headers, &bytes)?;
         return Ok(true);
     };
     let Some((start, end)) = parse_range(range, total) else {

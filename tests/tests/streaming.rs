@@ -13,7 +13,7 @@ use deltafin_storage::{
     HubOptions, InstallMode, MANIFEST_FILE, NoProgress, STATE_DIR, Secret, SpanManifest,
     StorageError,
 };
-use deltafin_tests::hub::{FakeHub, Fault};
+use deltafin_tests::hub::{FAKE_COMMIT, FakeHub, Fault};
 use deltafin_tests::{Golden, fixture};
 use serde_json::Value;
 
@@ -199,6 +199,19 @@ fn stream_install_gives_identical_logits_with_one_request_per_expert() {
     );
     // Every range request went through the hub's redirect to the CDN.
     assert!(hub.seen().iter().any(|s| s.status == 302));
+    // The install is pinned to the commit the revision resolved to, and asks for that commit from then on.
+    let info = deltafin_storage::InstallInfo::read(&dest)
+        .expect("install.json")
+        .expect("present");
+    assert_eq!(info.commit.as_deref(), Some(FAKE_COMMIT));
+    let pinned = format!("/{REPO}/resolve/{FAKE_COMMIT}/");
+    assert!(
+        hub.seen()
+            .iter()
+            .filter(|s| !s.cdn && s.range.is_some())
+            .all(|s| s.path.starts_with(&pinned)),
+        "range requests use the pinned commit"
+    );
 
     hub.clear_seen();
     let (reference, distinct) = full_reference();
@@ -218,6 +231,12 @@ fn stream_install_gives_identical_logits_with_one_request_per_expert() {
         ranges.len() as u64,
         distinct,
         "one range request per distinct expert"
+    );
+    assert!(
+        hub.seen()
+            .iter()
+            .filter(|s| !s.cdn)
+            .all(|s| s.path.starts_with(&pinned))
     );
     let mut unique: Vec<_> = ranges
         .iter()

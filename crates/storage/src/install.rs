@@ -97,13 +97,30 @@ pub fn setup(
             info.repo, info.revision, opts.repo, opts.revision
         )));
     }
-    let hub = Hub::new(repo, &opts.hub)?;
+    let mut hub = Hub::new(repo.clone(), &opts.hub)?;
     let noop = |_: u64| {};
     for name in REQUIRED_FILES {
         if !dest.join(name).is_file() && hub.download_file(name, &dest.join(name), &noop)?.is_none()
         {
             return Err(install_err(format!("the repository has no {name}")));
         }
+    }
+    // Pin the install to the commit the revision resolved to (kept from an earlier run when resuming), and
+    // ask for that commit from here on.
+    let commit = existing
+        .as_ref()
+        .and_then(|i| i.commit.clone())
+        .or_else(|| hub.client().observed_commit());
+    if let Some(c) = &commit
+        && *c != opts.revision
+    {
+        hub = Hub::new(
+            RepoRef {
+                revision: c.clone(),
+                ..repo
+            },
+            &opts.hub,
+        )?;
     }
     for name in OPTIONAL_FILES.iter().chain([&INDEX_FILE]) {
         if !dest.join(name).is_file() {
@@ -158,6 +175,7 @@ pub fn setup(
         repo: opts.repo.clone(),
         revision: opts.revision.clone(),
         endpoint,
+        commit,
         complete: false,
     };
     info.write(dest)?;

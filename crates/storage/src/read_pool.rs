@@ -11,7 +11,7 @@
 //! each read finishes, so the caller can start on the first expert while the others are in flight.
 //! I/O buffers are kept in a free list and reused: a [`PooledBuf`] goes back to the list when dropped.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::alloc::{Layout, alloc, dealloc};
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io;
@@ -31,7 +31,9 @@ use crate::pread::read_exact_at;
 pub const DIRECT_ALIGN: u64 = 4096;
 
 /// Buffers grow in steps of this many bytes, so spans of slightly different lengths share buffers.
-const BUF_GRANULE: usize = 1 << 20;
+const BUF_GRANULE: usize = 2 << 20;
+/// Buffer address alignment: one x86-64/arm64 transparent huge page (a multiple of [`DIRECT_ALIGN`]).
+const HUGE_PAGE: usize = 2 << 20;
 
 /// One file as the read pool sees it: a direct handle where the filesystem allows one, and an ordinary
 /// handle for the fallback.
@@ -133,14 +135,26 @@ unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
     /// A zeroed buffer of at least `len` bytes (rounded up to [`BUF_GRANULE`]).
+    ///
+    /// Buffers are aligned to [`HUGE_PAGE`] and, on Linux, advised to use transparent huge pages before
+    /// their first touch: a direct read's request can then cover 2 MiB of physically contiguous memory
+    /// per segment instead of 4 KiB, so a 17.5 MB read needs far fewer, larger device requests.
     fn new(len: usize) -> io::Result<Self> {
         let cap = len.max(1).div_ceil(BUF_GRANULE) * BUF_GRANULE;
-        let layout = Layout::from_size_align(cap, DIRECT_ALIGN as usize)
+        let layout = Layout::from_size_align(cap, HUGE_PAGE)
             .map_err(|_| io::Error::new(io::ErrorKind::OutOfMemory, "buffer too large"))?;
-        // SAFETY: the layout has a non-zero size. Zeroed so the buffer is always initialised memory.
-        let ptr = unsafe { alloc_zeroed(layout) };
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc(layout) };
         let ptr = NonNull::new(ptr)
             .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "buffer allocation"))?;
+        #[cfg(target_os = "linux")]
+        // SAFETY: the range is exactly our fresh allocation; MADV_HUGEPAGE is only a hint. Its result does
+        // not matter: without huge pages the buffer works the same, only with smaller device requests.
+        unsafe {
+            libc::madvise(ptr.as_ptr().cast(), cap, libc::MADV_HUGEPAGE);
+        }
+        // SAFETY: ptr is valid for cap bytes; zeroing makes the whole buffer initialised memory.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, cap) };
         Ok(Self { ptr, cap })
     }
 
@@ -161,7 +175,7 @@ impl Drop for AlignedBuf {
         unsafe {
             dealloc(
                 self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.cap, DIRECT_ALIGN as usize),
+                Layout::from_size_align_unchecked(self.cap, HUGE_PAGE),
             )
         }
     }

@@ -179,7 +179,12 @@ pub struct HubClient {
     client: reqwest::Client,
     in_flight: Arc<tokio::sync::Semaphore>,
     opts: HubOptions,
+    /// The last `X-Repo-Commit` the hub sent: the commit a branch or tag resolved to.
+    commit: Arc<std::sync::Mutex<Option<String>>>,
 }
+
+/// Header in which the hub names the commit a `resolve` request was served from.
+const REPO_COMMIT: &str = "x-repo-commit";
 
 /// A [`HubClient`] and the private runtime that drives it, with blocking methods.
 pub struct Hub {
@@ -283,12 +288,22 @@ impl HubClient {
             repo,
             client,
             opts: opts.clone(),
+            commit: Arc::default(),
         })
     }
 
     /// The repository this client reads.
     pub fn repo(&self) -> &RepoRef {
         &self.repo
+    }
+
+    /// The commit the hub last said it served (`X-Repo-Commit`), if it said: setup pins an install to it so
+    /// that later range requests cannot mix bytes of two revisions.
+    pub fn observed_commit(&self) -> Option<String> {
+        self.commit
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Fetches `len` bytes at `offset` of `file`, with retries; waits for a free in-flight slot first.
@@ -439,6 +454,14 @@ impl HubClient {
                 Ok(r) => r,
                 Err(e) => return Attempt::Retry(format!("request failed: {}", chain(e))),
             };
+            if let Some(commit) = resp
+                .headers()
+                .get(REPO_COMMIT)
+                .and_then(|v| v.to_str().ok())
+                .filter(|c| !c.is_empty() && c.bytes().all(|b| b.is_ascii_alphanumeric()))
+            {
+                *self.commit.lock().unwrap_or_else(|e| e.into_inner()) = Some(commit.to_string());
+            }
             if !resp.status().is_redirection() {
                 return Attempt::Done(resp);
             }

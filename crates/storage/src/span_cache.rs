@@ -337,6 +337,10 @@ pub(crate) fn ensure_sparse_file(path: &Path, len: u64) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(e)),
     }
+    // Shard names may contain subdirectories (validated against `..` and absolute paths by the index).
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io)?;
+    }
     let f = File::create(path).map_err(io)?;
     f.set_len(len).map_err(io)?;
     f.sync_all().map_err(io)?;

@@ -63,6 +63,10 @@ pub struct InstallInfo {
     pub revision: String,
     /// The endpoint used at setup (a mirror, if `HF_ENDPOINT` was set then).
     pub endpoint: String,
+    /// The commit `revision` resolved to at setup (from the hub's `X-Repo-Commit`); every later request
+    /// asks for this commit, so a branch moving on cannot mix two revisions' bytes in one install.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit: Option<String>,
     /// True once every file (full) or every header and spine span (stream) is in place.
     pub complete: bool,
 }
@@ -112,7 +116,7 @@ impl InstallInfo {
         RepoRef {
             endpoint: opts.resolve_endpoint(Some(&self.endpoint)),
             repo: self.repo.clone(),
-            revision: self.revision.clone(),
+            revision: self.commit.clone().unwrap_or_else(|| self.revision.clone()),
         }
     }
 }
