@@ -11,6 +11,7 @@ use crate::mla::Mla;
 use crate::mlp::Mlp;
 use crate::moe::Moe;
 use crate::ops::rms_norm;
+use crate::profile::{Phase, Profile};
 use crate::state::LayerState;
 use crate::weights::{ExpertSource, Loader};
 
@@ -114,6 +115,7 @@ impl Layer {
         bank: &mut ResidualBank,
         state: &mut LayerState,
         experts: &dyn ExpertSource,
+        profile: &Profile,
     ) -> Result<Tensor> {
         match (&self.res, self.block_size) {
             (Some((attn_mix, mlp_mix)), Some(block)) => {
@@ -128,19 +130,23 @@ impl Layer {
                 } else {
                     Some(p)
                 };
-                let a = self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state)?;
+                let a = profile.time(Phase::Attention, || {
+                    self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state)
+                })?;
                 let p = match partial {
                     Some(p) => (p + a)?,
                     None => a,
                 };
                 let h2 = mlp_mix.mix(&p, &bank.blocks)?;
-                let f = self.feed_forward(&rms_norm(&h2, &self.post_norm, self.eps)?, experts)?;
+                let f = self.feed_forward(&rms_norm(&h2, &self.post_norm, self.eps)?, experts, profile)?;
                 Ok((p + f)?)
             }
             _ => {
-                let a = self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)?;
+                let a = profile.time(Phase::Attention, || {
+                    self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
+                })?;
                 let p = (p + a)?;
-                let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts)?;
+                let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts, profile)?;
                 Ok((p + f)?)
             }
         }
@@ -157,10 +163,15 @@ impl Layer {
         }
     }
 
-    fn feed_forward(&self, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
+    fn feed_forward(
+        &self,
+        x: &Tensor,
+        experts: &dyn ExpertSource,
+        profile: &Profile,
+    ) -> Result<Tensor> {
         match &self.ffn {
-            Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => m.forward(x, experts),
+            Ffn::Dense(m) => profile.time(Phase::DenseFfn, || m.forward(x)),
+            Ffn::Moe(m) => m.forward(x, experts, profile),
         }
     }
 }

@@ -8,6 +8,7 @@ use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layer::{Layer, ResidualBank};
 use crate::ops::{linear, rms_norm, tensor};
+use crate::profile::{Phase, Profile};
 use crate::state::SessionState;
 use crate::weights::{ExpertSource, Loader, WeightSource};
 
@@ -31,6 +32,7 @@ pub struct Model {
     output_mix: Option<ResMix>,
     norm: Vec<f32>,
     head: DenseMatrix,
+    profile: Profile,
 }
 
 impl Model {
@@ -57,12 +59,18 @@ impl Model {
             layers,
             output_mix,
             cfg,
+            profile: Profile::default(),
         })
     }
 
     /// The configuration the model was built from.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Time spent per phase by every forward call so far.
+    pub fn profile(&self) -> &Profile {
+        &self.profile
     }
 
     /// A fresh, empty decode state for this model.
@@ -99,10 +107,11 @@ impl Model {
         // Work on a copy so a failed call leaves `state` untouched.
         let mut next = state.clone();
         for (layer, layer_state) in self.layers.iter().zip(next.layers.iter_mut()) {
-            p = layer.forward(p, &mut bank, layer_state, experts)?;
+            p = layer.forward(p, &mut bank, layer_state, experts, &self.profile)?;
         }
         next.n_tokens += ids.len();
         *state = next;
+        let head_from = std::time::Instant::now();
         let h = match &self.output_mix {
             Some(mix) => mix.mix(&p, &bank.blocks)?,
             None => p,
@@ -116,6 +125,8 @@ impl Model {
             }
         };
         let y = rms_norm(&h, &self.norm, self.cfg.rms_eps)?;
-        linear(&y, &self.head)
+        let logits = linear(&y, &self.head);
+        self.profile.add(Phase::Head, head_from.elapsed());
+        logits
     }
 }

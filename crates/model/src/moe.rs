@@ -5,6 +5,7 @@
 //! applied to every row that chose it, so a prefill chunk reads each expert once per layer.
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use candle_core::Tensor;
 use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
@@ -12,6 +13,7 @@ use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
 use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use crate::mlp::Mlp;
+use crate::profile::{Phase, Profile};
 use crate::ops::{glu, linear, rms_norm, sigmoid, tensor, values};
 use crate::weights::{ExpertSource, ExpertWeights, Loader};
 
@@ -128,7 +130,13 @@ impl Moe {
     }
 
     /// `[T, hidden] -> [T, hidden]`.
-    pub fn forward(&self, x: &Tensor, experts: &dyn ExpertSource) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        experts: &dyn ExpertSource,
+        profile: &Profile,
+    ) -> Result<Tensor> {
+        let routing_from = Instant::now();
         let routes = self.route(x)?;
         let t_len = routes.len();
         let z = match &self.latent {
@@ -138,6 +146,7 @@ impl Moe {
         let z_vals = values(&z)?;
         let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
 
+        let routing = routing_from.elapsed();
         // expert -> rows that chose it, with the weight.
         let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         for (t, r) in routes.iter().enumerate() {
@@ -146,16 +155,24 @@ impl Moe {
             }
         }
         let ids: Vec<usize> = users.keys().copied().collect();
-        let loaded = experts.load_experts(self.layer, &ids)?;
-        // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order.
+        // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order whatever
+        // order the experts arrive in.
         let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
-        for (&e, weights) in ids.iter().zip(&loaded) {
+        let mut waited_from = Instant::now();
+        experts.for_each_expert(self.layer, &ids, &mut |i, weights| {
+            profile.add(Phase::ExpertWait, waited_from.elapsed());
+            let started = Instant::now();
+            let e = ids[i];
             let rows: Vec<&[f32]> = users[&e].iter().map(|&(t, _)| z_rows[t]).collect();
-            let ys = self.expert_forward(e, weights, &rows)?;
+            let ys = self.expert_forward(e, &weights, &rows)?;
             for (&(t, w), y) in users[&e].iter().zip(ys) {
                 outs[t].push((e, w, y));
             }
-        }
+            profile.add(Phase::ExpertCompute, started.elapsed());
+            waited_from = Instant::now();
+            Ok(())
+        })?;
+        let trunk_from = Instant::now();
         let mut combined = vec![0.0f32; t_len * self.width];
         for (t, r) in routes.iter().enumerate() {
             let dst = &mut combined[t * self.width..(t + 1) * self.width];
@@ -177,6 +194,7 @@ impl Moe {
         if let Some(s) = &self.shared {
             y = (y + s.forward(x)?)?;
         }
+        profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
         Ok(y)
     }
 

@@ -78,10 +78,27 @@ pub struct PackedExpert {
     pub parts: [Range<usize>; 6],
 }
 
+/// Called with `(position in the requested list, weights)` as each expert becomes available.
+pub type OnExpert<'a> = dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()> + 'a;
+
 /// Supplies routed experts: the runtime decides whether they come from RAM, disk or the network.
 pub trait ExpertSource: Send + Sync {
     /// The weights of `experts` (distinct ids) of layer `layer`, in the same order.
     fn load_experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertWeights>>>;
+
+    /// Calls `on_expert` for each of `experts` as soon as it is available (in any order), so the caller can
+    /// multiply one expert while the next is still being read. The default loads all, then calls in order.
+    fn for_each_expert(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_expert: &mut OnExpert<'_>,
+    ) -> Result<()> {
+        for (i, w) in self.load_experts(layer, experts)?.into_iter().enumerate() {
+            on_expert(i, w)?;
+        }
+        Ok(())
+    }
 }
 
 /// Loads weights with shape checks, naming the tensor in every error.

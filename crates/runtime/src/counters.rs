@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
+use deltafin_model::weights::OnExpert;
 use deltafin_model::{ExpertSource, ExpertWeights};
 
 /// Expert requests per layer since the last reset.
@@ -61,18 +62,34 @@ impl<S> CountingExperts<S> {
     }
 }
 
-impl<S: ExpertSource> ExpertSource for CountingExperts<S> {
-    fn load_experts(
-        &self,
-        layer: usize,
-        experts: &[usize],
-    ) -> deltafin_model::Result<Vec<Arc<ExpertWeights>>> {
+impl<S> CountingExperts<S> {
+    fn count(&self, layer: usize, experts: &[usize]) {
         if let Ok(mut s) = self.stats.lock()
             && layer < s.reads.len()
         {
             s.reads[layer] += experts.len() as u64;
             s.distinct[layer].extend(experts.iter().copied());
         }
+    }
+}
+
+impl<S: ExpertSource> ExpertSource for CountingExperts<S> {
+    fn load_experts(
+        &self,
+        layer: usize,
+        experts: &[usize],
+    ) -> deltafin_model::Result<Vec<Arc<ExpertWeights>>> {
+        self.count(layer, experts);
         self.inner.load_experts(layer, experts)
+    }
+
+    fn for_each_expert(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_expert: &mut OnExpert<'_>,
+    ) -> deltafin_model::Result<()> {
+        self.count(layer, experts);
+        self.inner.for_each_expert(layer, experts, on_expert)
     }
 }

@@ -248,6 +248,11 @@ impl Engine {
         self.experts.reset()
     }
 
+    /// Time per phase of every forward pass so far.
+    pub fn profile(&self) -> deltafin_model::ProfileSnapshot {
+        self.model.profile().snapshot()
+    }
+
     /// A new, empty conversation.
     pub fn session(&self) -> Session<'_> {
         Session::new(self)

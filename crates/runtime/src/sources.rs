@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
+use deltafin_model::weights::OnExpert;
 use deltafin_model::{ExpertSource, ExpertWeights, ModelError, PackedExpert};
 use deltafin_storage::{
     ExpertFormat, ExpertMap, ExpertSpan, Missing, ReaderStats, SpanBytes, SpanKey, SpanReader,
@@ -98,18 +99,21 @@ impl ExpertStore {
         self.reader.stream().map(|s| s.missing_experts(None))
     }
 
-    fn load(
+    /// Calls `on_expert(i, weights)` for each of `experts`: cache hits first, then disk (or network) reads in
+    /// the order they complete, while the remaining reads are still in flight.
+    fn stream(
         &self,
         layer: usize,
         experts: &[usize],
-    ) -> Result<Vec<Arc<ExpertWeights>>, RuntimeError> {
-        let mut out: Vec<Option<Arc<ExpertWeights>>> = vec![None; experts.len()];
+        on_expert: &mut OnExpert<'_>,
+    ) -> Result<(), StreamError> {
         let mut requests = Vec::new();
+        let mut hits = Vec::new();
         {
             let mut cache = self.cache();
             for (i, &e) in experts.iter().enumerate() {
                 match cache.get(layer, e) {
-                    Some(w) => out[i] = Some(w),
+                    Some(w) => hits.push((i, w)),
                     None => {
                         let span = self.map.span(layer, e)?;
                         requests.push(SpanRequest {
@@ -124,24 +128,46 @@ impl ExpertStore {
                 }
             }
         }
-        if !requests.is_empty() {
-            for done in self.reader.read(&requests) {
+        // Reads go out before the hits are multiplied, so disk and compute overlap from the start.
+        let mut completions = if requests.is_empty() {
+            None
+        } else {
+            Some(self.reader.read(&requests))
+        };
+        for (i, w) in hits {
+            on_expert(i, w).map_err(StreamError::Model)?;
+        }
+        if let Some(done_iter) = completions.as_mut() {
+            for done in done_iter {
                 let bytes = done.result?;
                 let e = experts[done.tag];
                 let weights = Arc::new(decode(self.map.span(layer, e)?, bytes)?);
                 self.cache().insert(layer, e, Arc::clone(&weights));
-                out[done.tag] = Some(weights);
+                on_expert(done.tag, weights).map_err(StreamError::Model)?;
             }
         }
-        out.into_iter()
-            .zip(experts)
-            .map(|(w, &e)| {
-                w.ok_or(RuntimeError::Storage(StorageError::NoSuchExpert {
-                    layer,
-                    expert: e,
-                }))
-            })
-            .collect()
+        Ok(())
+    }
+}
+
+/// A failure while streaming experts: from storage/decoding, or from the caller's callback.
+enum StreamError {
+    Runtime(RuntimeError),
+    Model(ModelError),
+}
+
+impl<E: Into<RuntimeError>> From<E> for StreamError {
+    fn from(e: E) -> Self {
+        StreamError::Runtime(e.into())
+    }
+}
+
+impl StreamError {
+    fn into_model(self) -> ModelError {
+        match self {
+            StreamError::Runtime(e) => ModelError::Source(Box::new(e)),
+            StreamError::Model(e) => e,
+        }
     }
 }
 
@@ -179,7 +205,30 @@ impl ExpertSource for ExpertStore {
         layer: usize,
         experts: &[usize],
     ) -> deltafin_model::Result<Vec<Arc<ExpertWeights>>> {
-        self.load(layer, experts)
-            .map_err(|err| ModelError::Source(Box::new(err)))
+        let mut out: Vec<Option<Arc<ExpertWeights>>> = vec![None; experts.len()];
+        self.for_each_expert(layer, experts, &mut |i, w| {
+            out[i] = Some(w);
+            Ok(())
+        })?;
+        out.into_iter()
+            .zip(experts)
+            .map(|(w, &e)| {
+                w.ok_or_else(|| {
+                    ModelError::Source(Box::new(RuntimeError::Storage(
+                        StorageError::NoSuchExpert { layer, expert: e },
+                    )))
+                })
+            })
+            .collect()
+    }
+
+    fn for_each_expert(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        on_expert: &mut OnExpert<'_>,
+    ) -> deltafin_model::Result<()> {
+        self.stream(layer, experts, on_expert)
+            .map_err(StreamError::into_model)
     }
 }

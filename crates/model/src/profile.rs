@@ -1,0 +1,104 @@
+//! Where a forward pass spends its time, accumulated across calls: attention, dense FFN, the MoE's router and
+//! shared experts, waiting for routed experts to arrive, and multiplying them. Printed by `--stats`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Accumulated nanoseconds per phase (interior mutability: the model is shared).
+#[derive(Debug, Default)]
+pub struct Profile {
+    attention: AtomicU64,
+    dense_ffn: AtomicU64,
+    moe_trunk: AtomicU64,
+    expert_wait: AtomicU64,
+    expert_compute: AtomicU64,
+    head: AtomicU64,
+}
+
+/// A copy of the counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProfileSnapshot {
+    /// KDA and MLA blocks (projections, recurrence, attention).
+    pub attention: Duration,
+    /// Dense MLP layers.
+    pub dense_ffn: Duration,
+    /// MoE router, latent projections, norm and shared experts.
+    pub moe_trunk: Duration,
+    /// Blocked waiting for routed experts (RAM cache, disk or network).
+    pub expert_wait: Duration,
+    /// Multiplying routed experts.
+    pub expert_compute: Duration,
+    /// Embedding, AttnRes mixes, final norm and the head.
+    pub head: Duration,
+}
+
+/// The phases [`Profile`] tracks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Attention blocks.
+    Attention,
+    /// Dense MLP.
+    DenseFfn,
+    /// MoE router, latent projections, shared experts.
+    MoeTrunk,
+    /// Waiting for experts.
+    ExpertWait,
+    /// Routed expert math.
+    ExpertCompute,
+    /// Everything else (embedding, mixes, head).
+    Head,
+}
+
+impl Profile {
+    fn counter(&self, phase: Phase) -> &AtomicU64 {
+        match phase {
+            Phase::Attention => &self.attention,
+            Phase::DenseFfn => &self.dense_ffn,
+            Phase::MoeTrunk => &self.moe_trunk,
+            Phase::ExpertWait => &self.expert_wait,
+            Phase::ExpertCompute => &self.expert_compute,
+            Phase::Head => &self.head,
+        }
+    }
+
+    /// Adds `d` to `phase`.
+    pub fn add(&self, phase: Phase, d: Duration) {
+        self.counter(phase)
+            .fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Runs `f`, charging its time to `phase`.
+    pub fn time<T>(&self, phase: Phase, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        self.add(phase, t.elapsed());
+        out
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> ProfileSnapshot {
+        let d = |p| Duration::from_nanos(self.counter(p).load(Ordering::Relaxed));
+        ProfileSnapshot {
+            attention: d(Phase::Attention),
+            dense_ffn: d(Phase::DenseFfn),
+            moe_trunk: d(Phase::MoeTrunk),
+            expert_wait: d(Phase::ExpertWait),
+            expert_compute: d(Phase::ExpertCompute),
+            head: d(Phase::Head),
+        }
+    }
+
+    /// Zeroes every counter.
+    pub fn reset(&self) {
+        for p in [
+            Phase::Attention,
+            Phase::DenseFfn,
+            Phase::MoeTrunk,
+            Phase::ExpertWait,
+            Phase::ExpertCompute,
+            Phase::Head,
+        ] {
+            self.counter(p).store(0, Ordering::Relaxed);
+        }
+    }
+}
