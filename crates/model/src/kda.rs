@@ -44,6 +44,9 @@ pub struct Kda {
     o_norm: Vec<f32>,
     o_proj: DenseMatrix,
     eps: f32,
+    /// The device the recurrence runs on, when the model runs on CUDA.
+    #[cfg(feature = "cuda")]
+    gpu: Option<std::sync::Arc<deltafin_quant::cuda::Gpu>>,
 }
 
 impl Kda {
@@ -103,6 +106,8 @@ impl Kda {
             o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
             o_proj: ld.matrix(&name("o_proj.weight"), hidden, c)?,
             eps,
+            #[cfg(feature = "cuda")]
+            gpu: ld.gpu.as_ref().map(|g| g.gpu.clone()),
         })
     }
 
@@ -155,8 +160,18 @@ impl Kda {
             l2_normalize(row);
         }
 
-        let mut out = vec![0.0f32; t_len * c];
-        for head in 0..h {
+        #[cfg(feature = "cuda")]
+        let device_out = match &self.gpu {
+            Some(gpu) => {
+                crate::gpu::kda_recurrent(gpu, &mut st.s, &q, &k, &v, &g, &beta, (t_len, h, d))?
+            }
+            None => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let device_out: Option<Vec<f32>> = None;
+        let on_device = device_out.is_some();
+        let mut out = device_out.unwrap_or_else(|| vec![0.0f32; t_len * c]);
+        for head in (0..h).filter(|_| !on_device) {
             let s = &mut st.s[head * d * d..(head + 1) * d * d];
             for t in 0..t_len {
                 let off = t * c + head * d;

@@ -7,7 +7,10 @@
 
 pub mod attn_res;
 pub mod config;
+pub mod device;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kda;
 pub mod layer;
 pub mod mla;
@@ -19,6 +22,7 @@ pub mod state;
 pub mod weights;
 
 pub use config::{AttnKind, Family, ModelConfig};
+pub use device::{CUDA_BUILT, DeviceOptions, DevicePref};
 pub use error::{ModelError, Result, SourceError};
 pub use model::{LogitRows, Model};
 pub use state::SessionState;

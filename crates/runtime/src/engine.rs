@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deltafin_model::{ExpertSource, Model, ModelConfig};
+use deltafin_model::{DeviceOptions, DevicePref, ExpertSource, Model, ModelConfig};
 use deltafin_storage::{ExpertFormat, ExpertMap, ModelFiles};
 
 use crate::counters::{CountingExperts, ExpertReadStats};
@@ -19,12 +19,15 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 pub struct EngineOptions {
     /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, default 64).
     pub prefill_chunk: usize,
+    /// Where the model runs (`K3_DEV`, default cpu) and the GPU expert cache size (`K3_GPU_CACHE_GB`).
+    pub device: DeviceOptions,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
         Self {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            device: DeviceOptions::from_env(),
         }
     }
 }
@@ -33,6 +36,12 @@ impl EngineOptions {
     /// These options with `prefill_chunk` set to `n` (at least 1).
     pub fn with_prefill_chunk(mut self, n: usize) -> Self {
         self.prefill_chunk = n.max(1);
+        self
+    }
+
+    /// These options on device `pref` (`cpu`, `cuda` or `auto`).
+    pub fn with_device(mut self, pref: DevicePref) -> Self {
+        self.device.pref = pref;
         self
     }
 
@@ -79,7 +88,7 @@ impl Engine {
         let map = Arc::new(ExpertMap::build(&files)?);
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
-        let model = Model::load(cfg, &SpineFromFiles { files: &files })?;
+        let model = Model::load_on(cfg, &SpineFromFiles { files: &files }, &options.device)?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);
         hasher.update(&files.total_tensor_bytes().to_le_bytes());
@@ -100,6 +109,17 @@ impl Engine {
     /// The parsed configuration.
     pub fn config(&self) -> &ModelConfig {
         self.model.config()
+    }
+
+    /// Where the model runs: `cpu` or `cuda (<GPU name>)`.
+    pub fn device_name(&self) -> &str {
+        self.model.device_name()
+    }
+
+    /// Counters of the GPU expert cache (`None` on the CPU).
+    #[cfg(feature = "cuda")]
+    pub fn expert_cache_stats(&self) -> Option<deltafin_model::gpu::ExpertCacheStats> {
+        self.model.expert_cache_stats()
     }
 
     /// The options the engine was opened with.

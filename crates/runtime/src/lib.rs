@@ -14,6 +14,7 @@ pub mod session;
 pub mod snapshot_file;
 pub mod sources;
 
+pub use deltafin_model::{DeviceOptions, DevicePref};
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
 pub use sampling::{Sampler, SamplingParams, argmax};

@@ -1,0 +1,2 @@
+//! `deltafin-cudabench`: placeholder, filled in below.
+fn main() {}
