@@ -160,15 +160,7 @@ impl Kda {
             l2_normalize(row);
         }
 
-        #[cfg(feature = "cuda")]
-        let device_out = match &self.gpu {
-            Some(gpu) => {
-                crate::gpu::kda_recurrent(gpu, &mut st.s, &q, &k, &v, &g, &beta, (t_len, h, d))?
-            }
-            None => None,
-        };
-        #[cfg(not(feature = "cuda"))]
-        let device_out: Option<Vec<f32>> = None;
+        let device_out = self.recurrence_on_device(&mut st.s, [&q, &k, &v, &g, &beta], t_len)?;
         let on_device = device_out.is_some();
         let mut out = device_out.unwrap_or_else(|| vec![0.0f32; t_len * c]);
         for head in (0..h).filter(|_| !on_device) {
@@ -199,6 +191,36 @@ impl Kda {
             }
         }
         linear(&tensor(out, t_len, c)?, &self.o_proj)
+    }
+}
+
+impl Kda {
+    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU). `qkvgb` are q, k, v, the
+    /// log decay and β.
+    #[cfg(feature = "cuda")]
+    fn recurrence_on_device(
+        &self,
+        s: &mut [f32],
+        qkvgb: [&[f32]; 5],
+        t_len: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(None);
+        };
+        let [q, k, v, g, beta] = qkvgb;
+        let dims = (t_len, self.cfg.n_heads, self.cfg.head_dim);
+        crate::gpu::kda_recurrent(gpu, s, q, k, v, g, beta, dims)
+    }
+
+    /// Without the `cuda` feature the recurrence always runs on the CPU.
+    #[cfg(not(feature = "cuda"))]
+    fn recurrence_on_device(
+        &self,
+        _s: &mut [f32],
+        _qkvgb: [&[f32]; 5],
+        _t_len: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(None)
     }
 }
 

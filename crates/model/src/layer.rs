@@ -27,7 +27,7 @@ pub enum Attention {
 #[derive(Debug)]
 pub enum Ffn {
     /// Dense gated MLP.
-    Dense(Mlp),
+    Dense(Box<Mlp>),
     /// Routed MoE.
     Moe(Box<Moe>),
 }
@@ -71,13 +71,13 @@ impl Layer {
         let ffn = if cfg.is_moe_layer(index) {
             Ffn::Moe(Box::new(Moe::load(ld, cfg, index)?))
         } else {
-            Ffn::Dense(Mlp::load(
+            Ffn::Dense(Box::new(Mlp::load(
                 ld,
                 &cfg.layer_tensor(index, "mlp."),
                 h,
                 cfg.intermediate_size,
                 cfg.activation,
-            )?)
+            )?))
         };
         let res = match cfg.attn_res_block {
             Some(_) => Some((

@@ -308,10 +308,7 @@ impl GpuExperts {
             let staging = &mut state.staging;
             let (uploaded, overlap_result) = std::thread::scope(|scope| {
                 let helper = scope.spawn(|| self.upload(layer, &misses, source, pool, staging));
-                let o = match overlap.take() {
-                    Some(f) => Some(f()),
-                    None => None,
-                };
+                let o = overlap.take().map(|f| f());
                 let u = helper.join().unwrap_or_else(|_| {
                     Err(ModelError::Device(
                         "expert upload thread panicked".to_string(),

@@ -159,7 +159,9 @@ impl Gpu {
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
             )
             .map_err(|e| driver_err("reading the shared-memory limit", e))?
-            .max(48 * 1024) as usize;
+            .max(48 * 1024) as usize
+            // Headroom for the kernels' static shared memory (a few bytes).
+            - 1024;
         let opts = cudarc::nvrtc::CompileOptions {
             options: vec![
                 format!("--gpu-architecture=compute_{major}{minor}"),
@@ -179,9 +181,11 @@ impl Gpu {
                 .load_function(name)
                 .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
             if BIG_SMEM_KERNELS.contains(&name) {
+                // The opt-in limit covers static and dynamic shared memory together.
+                let static_smem = f.shared_size_bytes().unwrap_or(0).max(0) as usize;
                 f.set_attribute(
                     CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem_optin as i32,
+                    (smem_optin - static_smem.min(smem_optin)) as i32,
                 )
                 .map_err(|e| {
                     driver_err(&format!("raising the shared-memory limit of {name}"), e)
