@@ -2,12 +2,13 @@
 
 use std::process::{Command, Output};
 
-fn deltafin(args: &[&str]) -> Output {
+/// Runs the binary with its own model root per test (tests run in parallel and each materialises the demo model).
+fn deltafin(test: &str, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_deltafin"))
         .args(args)
         .env(
             "DELTAFIN_ROOT",
-            std::env::temp_dir().join("deltafin-cli-dev-test-root"),
+            std::env::temp_dir().join(format!("deltafin-cli-dev-{test}")),
         )
         .env_remove("K3_DEV")
         .output()
@@ -16,7 +17,10 @@ fn deltafin(args: &[&str]) -> Output {
 
 #[test]
 fn cuda_where_unavailable_is_a_clear_error() {
-    let out = deltafin(&["--dev", "cuda", "run", "--max-new", "2", "--json"]);
+    let out = deltafin(
+        "cuda",
+        &["--dev", "cuda", "run", "--max-new", "2", "--json"],
+    );
     let stderr = String::from_utf8_lossy(&out.stderr);
     // Only a CUDA build on a machine with a usable GPU may succeed.
     let built_with_cuda = cfg!(feature = "cuda");
@@ -32,13 +36,16 @@ fn cuda_where_unavailable_is_a_clear_error() {
 
 #[test]
 fn auto_runs_without_a_gpu() {
-    let out = deltafin(&["--dev", "auto", "run", "--max-new", "2", "--json"]);
+    let out = deltafin(
+        "auto",
+        &["--dev", "auto", "run", "--max-new", "2", "--json"],
+    );
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let cpu = deltafin(&["run", "--dev", "cpu", "--max-new", "2", "--json"]);
+    let cpu = deltafin("auto", &["run", "--dev", "cpu", "--max-new", "2", "--json"]);
     assert!(cpu.status.success());
     // Same tokens whichever device ran them (the demo model has wide margins).
     assert_eq!(out.stdout, cpu.stdout);
@@ -46,7 +53,7 @@ fn auto_runs_without_a_gpu() {
 
 #[test]
 fn unknown_device_is_rejected() {
-    let out = deltafin(&["--dev", "metal", "run", "--max-new", "1"]);
+    let out = deltafin("metal", &["--dev", "metal", "run", "--max-new", "1"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected cpu, cuda or auto"));
 }
