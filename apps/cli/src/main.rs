@@ -12,13 +12,21 @@ mod text;
 mod tokenize;
 
 use clap::{Parser, Subcommand};
+use deltafin_runtime::DevicePref;
 
 /// Run Kimi K3 on a machine whose RAM is a fraction of the model.
 #[derive(Parser, Debug)]
 #[command(name = "deltafin", version, about)]
 struct Cli {
+    /// Where the model runs: cpu, cuda, or auto (CUDA when this build has it and a GPU is usable, else the CPU).
+    #[arg(long, global = true, env = "K3_DEV", default_value = "auto", value_parser = parse_dev)]
+    dev: DevicePref,
     #[command(subcommand)]
     command: Command,
+}
+
+fn parse_dev(s: &str) -> Result<DevicePref, String> {
+    s.parse()
 }
 
 #[derive(Subcommand, Debug)]
@@ -42,6 +50,9 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    // The engine reads its device from K3_DEV (EngineOptions::default), so the flag is handed on that way.
+    // SAFETY: still single-threaded here: nothing has started a thread yet (the log subscriber starts none).
+    unsafe { std::env::set_var("K3_DEV", cli.dev.to_string()) };
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Nll(a) => nll::run(a),

@@ -53,6 +53,9 @@ pub enum ModelError {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// The requested device cannot be used (CUDA unavailable or not built in), or a device call failed.
+    #[error("{0}")]
+    Device(String),
     /// The weight or expert source failed (I/O, format).
     #[error(transparent)]
     Source(SourceError),

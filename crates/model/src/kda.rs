@@ -44,6 +44,9 @@ pub struct Kda {
     o_norm: Vec<f32>,
     o_proj: DenseMatrix,
     eps: f32,
+    /// The device the recurrence runs on, when the model runs on CUDA.
+    #[cfg(feature = "cuda")]
+    gpu: Option<std::sync::Arc<deltafin_quant::cuda::Gpu>>,
 }
 
 impl Kda {
@@ -103,6 +106,8 @@ impl Kda {
             o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
             o_proj: ld.matrix(&name("o_proj.weight"), hidden, c)?,
             eps,
+            #[cfg(feature = "cuda")]
+            gpu: ld.gpu.as_ref().map(|g| g.gpu.clone()),
         })
     }
 
@@ -155,8 +160,10 @@ impl Kda {
             l2_normalize(row);
         }
 
-        let mut out = vec![0.0f32; t_len * c];
-        for head in 0..h {
+        let device_out = self.recurrence_on_device(&mut st.s, [&q, &k, &v, &g, &beta], t_len)?;
+        let on_device = device_out.is_some();
+        let mut out = device_out.unwrap_or_else(|| vec![0.0f32; t_len * c]);
+        for head in (0..h).filter(|_| !on_device) {
             let s = &mut st.s[head * d * d..(head + 1) * d * d];
             for t in 0..t_len {
                 let off = t * c + head * d;
@@ -184,6 +191,36 @@ impl Kda {
             }
         }
         linear(&tensor(out, t_len, c)?, &self.o_proj)
+    }
+}
+
+impl Kda {
+    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU). `qkvgb` are q, k, v, the
+    /// log decay and β.
+    #[cfg(feature = "cuda")]
+    fn recurrence_on_device(
+        &self,
+        s: &mut [f32],
+        qkvgb: [&[f32]; 5],
+        t_len: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(None);
+        };
+        let [q, k, v, g, beta] = qkvgb;
+        let dims = (t_len, self.cfg.n_heads, self.cfg.head_dim);
+        crate::gpu::kda_recurrent(gpu, s, q, k, v, g, beta, dims)
+    }
+
+    /// Without the `cuda` feature the recurrence always runs on the CPU.
+    #[cfg(not(feature = "cuda"))]
+    fn recurrence_on_device(
+        &self,
+        _s: &mut [f32],
+        _qkvgb: [&[f32]; 5],
+        _t_len: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(None)
     }
 }
 

@@ -28,7 +28,7 @@ pub enum Attention {
 #[derive(Debug)]
 pub enum Ffn {
     /// Dense gated MLP.
-    Dense(Mlp),
+    Dense(Box<Mlp>),
     /// Routed MoE.
     Moe(Box<Moe>),
 }
@@ -72,13 +72,13 @@ impl Layer {
         let ffn = if cfg.is_moe_layer(index) {
             Ffn::Moe(Box::new(Moe::load(ld, cfg, index)?))
         } else {
-            Ffn::Dense(Mlp::load(
+            Ffn::Dense(Box::new(Mlp::load(
                 ld,
                 &cfg.layer_tensor(index, "mlp."),
                 h,
                 cfg.intermediate_size,
                 cfg.activation,
-            )?)
+            )?))
         };
         let res = match cfg.attn_res_block {
             Some(_) => Some((
@@ -138,7 +138,11 @@ impl Layer {
                     None => a,
                 };
                 let h2 = mlp_mix.mix(&p, &bank.blocks)?;
-                let f = self.feed_forward(&rms_norm(&h2, &self.post_norm, self.eps)?, experts, profile)?;
+                let f = self.feed_forward(
+                    &rms_norm(&h2, &self.post_norm, self.eps)?,
+                    experts,
+                    profile,
+                )?;
                 Ok((p + f)?)
             }
             _ => {
@@ -146,7 +150,8 @@ impl Layer {
                     self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
                 })?;
                 let p = (p + a)?;
-                let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts, profile)?;
+                let f =
+                    self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts, profile)?;
                 Ok((p + f)?)
             }
         }

@@ -11,7 +11,10 @@
 pub mod attn_res;
 pub mod chat;
 pub mod config;
+pub mod device;
 pub mod error;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod kda;
 pub mod layer;
 pub mod mla;
@@ -25,6 +28,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{AttnKind, Family, ModelConfig};
+pub use device::{CUDA_BUILT, DeviceOptions, DevicePref};
 pub use error::{ModelError, Result, SourceError};
 pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};

@@ -43,6 +43,9 @@ pub struct Mla {
     w_uv: Vec<DenseMatrix>,
     gate: Option<DenseMatrix>,
     o_proj: DenseMatrix,
+    /// The absorbed attention on the GPU, when the model runs on CUDA.
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::gpu::MlaGpu>,
 }
 
 impl Mla {
@@ -89,7 +92,19 @@ impl Mla {
         } else {
             None
         };
+        #[cfg(feature = "cuda")]
+        let gpu = match &ld.gpu {
+            Some(g) => Some(crate::gpu::MlaGpu::new(
+                &g.gpu,
+                &w_uk_t,
+                &w_uv,
+                (cfg.nope_dim, cfg.rope_dim, kvl, cfg.v_dim),
+            )?),
+            None => None,
+        };
         Ok(Self {
+            #[cfg(feature = "cuda")]
+            gpu,
             cfg: cfg.clone(),
             q,
             kv_a: ld.matrix(
@@ -133,9 +148,14 @@ impl Mla {
         }
         let past = cache.len();
         cache.push_block(ckv, kvl + rope);
+        let scale = (qk as f32).powf(-0.5);
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu {
+            let mut out = g.attend(&q, cache, past, t_len, scale)?;
+            return self.finish(x, &mut out, t_len);
+        }
         let rows: Vec<&[f32]> = cache.rows().collect();
 
-        let scale = (qk as f32).powf(-0.5);
         let mut out = vec![0.0f32; t_len * nh * vd];
         let mut q_abs = vec![0.0f32; kvl];
         let mut ctx = vec![0.0f32; kvl];
@@ -171,12 +191,18 @@ impl Mla {
                 }
             }
         }
+        self.finish(x, &mut out, t_len)
+    }
+
+    /// The output gate and projection of the attention rows `out [T, heads · v]`.
+    fn finish(&self, x: &Tensor, out: &mut [f32], t_len: usize) -> Result<Tensor> {
         if let Some(g) = &self.gate {
             let gate = values(&linear(x, g)?)?;
             for (o, g) in out.iter_mut().zip(&gate) {
                 *o *= sigmoid(*g);
             }
         }
-        linear(&tensor(out, t_len, nh * vd)?, &self.o_proj)
+        let width = self.cfg.n_heads * self.cfg.v_dim;
+        linear(&tensor(out.to_vec(), t_len, width)?, &self.o_proj)
     }
 }

@@ -5,6 +5,7 @@ use deltafin_quant::DenseMatrix;
 
 use crate::attn_res::ResMix;
 use crate::config::ModelConfig;
+use crate::device::DeviceOptions;
 use crate::error::{ModelError, Result};
 use crate::layer::{Layer, ResidualBank};
 use crate::ops::{linear, rms_norm, tensor};
@@ -33,12 +34,67 @@ pub struct Model {
     norm: Vec<f32>,
     head: DenseMatrix,
     profile: Profile,
+    /// `cpu`, or the GPU the spine lives on.
+    device: String,
+    #[cfg(feature = "cuda")]
+    gpu: Option<crate::gpu::GpuHandles>,
 }
 
 impl Model {
     /// Loads every spine weight from `src`, checking each shape against `cfg`.
     pub fn load(cfg: ModelConfig, src: &dyn WeightSource) -> Result<Self> {
-        let ld = Loader { src };
+        Self::load_on(cfg, src, &DeviceOptions::default())
+    }
+
+    /// Loads the model onto the device `opts` asks for: on CUDA every spine matrix is uploaded as it is read and
+    /// attention and the routed experts run there. Asking for `cuda` where it cannot run fails with the reason.
+    pub fn load_on(cfg: ModelConfig, src: &dyn WeightSource, opts: &DeviceOptions) -> Result<Self> {
+        #[cfg(not(feature = "cuda"))]
+        let (ld, device) = match opts.pref {
+            crate::device::DevicePref::Cuda => {
+                return Err(ModelError::Device(
+                    "CUDA is unavailable: this build has no CUDA support (rebuild with --features cuda, see \
+                     docs/PLATFORMS.md)"
+                        .to_string(),
+                ));
+            }
+            crate::device::DevicePref::Cpu | crate::device::DevicePref::Auto => {
+                (Loader::new(src), "cpu".to_string())
+            }
+        };
+        #[cfg(feature = "cuda")]
+        let (ld, device) = {
+            let mut ld = Loader::new(src);
+            let device = match crate::gpu::open(opts)? {
+                Some(gpu) => {
+                    let shape = deltafin_quant::cuda::moe::MoeShape {
+                        width: cfg.expert_width(),
+                        inter: cfg.moe.inter,
+                        glu: match cfg.activation {
+                            crate::config::Activation::Situ { beta, linear_beta } => {
+                                deltafin_quant::cuda::moe::Glu::Situ { beta, linear_beta }
+                            }
+                            crate::config::Activation::Silu => deltafin_quant::cuda::moe::Glu::Silu,
+                        },
+                    };
+                    let n_moe = (0..cfg.n_layers).filter(|&l| cfg.is_moe_layer(l)).count();
+                    let experts = crate::gpu::GpuExperts::new(
+                        &gpu,
+                        shape,
+                        n_moe * cfg.moe.n_experts,
+                        opts.gpu_cache_bytes,
+                    );
+                    let name = format!("cuda ({})", gpu.name());
+                    ld.gpu = Some(crate::gpu::GpuHandles {
+                        gpu,
+                        experts: std::sync::Arc::new(experts),
+                    });
+                    name
+                }
+                None => "cpu".to_string(),
+            };
+            (ld, device)
+        };
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let layers = (0..cfg.n_layers)
             .map(|l| Layer::load(&ld, &cfg, l))
@@ -60,6 +116,9 @@ impl Model {
             output_mix,
             cfg,
             profile: Profile::default(),
+            device,
+            #[cfg(feature = "cuda")]
+            gpu: ld.gpu.clone(),
         })
     }
 
@@ -71,6 +130,17 @@ impl Model {
     /// Time spent per phase by every forward call so far.
     pub fn profile(&self) -> &Profile {
         &self.profile
+    }
+
+    /// Where the model runs: `cpu` or `cuda (<GPU name>)`.
+    pub fn device_name(&self) -> &str {
+        &self.device
+    }
+
+    /// Counters of the GPU expert cache (`None` on the CPU).
+    #[cfg(feature = "cuda")]
+    pub fn expert_cache_stats(&self) -> Option<crate::gpu::ExpertCacheStats> {
+        self.gpu.as_ref().map(|g| g.experts.stats())
     }
 
     /// A fresh, empty decode state for this model.

@@ -13,8 +13,8 @@ use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
 use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use crate::mlp::Mlp;
-use crate::profile::{Phase, Profile};
 use crate::ops::{glu, linear, rms_norm, sigmoid, tensor, values};
+use crate::profile::{Phase, Profile};
 use crate::weights::{ExpertSource, ExpertWeights, Loader};
 
 /// Added to the sum of chosen weights before renormalising, as in the reference.
@@ -40,6 +40,9 @@ pub struct Moe {
     bias: Option<Vec<f32>>,
     latent: Option<Latent>,
     shared: Option<Mlp>,
+    /// The routed experts on the GPU, when the model runs on CUDA.
+    #[cfg(feature = "cuda")]
+    gpu: Option<std::sync::Arc<crate::gpu::GpuExperts>>,
 }
 
 /// The routing decision for one row.
@@ -96,6 +99,8 @@ impl Moe {
             bias,
             latent,
             shared,
+            #[cfg(feature = "cuda")]
+            gpu: ld.gpu.as_ref().map(|g| g.experts.clone()),
         })
     }
 
@@ -137,6 +142,12 @@ impl Moe {
         profile: &Profile,
     ) -> Result<Tensor> {
         let routing_from = Instant::now();
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu
+            && let Some(y) = self.forward_gpu(g, x, experts)?
+        {
+            return Ok(y);
+        }
         let routes = self.route(x)?;
         let t_len = routes.len();
         let z = match &self.latent {
@@ -196,6 +207,39 @@ impl Moe {
         }
         profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
         Ok(y)
+    }
+
+    /// The GPU path: routed experts through the device expert cache and the MXFP4 kernels, with the shared
+    /// experts computed while missing experts upload. `None` when the experts are not MXFP4.
+    #[cfg(feature = "cuda")]
+    fn forward_gpu(
+        &self,
+        g: &crate::gpu::GpuExperts,
+        x: &Tensor,
+        experts: &dyn ExpertSource,
+    ) -> Result<Option<Tensor>> {
+        let routes = self.route(x)?;
+        let t_len = routes.len();
+        let z = match &self.latent {
+            Some(l) => linear(x, &l.down)?,
+            None => x.clone(),
+        };
+        let shared = || self.shared.as_ref().map(|s| s.forward(x)).transpose();
+        let Some((combined, shared)) = g.run(self.layer, &values(&z)?, &routes, experts, shared)?
+        else {
+            return Ok(None);
+        };
+        let mut y = tensor(combined, t_len, self.width)?;
+        if let Some(l) = &self.latent {
+            if let Some(n) = &l.norm {
+                y = rms_norm(&y, n, self.eps)?;
+            }
+            y = linear(&y, &l.up)?;
+        }
+        if let Some(s) = shared {
+            y = (y + s)?;
+        }
+        Ok(Some(y))
     }
 
     /// Applies expert `e` to `rows` (each `width` long): `w2 · act(w1·x, w3·x)`.

@@ -24,6 +24,13 @@ pub fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
 /// product in the fixed order of `deltafin_quant::dot`, so rows do not depend on T.
 pub fn linear(x: &Tensor, w: &DenseMatrix) -> Result<Tensor> {
     let t = x.dim(0)?;
+    #[cfg(feature = "cuda")]
+    if let Some(dm) = w.cuda() {
+        let y = dm
+            .gemm(&values(x)?, t)
+            .map_err(|e| ModelError::Device(format!("linear {}x{}: {e}", w.rows(), w.cols())))?;
+        return tensor(y, t, w.rows());
+    }
     let y = w.gemm(&values(x)?, t).map_err(|e| ModelError::BadWeight {
         name: format!("linear {}x{}", w.rows(), w.cols()),
         msg: e.to_string(),

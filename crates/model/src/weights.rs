@@ -104,9 +104,21 @@ pub trait ExpertSource: Send + Sync {
 /// Loads weights with shape checks, naming the tensor in every error.
 pub(crate) struct Loader<'a> {
     pub src: &'a dyn WeightSource,
+    /// When the model runs on CUDA: every matrix is uploaded as it is loaded.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<crate::gpu::GpuHandles>,
 }
 
-impl Loader<'_> {
+impl<'a> Loader<'a> {
+    /// A loader for the CPU.
+    pub fn new(src: &'a dyn WeightSource) -> Self {
+        Self {
+            src,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        }
+    }
+
     /// The raw tensor, or `MissingWeight`.
     pub fn host(&self, name: &str) -> Result<HostTensor> {
         self.src
@@ -125,10 +137,19 @@ impl Loader<'_> {
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
         let t = self.host(name)?;
         check_shape(name, &t.shape, &[rows, cols])?;
-        DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
+        let m = DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
             name: name.to_string(),
             msg: e.to_string(),
-        })
+        })?;
+        // The embedding is only ever read by rows on the host; everything else multiplies on the device.
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.gpu
+            && !name.ends_with("embed_tokens.weight")
+        {
+            m.attach_cuda(&g.gpu)
+                .map_err(|e| ModelError::Device(format!("{name}: {e}")))?;
+        }
+        Ok(m)
     }
 
     /// An f32 matrix built from values already loaded (for weights split or transposed at load).

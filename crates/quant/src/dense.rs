@@ -31,6 +31,9 @@ pub struct DenseMatrix {
     rows: usize,
     cols: usize,
     data: DenseData,
+    /// The device copy, when the model runs on CUDA (see `crate::cuda::dense`).
+    #[cfg(feature = "cuda")]
+    cuda: crate::cuda::dense::CudaTwin,
 }
 
 impl DenseMatrix {
@@ -61,7 +64,19 @@ impl DenseMatrix {
                 actual: len,
             });
         }
-        Ok(Self { rows, cols, data })
+        Ok(Self {
+            rows,
+            cols,
+            data,
+            #[cfg(feature = "cuda")]
+            cuda: Default::default(),
+        })
+    }
+
+    /// The slot of the device copy.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_twin(&self) -> &crate::cuda::dense::CudaTwin {
+        &self.cuda
     }
 
     /// Rows (outputs).
@@ -171,6 +186,8 @@ impl DenseMatrix {
             rows: self.rows,
             cols: self.cols,
             data: DenseData::Int8 { q, scales },
+            #[cfg(feature = "cuda")]
+            cuda: Default::default(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The error type of the quant crate.
 
 /// Everything that can go wrong when decoding a packed weight.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum QuantError {
     /// An E8M0 scale byte of 255, which the OCP microscaling spec reserves for NaN.
     #[error("e8m0 scale byte 255 (NaN) at row {row}, group {group}")]
@@ -41,6 +41,12 @@ pub enum QuantError {
         /// Length supplied.
         actual: usize,
     },
+    /// CUDA was asked for but cannot be used here: no driver, no NVRTC library or no device.
+    #[error("CUDA is unavailable: {0}")]
+    CudaUnavailable(String),
+    /// A CUDA call or kernel failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
 }
 
 /// Result alias for this crate.

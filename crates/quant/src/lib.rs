@@ -5,6 +5,8 @@
 //! for bit against it.
 #![deny(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dense;
 pub mod dot;
 pub mod error;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltafin_model::tokenizer::Tokenizer;
-use deltafin_model::{ExpertSource, Model, ModelConfig};
+use deltafin_model::{DeviceOptions, DevicePref, ExpertSource, Model, ModelConfig};
 use deltafin_storage::{
     ExpertFormat, ExpertMap, HubOptions, Missing, ModelFiles, NoProgress, ReadPoolOptions,
     SpanReader, StreamInstall, is_stream_install,
@@ -35,6 +35,8 @@ pub struct EngineOptions {
     pub read_threads: Option<usize>,
     /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
     pub hub: HubOptions,
+    /// Where the model runs (`K3_DEV`, default cpu) and the GPU expert cache size (`K3_GPU_CACHE_GB`).
+    pub device: DeviceOptions,
 }
 
 impl Default for EngineOptions {
@@ -45,6 +47,7 @@ impl Default for EngineOptions {
             ram_gb: None,
             read_threads: None,
             hub: HubOptions::default(),
+            device: DeviceOptions::from_env(),
         }
     }
 }
@@ -53,6 +56,12 @@ impl EngineOptions {
     /// These options with `prefill_chunk` set to `n` (at least 1).
     pub fn with_prefill_chunk(mut self, n: usize) -> Self {
         self.prefill_chunk = n.max(1);
+        self
+    }
+
+    /// These options on device `pref` (`cpu`, `cuda` or `auto`).
+    pub fn with_device(mut self, pref: DevicePref) -> Self {
+        self.device.pref = pref;
         self
     }
 
@@ -157,7 +166,7 @@ impl Engine {
         let n_layers = cfg.n_layers;
         let spine = SpineSource::open(&files, options.spine, available_memory_bytes())?;
         let spine_int8 = spine.is_int8();
-        let model = Model::load(cfg, &spine)?;
+        let model = Model::load_on(cfg, &spine, &options.device)?;
         drop(spine);
         let mut pool = ReadPoolOptions::default();
         if let Some(n) = options.read_threads {
@@ -226,6 +235,17 @@ impl Engine {
     /// Whether the spine came from the int8 copy.
     pub fn spine_is_int8(&self) -> bool {
         self.spine_int8
+    }
+
+    /// Where the model runs: `cpu` or `cuda (<GPU name>)`.
+    pub fn device_name(&self) -> &str {
+        self.model.device_name()
+    }
+
+    /// Counters of the GPU expert cache (`None` on the CPU).
+    #[cfg(feature = "cuda")]
+    pub fn expert_cache_stats(&self) -> Option<deltafin_model::gpu::ExpertCacheStats> {
+        self.model.expert_cache_stats()
     }
 
     /// The options the engine was opened with.

@@ -16,6 +16,7 @@ pub mod snapshot_file;
 pub mod sources;
 pub mod spine;
 
+pub use deltafin_model::{DeviceOptions, DevicePref};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};

@@ -1,0 +1,299 @@
+//! The CUDA measurements of `deltafin-cudabench`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use deltafin_quant::cuda::moe::{self, ExpertPtrs, Glu, MoeShape, SlotRef};
+use deltafin_quant::cuda::{Gpu, device_address};
+use deltafin_runtime::{DevicePref, Engine, EngineOptions, argmax};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// K3's routed expert: latent width and inner width.
+const WIDTH: usize = 3584;
+const INTER: usize = 3072;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times `f` (queued on the compute stream) `reps` times with device events; the median in milliseconds.
+fn time_ms(
+    gpu: &Gpu,
+    reps: usize,
+    mut f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let ctx = gpu.context();
+    let mut times = Vec::with_capacity(reps);
+    // Warm-up long enough (~0.3 s of work) for the SM clock to leave its idle level.
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < 0.3 {
+        f()?;
+        gpu.synchronize()?;
+    }
+    for _ in 0..reps {
+        let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        a.record(gpu.stream())?;
+        f()?;
+        b.record(gpu.stream())?;
+        times.push(a.elapsed_ms(&b)? as f64);
+    }
+    Ok(median(&mut times))
+}
+
+struct DeviceExpert {
+    bufs: Vec<CudaSlice<u8>>,
+}
+
+fn random_expert(gpu: &Gpu, rng: &mut ChaCha8Rng) -> anyhow::Result<DeviceExpert> {
+    let lens = [
+        INTER * WIDTH / 2,
+        INTER * WIDTH / 32,
+        WIDTH * INTER / 2,
+        WIDTH * INTER / 32,
+        INTER * WIDTH / 2,
+        INTER * WIDTH / 32,
+    ];
+    let mut bufs = Vec::new();
+    for (i, len) in lens.into_iter().enumerate() {
+        let bytes: Vec<u8> = if i % 2 == 0 {
+            (0..len).map(|_| rng.random::<u8>()).collect()
+        } else {
+            (0..len).map(|_| rng.random_range(118u8..=126)).collect()
+        };
+        bufs.push(gpu.upload(&bytes)?);
+    }
+    Ok(DeviceExpert { bufs })
+}
+
+impl DeviceExpert {
+    fn ptrs(&self, gpu: &Gpu) -> ExpertPtrs {
+        let a = |i: usize| device_address(gpu.stream(), &self.bufs[i]);
+        ExpertPtrs {
+            w1: a(0),
+            s1: a(1),
+            w2: a(2),
+            s2: a(3),
+            w3: a(4),
+            s3: a(5),
+        }
+    }
+}
+
+/// MoE kernels on `n_experts` experts of K3's shape, each multiplying `t` tokens, against a device copy.
+pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result<()> {
+    let gpu = Gpu::shared()?;
+    println!("device: {}", gpu.name());
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let experts = (0..n_experts)
+        .map(|_| random_expert(&gpu, &mut rng))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let weight_bytes: usize = experts
+        .iter()
+        .map(|e| e.bufs.iter().map(|b| b.len()).sum::<usize>())
+        .sum();
+
+    // Copy reference: the same number of bytes, device to device, through a plain 16-byte copy kernel and
+    // through cuMemcpyDtoD.
+    let n16 = weight_bytes / 16;
+    let src = gpu.zeros::<u8>(n16 * 16)?;
+    let mut dst = gpu.zeros::<u8>(n16 * 16)?;
+    let copy = gpu.function("copy16")?;
+    let copy_ms = time_ms(&gpu, reps, || {
+        let cfg = LaunchConfig {
+            grid_dim: (132 * 16, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n = n16 as u64;
+        let mut b = gpu.stream().launch_builder(copy);
+        b.arg(&src).arg(&mut dst).arg(&n);
+        // SAFETY: both buffers hold n16 16-byte words.
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    })?;
+    let memcpy_ms = time_ms(&gpu, reps, || {
+        gpu.stream().memcpy_dtod(&src, &mut dst)?;
+        Ok(())
+    })?;
+    let copy_bw = 2.0 * (n16 * 16) as f64 / (copy_ms * 1e-3);
+    let memcpy_bw = 2.0 * (n16 * 16) as f64 / (memcpy_ms * 1e-3);
+    let ref_bw = copy_bw.max(memcpy_bw);
+    println!(
+        "device-to-device copy of {:.1} MB: kernel {:.1} us = {:.0} GB/s, cuMemcpyDtoD {:.1} us = {:.0} GB/s \
+         (read + write)",
+        weight_bytes as f64 / 1e6,
+        copy_ms * 1e3,
+        copy_bw / 1e9,
+        memcpy_ms * 1e3,
+        memcpy_bw / 1e9
+    );
+    println!("| tokens | experts | weight MB | time us | weight GB/s | % of copy |");
+    println!("|---|---|---|---|---|---|");
+    let shape = MoeShape {
+        width: WIDTH,
+        inter: INTER,
+        glu: Glu::Situ {
+            beta: 4.0,
+            linear_beta: 25.0,
+        },
+    };
+    for &t in tokens {
+        let x: Vec<f32> = (0..t * WIDTH)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let xd = gpu.upload(&x)?;
+        let pair_row: Vec<i32> = (0..n_experts)
+            .flat_map(|_| (0..t as i32).collect::<Vec<_>>())
+            .collect();
+        let rows = gpu.upload(&pair_row)?;
+        let mut act = gpu.zeros::<f32>(n_experts * t * INTER)?;
+        let mut y = gpu.zeros::<f32>(n_experts * t * WIDTH)?;
+        let slots: Vec<SlotRef> = experts
+            .iter()
+            .enumerate()
+            .map(|(i, e)| SlotRef {
+                ptrs: e.ptrs(&gpu),
+                pair0: i * t,
+                n_rows: t,
+            })
+            .collect();
+        let ms = time_ms(&gpu, reps, || {
+            moe::run_experts(&gpu, &shape, &slots, &rows, &xd, &mut act, &mut y)?;
+            Ok(())
+        })?;
+        let bw = weight_bytes as f64 / (ms * 1e-3);
+        println!(
+            "| {t} | {n_experts} | {:.1} | {:.1} | {:.0} | {:.1}% |",
+            weight_bytes as f64 / 1e6,
+            ms * 1e3,
+            bw / 1e9,
+            100.0 * bw / ref_bw
+        );
+        let out = gpu.download(&y)?;
+        if out.iter().any(|v| !v.is_finite()) {
+            bail!("non-finite MoE output at {t} tokens");
+        }
+    }
+    Ok(())
+}
+
+/// Seconds per decoded token on each device of `devs`, alternating devices, with identical greedy tokens.
+pub fn decode(
+    model: &Path,
+    devs: &[String],
+    prompt_len: usize,
+    tokens: usize,
+    runs: usize,
+    gpu_cache_gb: Option<f64>,
+) -> anyhow::Result<()> {
+    let prompt: Vec<u32> = (1..=prompt_len as u32).collect();
+    let mut engines = Vec::new();
+    for d in devs {
+        let pref: DevicePref = d.parse().map_err(anyhow::Error::msg)?;
+        let mut opts = EngineOptions::default().with_device(pref);
+        opts.device.gpu_cache_bytes = gpu_cache_gb.map(|gb| (gb * (1u64 << 30) as f64) as u64);
+        let t = Instant::now();
+        let engine = Engine::open(model, opts).with_context(|| format!("opening on {d}"))?;
+        println!(
+            "{d}: opened on {} in {:.1} s",
+            engine.device_name(),
+            t.elapsed().as_secs_f64()
+        );
+        engines.push((d.clone(), Arc::new(engine)));
+    }
+    let run_once = |engine: &Engine| -> anyhow::Result<(Vec<u32>, Vec<f64>, f64)> {
+        let mut s = engine.session();
+        let t = Instant::now();
+        let logits = s.prefill(&prompt)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut next = argmax(logits.row(prompt.len() - 1));
+        let mut out = vec![next];
+        let mut steps = Vec::new();
+        for _ in 0..tokens {
+            let t = Instant::now();
+            let row = s.step(next)?;
+            steps.push(t.elapsed().as_secs_f64());
+            next = argmax(&row);
+            out.push(next);
+        }
+        Ok((out, steps, prefill_s))
+    };
+    // Warm-up: fills page cache and the GPU expert cache as a long session would.
+    for (d, e) in &engines {
+        let (toks, steps, _) = run_once(e)?;
+        println!(
+            "{d}: warm-up {} steps, first step {:.3} s, tokens {toks:?}",
+            steps.len(),
+            steps.first().copied().unwrap_or(0.0)
+        );
+    }
+    let mut per_dev: Vec<Vec<f64>> = vec![Vec::new(); engines.len()];
+    let mut prefill: Vec<Vec<f64>> = vec![Vec::new(); engines.len()];
+    let mut reference: Option<Vec<u32>> = None;
+    for r in 0..runs {
+        let order: Vec<usize> = if r % 2 == 0 {
+            (0..engines.len()).collect()
+        } else {
+            (0..engines.len()).rev().collect()
+        };
+        for i in order {
+            let (d, e) = &engines[i];
+            let (toks, steps, pf) = run_once(e)?;
+            match &reference {
+                None => reference = Some(toks.clone()),
+                Some(t) if *t != toks => {
+                    bail!("{d}: greedy tokens {toks:?} differ from {t:?}")
+                }
+                Some(_) => {}
+            }
+            let mut s = steps.clone();
+            println!(
+                "run {r} {d}: median step {:.4} s (min {:.4}, max {:.4}), prefill {:.3} s",
+                median(&mut s),
+                s[0],
+                s[s.len() - 1],
+                pf
+            );
+            per_dev[i].extend(steps);
+            prefill[i].push(pf);
+        }
+    }
+    println!("| device | s/token (median) | min | max | prefill {prompt_len} tokens (median) |");
+    println!("|---|---|---|---|---|");
+    for (i, (d, e)) in engines.iter().enumerate() {
+        let v = &mut per_dev[i];
+        let m = median(v);
+        println!(
+            "| {d}: {} | {m:.4} | {:.4} | {:.4} | {:.3} s |",
+            e.device_name(),
+            v[0],
+            v[v.len() - 1],
+            median(&mut prefill[i])
+        );
+        if let Some(st) = e.expert_cache_stats() {
+            println!(
+                "  gpu expert cache: {} slots, {} hits, {} misses ({:.1}% hits), {} evictions, {:.2} GB uploaded \
+                 in {:.2} s of helper time",
+                st.capacity,
+                st.hits,
+                st.misses,
+                100.0 * st.hit_rate(),
+                st.evictions,
+                st.uploaded_bytes as f64 / 1e9,
+                st.upload_secs
+            );
+        }
+    }
+    println!(
+        "greedy tokens identical on every device: {:?}",
+        reference.unwrap_or_default()
+    );
+    Ok(())
+}

@@ -1,0 +1,107 @@
+//! `deltafin-cudabench`: measurements for the CUDA backend, run on the GPU machine (see docs/PERFORMANCE.md).
+//!
+//! - `moe-bw`: the MXFP4 MoE kernels on 16 experts of K3's real shape against a device-to-device copy in the
+//!   same process, for several token counts.
+//! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
+//! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
+//!
+//! Built without the `cuda` feature it only says so.
+
+#[cfg(feature = "cuda")]
+mod bench;
+
+use clap::{Parser, Subcommand};
+
+/// CUDA checks and benchmarks for deltafin.
+#[derive(Parser, Debug)]
+#[command(name = "deltafin-cudabench", about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// MoE kernel bandwidth against a device-to-device copy.
+    MoeBw {
+        /// Experts per launch.
+        #[arg(long, default_value_t = 16)]
+        experts: usize,
+        /// Token counts (every expert gets all of them).
+        #[arg(long, default_value = "1,2,4,8,16,64", value_delimiter = ',')]
+        tokens: Vec<usize>,
+        /// Timed repetitions per size (median reported).
+        #[arg(long, default_value_t = 30)]
+        reps: usize,
+    },
+    /// Write a synthetic model.
+    Synth {
+        /// Preset name (demo, large, ...).
+        #[arg(long, default_value = "large")]
+        preset: String,
+        /// Output directory.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
+    /// Decode seconds per token per device, alternating devices.
+    Decode {
+        /// Model directory.
+        #[arg(long)]
+        model: std::path::PathBuf,
+        /// Devices, in the order of the first round (the next round reverses it).
+        #[arg(long, default_value = "cpu,cuda", value_delimiter = ',')]
+        devs: Vec<String>,
+        /// Prompt length (ids 1..=n).
+        #[arg(long, default_value_t = 8)]
+        prompt_len: usize,
+        /// Decode steps timed per run.
+        #[arg(long, default_value_t = 8)]
+        tokens: usize,
+        /// Counted runs per device (after one warm-up run).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// GPU expert cache size in GiB (default: half the free memory).
+        #[arg(long)]
+        gpu_cache_gb: Option<f64>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Cmd::Synth { preset, out } = &cli.command {
+        let p = deltafin_synth::preset(preset)
+            .ok_or_else(|| anyhow::anyhow!("unknown preset {preset}"))?;
+        let t = std::time::Instant::now();
+        let bytes = deltafin_synth::write_model(&p, out)?;
+        println!(
+            "wrote {} ({:.2} GB) in {:.1} s",
+            out.display(),
+            bytes as f64 / 1e9,
+            t.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        match cli.command {
+            Cmd::MoeBw {
+                experts,
+                tokens,
+                reps,
+            } => bench::moe_bw(experts, &tokens, reps),
+            Cmd::Decode {
+                model,
+                devs,
+                prompt_len,
+                tokens,
+                runs,
+                gpu_cache_gb,
+            } => bench::decode(&model, &devs, prompt_len, tokens, runs, gpu_cache_gb),
+            Cmd::Synth { .. } => Ok(()),
+        }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        anyhow::bail!("this build has no CUDA support (rebuild with --features cuda)")
+    }
+}

@@ -1,0 +1,97 @@
+//! Where the graph runs: `K3_DEV` (`cpu`, `cuda`, `auto`) and the size of the GPU expert cache (`K3_GPU_CACHE_GB`).
+//!
+//! `auto` means CUDA when this build has the `cuda` feature and a usable GPU, the CPU otherwise. Asking for `cuda`
+//! where it cannot run is an error that says why.
+
+use std::str::FromStr;
+
+/// The device a user asked for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DevicePref {
+    /// The f32 CPU kernels.
+    #[default]
+    Cpu,
+    /// CUDA, or an error saying why it is unavailable.
+    Cuda,
+    /// CUDA when available, else the CPU.
+    Auto,
+}
+
+impl FromStr for DevicePref {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" | "gpu" => Ok(Self::Cuda),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!(
+                "unknown device `{other}` (expected cpu, cuda or auto)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for DevicePref {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Auto => "auto",
+        })
+    }
+}
+
+/// Device choice and GPU knobs for loading a model.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceOptions {
+    /// Requested device.
+    pub pref: DevicePref,
+    /// Bytes of GPU memory for routed experts (default: half of the free memory after the spine is loaded).
+    pub gpu_cache_bytes: Option<u64>,
+}
+
+impl DeviceOptions {
+    /// `K3_DEV` (default `cpu`; an unknown value is reported and ignored) and `K3_GPU_CACHE_GB`.
+    pub fn from_env() -> Self {
+        let pref = match std::env::var("K3_DEV") {
+            Ok(v) => v.parse().unwrap_or_else(|e| {
+                tracing::warn!("K3_DEV: {e}; using the CPU");
+                DevicePref::Cpu
+            }),
+            Err(_) => DevicePref::Cpu,
+        };
+        let gpu_cache_bytes = std::env::var("K3_GPU_CACHE_GB")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|gb| *gb > 0.0)
+            .map(|gb| (gb * (1u64 << 30) as f64) as u64);
+        Self {
+            pref,
+            gpu_cache_bytes,
+        }
+    }
+
+    /// These options on device `pref`.
+    pub fn with_pref(mut self, pref: DevicePref) -> Self {
+        self.pref = pref;
+        self
+    }
+}
+
+/// Whether this build can run on CUDA at all (the `cuda` feature).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_three_devices() {
+        assert_eq!("cpu".parse(), Ok(DevicePref::Cpu));
+        assert_eq!("CUDA".parse(), Ok(DevicePref::Cuda));
+        assert_eq!("auto".parse(), Ok(DevicePref::Auto));
+        assert!("metal".parse::<DevicePref>().is_err());
+        assert_eq!(DevicePref::Auto.to_string(), "auto");
+    }
+}

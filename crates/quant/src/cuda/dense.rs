@@ -1,0 +1,191 @@
+//! Dense weights resident on the GPU and their GEMM (`kernels/dense.cu`), plus the slot on [`DenseMatrix`] that
+//! holds a matrix's device copy.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{Gpu, div_ceil, driver_err};
+use crate::dense::{DenseData, DenseMatrix};
+use crate::error::{QuantError, Result};
+
+/// Warps per block and rows per warp of `dense_gemm_*` (must match `kernels/dense.cu`).
+const DENSE_WARPS: usize = 8;
+const DENSE_ROWS_PER_WARP: usize = 2;
+
+/// How a device matrix stores its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    F32,
+    Bf16,
+}
+
+/// A dense `[rows, cols]` weight copied to the GPU once (f32 or bf16; row-wise int8 is uploaded dequantised to
+/// f32).
+pub struct DeviceMatrix {
+    gpu: Arc<Gpu>,
+    buf: CudaSlice<u8>,
+    rows: usize,
+    cols: usize,
+    kind: Kind,
+}
+
+impl std::fmt::Debug for DeviceMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceMatrix({}x{}, {:?})",
+            self.rows, self.cols, self.kind
+        )
+    }
+}
+
+impl DeviceMatrix {
+    /// Uploads `m`, or returns `None` when its shape does not suit the kernel (columns must allow 16-byte loads:
+    /// a multiple of 4 for f32, of 8 for bf16); such matrices stay on the CPU.
+    pub fn upload(gpu: &Arc<Gpu>, m: &DenseMatrix) -> Result<Option<Self>> {
+        let (kind, bytes): (Kind, Vec<u8>) = match m.data() {
+            DenseData::F32(v) => (Kind::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DenseData::Bf16(v) => (Kind::Bf16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            DenseData::Int8 { .. } => (
+                Kind::F32,
+                (0..m.rows())
+                    .flat_map(|r| m.row_f32(r))
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect(),
+            ),
+        };
+        let lanes = if kind == Kind::F32 { 4 } else { 8 };
+        if m.rows() == 0 || m.cols() == 0 || !m.cols().is_multiple_of(lanes) {
+            return Ok(None);
+        }
+        let buf = gpu.upload(&bytes)?;
+        Ok(Some(Self {
+            gpu: gpu.clone(),
+            buf,
+            rows: m.rows(),
+            cols: m.cols(),
+            kind,
+        }))
+    }
+
+    /// Rows (outputs).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (inputs).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes on the device.
+    pub fn nbytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// `y = x · wᵀ` on device buffers: `x [t_rows, cols]` → `y [t_rows, rows]` (queued on the compute stream).
+    pub fn gemm_device(
+        &self,
+        x: &CudaSlice<f32>,
+        t_rows: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        if x.len() < t_rows * self.cols || y.len() < t_rows * self.rows {
+            return Err(QuantError::BadInput {
+                expected: t_rows * self.cols,
+                actual: x.len(),
+            });
+        }
+        let name = match self.kind {
+            Kind::F32 => "dense_gemm_f32",
+            Kind::Bf16 => "dense_gemm_bf16",
+        };
+        let f = self.gpu.function(name)?;
+        let (rows, cols, t) = (self.rows as i32, self.cols as i32, t_rows as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (div_ceil(self.rows, DENSE_WARPS * DENSE_ROWS_PER_WARP), 1, 1),
+            block_dim: ((DENSE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(&self.buf).arg(x).arg(y).arg(&rows).arg(&cols).arg(&t);
+        // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size), t_rows*cols
+        // floats of x and writes t_rows*rows floats of y; both lengths were checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
+        Ok(())
+    }
+
+    /// `y = x · wᵀ` for host rows `x [t_rows, cols]`, giving `[t_rows, rows]`.
+    pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
+        if x.len() != t_rows * self.cols {
+            return Err(QuantError::BadInput {
+                expected: t_rows * self.cols,
+                actual: x.len(),
+            });
+        }
+        if t_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let xd = self.gpu.upload(x)?;
+        let mut yd = self.gpu.zeros::<f32>(t_rows * self.rows)?;
+        self.gemm_device(&xd, t_rows, &mut yd)?;
+        let mut y = self.gpu.download(&yd)?;
+        y.truncate(t_rows * self.rows);
+        Ok(y)
+    }
+}
+
+/// The optional device copy attached to a [`DenseMatrix`]. Clones share the device memory; equality ignores it.
+#[derive(Clone, Default)]
+pub struct CudaTwin(OnceLock<Arc<DeviceMatrix>>);
+
+impl CudaTwin {
+    /// The device copy, if one was attached.
+    pub fn get(&self) -> Option<&Arc<DeviceMatrix>> {
+        self.0.get()
+    }
+
+    /// Attaches `m` (the first attachment wins).
+    pub fn set(&self, m: Arc<DeviceMatrix>) {
+        let _ = self.0.set(m);
+    }
+}
+
+impl std::fmt::Debug for CudaTwin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.get() {
+            Some(m) => write!(f, "{m:?}"),
+            None => write!(f, "host only"),
+        }
+    }
+}
+
+impl PartialEq for CudaTwin {
+    fn eq(&self, _other: &Self) -> bool {
+        // Where a copy of the values lives does not change the matrix.
+        true
+    }
+}
+
+impl DenseMatrix {
+    /// Uploads this matrix to `gpu` so that later products can run there; `false` when its shape keeps it on the
+    /// CPU.
+    pub fn attach_cuda(&self, gpu: &Arc<Gpu>) -> Result<bool> {
+        if self.cuda().is_some() {
+            return Ok(true);
+        }
+        match DeviceMatrix::upload(gpu, self)? {
+            Some(m) => {
+                self.cuda_twin().set(Arc::new(m));
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The device copy, when one is attached.
+    pub fn cuda(&self) -> Option<&Arc<DeviceMatrix>> {
+        self.cuda_twin().get()
+    }
+}

@@ -1,0 +1,330 @@
+//! The CUDA backend (feature `cuda`): one device context, its streams and the kernels of `kernels/*.cu`, compiled
+//! at run time by NVRTC.
+//!
+//! Nothing here links against CUDA: the driver (`libcuda.so.1`) and NVRTC (`libnvrtc.so.13`) are opened with
+//! `dlopen` on first use, so a binary built with the feature starts on any machine and [`Gpu::shared`] answers
+//! [`QuantError::CudaUnavailable`] with the reason when there is no driver, no NVRTC or no device.
+//!
+//! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
+//! kernels, all experts of a layer per launch).
+
+pub mod dense;
+pub mod moe;
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DeviceRepr};
+
+use crate::error::{QuantError, Result};
+
+/// The kernel sources, concatenated in this order before compilation (NVRTC sees no include files).
+const SOURCES: [(&str, &str); 4] = [
+    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
+    (
+        "moe_mxfp4.cu",
+        include_str!("../../../../kernels/moe_mxfp4.cu"),
+    ),
+    ("dense.cu", include_str!("../../../../kernels/dense.cu")),
+    (
+        "attention.cu",
+        include_str!("../../../../kernels/attention.cu"),
+    ),
+];
+
+/// Every kernel entry point of [`SOURCES`].
+const KERNELS: [&str; 14] = [
+    "moe_gate_up_t1",
+    "moe_gate_up_t2",
+    "moe_gate_up_t4",
+    "moe_gate_up_t8",
+    "moe_down_t1",
+    "moe_down_t2",
+    "moe_down_t4",
+    "moe_down_t8",
+    "moe_combine",
+    "dense_gemm_f32",
+    "dense_gemm_bf16",
+    "copy16",
+    "kda_recurrent",
+    "mla_attend",
+];
+
+/// Kernels that take more than the default 48 KiB of dynamic shared memory.
+const BIG_SMEM_KERNELS: [&str; 9] = [
+    "moe_gate_up_t1",
+    "moe_gate_up_t2",
+    "moe_gate_up_t4",
+    "moe_gate_up_t8",
+    "moe_down_t1",
+    "moe_down_t2",
+    "moe_down_t4",
+    "moe_down_t8",
+    "kda_recurrent",
+];
+
+/// The source text NVRTC compiles (all of `kernels/`, in order).
+pub fn kernel_source() -> String {
+    let mut src = String::new();
+    for (name, text) in SOURCES {
+        src.push_str(&format!("// ---- kernels/{name}\n"));
+        src.push_str(text);
+        src.push('\n');
+    }
+    src
+}
+
+/// Wraps a driver error with what was being done.
+pub(crate) fn driver_err(what: &str, e: impl std::fmt::Display) -> QuantError {
+    QuantError::Cuda(format!("{what}: {e}"))
+}
+
+/// Whether the CUDA driver and NVRTC libraries can be opened, without initialising anything. `Err` says which
+/// library is missing.
+pub fn probe_libraries() -> Result<()> {
+    // SAFETY: these only try `dlopen` on the candidate library names and close them again.
+    let (driver, nvrtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Err(QuantError::CudaUnavailable(
+            "the NVIDIA driver library libcuda.so.1 was not found (no NVIDIA GPU driver on this machine)"
+                .to_string(),
+        ));
+    }
+    if !nvrtc {
+        return Err(QuantError::CudaUnavailable(
+            "the NVRTC library libnvrtc.so.13 was not found; add the directory that holds it (for example \
+             site-packages/nvidia/cu13/lib of the cuda-toolkit Python wheels) to LD_LIBRARY_PATH"
+                .to_string(),
+        ));
+    }
+    Ok(())
+}
+
+/// One CUDA device with its context, a compute stream, an upload stream and the compiled kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    copy_stream: Arc<CudaStream>,
+    _module: Arc<CudaModule>,
+    functions: HashMap<&'static str, CudaFunction>,
+    name: String,
+    smem_optin: usize,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu").field("name", &self.name).finish()
+    }
+}
+
+impl Gpu {
+    /// The process-wide device 0, opened and compiled on first use. Later calls return the same device, or the
+    /// same error.
+    pub fn shared() -> Result<Arc<Gpu>> {
+        static GPU: OnceLock<std::result::Result<Arc<Gpu>, QuantError>> = OnceLock::new();
+        GPU.get_or_init(|| Gpu::open(0).map(Arc::new)).clone()
+    }
+
+    /// Opens device `ordinal`, compiles the kernels with NVRTC for its architecture and loads them.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        probe_libraries()?;
+        let unavailable = |what: &str, e: cudarc::driver::DriverError| {
+            QuantError::CudaUnavailable(format!("{what}: {e}"))
+        };
+        let n =
+            CudaContext::device_count().map_err(|e| unavailable("cuInit/cuDeviceGetCount", e))?;
+        if n <= ordinal as i32 {
+            return Err(QuantError::CudaUnavailable(format!(
+                "no CUDA device {ordinal} (the driver sees {n})"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| unavailable("creating the context", e))?;
+        // Ordering between our two streams is explicit (events); cudarc's per-buffer tracking would only add
+        // synchronisation we do not need.
+        // SAFETY: every buffer used on both streams is ordered by an event recorded on the writer's stream and
+        // waited for on the reader's (see `moe` and the model's expert cache).
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".to_string());
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver_err("reading the compute capability", e))?;
+        let smem_optin = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .map_err(|e| driver_err("reading the shared-memory limit", e))?
+            .max(48 * 1024) as usize
+            // Headroom for the kernels' static shared memory (a few bytes).
+            - 1024;
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![
+                format!("--gpu-architecture=compute_{major}{minor}"),
+                "--std=c++17".to_string(),
+            ],
+            use_fast_math: Some(false),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts)
+            .map_err(|e| QuantError::Cuda(format!("compiling kernels/*.cu with NVRTC: {e}")))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| driver_err("loading the kernel module", e))?;
+        let mut functions = HashMap::new();
+        for name in KERNELS {
+            let f = module
+                .load_function(name)
+                .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
+            if BIG_SMEM_KERNELS.contains(&name) {
+                // The opt-in limit covers static and dynamic shared memory together.
+                let static_smem = f.shared_size_bytes().unwrap_or(0).max(0) as usize;
+                f.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    (smem_optin - static_smem.min(smem_optin)) as i32,
+                )
+                .map_err(|e| {
+                    driver_err(&format!("raising the shared-memory limit of {name}"), e)
+                })?;
+            }
+            functions.insert(name, f);
+        }
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating the compute stream", e))?;
+        let copy_stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating the upload stream", e))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            copy_stream,
+            _module: module,
+            functions,
+            name: format!("{name} (sm_{major}{minor})"),
+            smem_optin,
+        })
+    }
+
+    /// The device's name and architecture, e.g. `NVIDIA H200 (sm_90)`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The context (bind it before using the device from another thread: [`Self::bind`]).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Makes this device current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))
+    }
+
+    /// The stream every kernel runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The stream host-to-device uploads of experts run on (overlapping the compute stream).
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.copy_stream
+    }
+
+    /// The most dynamic shared memory one block may use.
+    pub fn smem_limit(&self) -> usize {
+        self.smem_optin
+    }
+
+    /// A kernel by name.
+    pub fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| QuantError::Cuda(format!("no kernel named {name}")))
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| driver_err("cuMemGetInfo", e))
+    }
+
+    /// Copies `src` to a new device buffer on the compute stream.
+    pub fn upload<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>> {
+        self.stream
+            .clone_htod(src)
+            .map_err(|e| driver_err("host-to-device copy", e))
+    }
+
+    /// A new device buffer of `len` zeroed elements on the compute stream.
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros(len.max(1))
+            .map_err(|e| driver_err("device allocation", e))
+    }
+
+    /// Copies a device buffer back (waits for the compute stream).
+    pub fn download<T: DeviceRepr>(&self, src: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.stream
+            .clone_dtoh(src)
+            .map_err(|e| driver_err("device-to-host copy", e))
+    }
+
+    /// Waits for all work on the compute stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver_err("stream synchronize", e))
+    }
+}
+
+/// The device address of a buffer (for kernels that take tables of addresses).
+pub fn device_address<T>(stream: &CudaStream, buf: &CudaSlice<T>) -> u64 {
+    use cudarc::driver::DevicePtr;
+    let (ptr, _sync) = buf.device_ptr(stream);
+    ptr
+}
+
+/// Ceiling division for launch sizes.
+pub(crate) fn div_ceil(a: usize, b: usize) -> u32 {
+    a.div_ceil(b.max(1)) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels compile for Hopper (NVRTC only: no GPU needed, but libnvrtc must be on the library path).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        let opts = cudarc::nvrtc::CompileOptions {
+            options: vec![
+                "--gpu-architecture=compute_90".to_string(),
+                "--std=c++17".to_string(),
+            ],
+            use_fast_math: Some(false),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts);
+        let ptx = match ptx {
+            Ok(p) => p.to_src(),
+            Err(e) => panic!("NVRTC failed: {e:?}"),
+        };
+        for name in KERNELS {
+            assert!(
+                ptx.contains(&format!(".entry {name}(")),
+                "kernel {name} missing"
+            );
+        }
+    }
+}
