@@ -1,6 +1,9 @@
 //! `cargo xtask`: project automation written in Rust (one module per subcommand).
 
+mod bench;
+mod int8;
 mod setup;
+mod synthetic;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +23,12 @@ enum Command {
     Setup(setup::SetupArgs),
     /// Fetch every missing expert of a streaming install (resumable).
     FetchExpertsAll(setup::FetchArgs),
+    /// Write a synthetic K3-architecture checkpoint (presets demo, large, and -cyclic variants).
+    MakeSynthetic(synthetic::SyntheticArgs),
+    /// Write the row-wise int8 copy of a model's spine (used with K3_SPINE=int8).
+    ConvertSpineInt8(int8::Int8Args),
+    /// Decode benchmark inside a memory cap, against the disk's O_DIRECT bandwidth measured in the same run.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -50,6 +59,9 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Setup(args) => setup::setup(args)?,
         Command::FetchExpertsAll(args) => setup::fetch_experts_all(args)?,
+        Command::MakeSynthetic(args) => synthetic::run(args)?,
+        Command::ConvertSpineInt8(args) => int8::run(args)?,
+        Command::Bench(args) => bench::run(args)?,
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! Subcommands print JSON with `--json`; the `nll` and `run --prompt-ids` forms are used by tools outside the
 //! project and stay stable.
 
+mod bench;
 mod demo;
 mod ids;
 mod nll;
@@ -35,6 +36,9 @@ enum Command {
     Run(run::RunArgs),
     /// Score a token sequence: per-position NLL and top-5 logits.
     Nll(nll::NllArgs),
+    /// Decode benchmark run by `cargo xtask bench` (prints one JSON object).
+    #[command(hide = true)]
+    BenchDecode(bench::BenchArgs),
     /// Encode text or render a chat with the model's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
     /// Install Kimi K3 from the hub (--full, --stream), or fill a streaming install (fetch-experts-all).
@@ -56,6 +60,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Nll(a) => nll::run(a),
+        Command::BenchDecode(a) => bench::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Setup(a) => setup::run(a),
     };

@@ -196,13 +196,37 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     let s = session.stats();
     let reads = engine.expert_reads();
     let passes = s.decode_passes.max(1);
-    eprintln!("--- stats");
-    eprintln!("wall time            {:.3} s", elapsed.as_secs_f64());
+    let tokens = s.generated.max(1) as f64;
+    let p = engine.profile();
+    let x = engine.expert_stats();
+    let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens;
+    eprintln!("--- stats (per generated token, prefill included)");
+    eprintln!(
+        "wall time            {:.3} s total, {:.4} s/token",
+        elapsed.as_secs_f64(),
+        elapsed.as_secs_f64() / tokens
+    );
+    eprintln!("spine read wait      0 (spine resident: read once at open)");
+    eprintln!("expert read wait     {:.4} s", per_token(p.expert_wait));
+    eprintln!(
+        "spine compute        {:.4} s (dense FFN {:.4}, MoE router/latent/shared {:.4}, mixes+head {:.4})",
+        per_token(p.dense_ffn + p.moe_trunk + p.head),
+        per_token(p.dense_ffn),
+        per_token(p.moe_trunk),
+        per_token(p.head)
+    );
+    eprintln!("attention            {:.4} s", per_token(p.attention));
+    eprintln!("MoE compute          {:.4} s", per_token(p.expert_compute));
+    eprintln!(
+        "bytes read           {:.1} MB/token from disk ({} reads), {:.1}% expert cache hit rate",
+        x.reader.disk.bytes as f64 / 1e6 / tokens,
+        x.reader.disk.reads,
+        100.0 * x.cache.hit_rate()
+    );
     eprintln!(
         "forward passes       {} ({} decode)",
         s.passes, s.decode_passes
     );
-    eprintln!("tokens generated     {}", s.generated);
     eprintln!(
         "speculation          {} drafted, {} accepted ({:.1}%), {:.2} tokens per decode pass",
         s.drafted,

@@ -128,6 +128,7 @@ pub struct Engine {
     tokenizer: Option<Arc<Tokenizer>>,
     options: EngineOptions,
     spine_int8: bool,
+    spine_bytes: u64,
     fingerprint: u32,
     model: Model,
     experts: CountingExperts<ExpertStore>,
@@ -166,6 +167,11 @@ impl Engine {
         let n_layers = cfg.n_layers;
         let spine = SpineSource::open(&files, options.spine, available_memory_bytes())?;
         let spine_int8 = spine.is_int8();
+        let spine_bytes = files
+            .tensors()
+            .filter(|t| !t.name.contains(".experts."))
+            .map(|t| t.len)
+            .sum();
         let model = Model::load_on(cfg, &spine, &options.device)?;
         drop(spine);
         let mut pool = ReadPoolOptions::default();
@@ -191,6 +197,7 @@ impl Engine {
             tokenizer,
             options,
             spine_int8,
+            spine_bytes,
             fingerprint: hasher.finalize(),
             model,
             experts: CountingExperts::new(ExpertStore::new(map, reader, budget), n_layers),
@@ -266,6 +273,11 @@ impl Engine {
     /// Zeroes the expert request counters.
     pub fn reset_expert_reads(&self) {
         self.experts.reset()
+    }
+
+    /// Bytes of the spine (every non-expert tensor) as stored.
+    pub fn spine_bytes(&self) -> u64 {
+        self.spine_bytes
     }
 
     /// Time per phase of every forward pass so far.

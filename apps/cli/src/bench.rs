@@ -1,0 +1,128 @@
+//! `deltafin bench-decode` (hidden): the measured side of `cargo xtask bench`. Opens a model, prefills a short
+//! prompt, decodes greedily (speculation off) and prints one JSON object with per-token times, bytes read (the
+//! engine's counters and `/proc/self/io`), cache counters, the phase breakdown and peak RSS.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use deltafin_runtime::{Engine, EngineOptions, GenerateOptions};
+use serde::Serialize;
+
+/// Arguments of `deltafin bench-decode`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Tokens to decode.
+    #[arg(long, default_value_t = 8)]
+    tokens: usize,
+    /// RAM for the expert cache, in GiB.
+    #[arg(long)]
+    ram_gb: Option<f64>,
+    /// Prompt length (token ids 1..=N).
+    #[arg(long, default_value_t = 4)]
+    prompt_len: usize,
+}
+
+#[derive(Serialize)]
+struct Report {
+    tokens: usize,
+    /// Seconds for each decoded token (the first entry is the prefill's first token).
+    token_s: Vec<f64>,
+    engine_disk_bytes: u64,
+    engine_disk_reads: u64,
+    proc_read_bytes: u64,
+    cache_hits: u64,
+    cache_misses: u64,
+    cache_budget_bytes: u64,
+    expert_bytes: u64,
+    spine_bytes: u64,
+    peak_rss_bytes: u64,
+    expert_wait_s: f64,
+    expert_compute_s: f64,
+    attention_s: f64,
+    spine_compute_s: f64,
+}
+
+/// `read_bytes` of `/proc/self/io` (0 where unavailable).
+fn proc_read_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/io")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("read_bytes:").map(|v| v.trim().parse().ok()))
+                .flatten()
+        })
+        .unwrap_or(0)
+}
+
+/// `VmHWM` of `/proc/self/status`, in bytes.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("VmHWM:")
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Runs `deltafin bench-decode`.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let options = EngineOptions {
+        ram_gb: args.ram_gb,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::open(&args.model, options)
+        .with_context(|| format!("opening model {}", args.model.display()))?;
+    let io0 = proc_read_bytes();
+    let stats0 = engine.expert_stats();
+    let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
+    let mut session = engine.session();
+    let mut token_s = Vec::with_capacity(args.tokens);
+    let mut last = Instant::now();
+    session.generate(
+        &prompt,
+        &GenerateOptions {
+            max_new: args.tokens,
+            ignore_eos: true,
+            ..GenerateOptions::default()
+        },
+        |_| {
+            token_s.push(last.elapsed().as_secs_f64());
+            last = Instant::now();
+            true
+        },
+    )?;
+    let stats = engine.expert_stats();
+    let p = engine.profile();
+    let cfg = engine.config();
+    let expert_bytes = {
+        let (w, i) = (cfg.expert_width() as u64, cfg.moe.inter as u64);
+        3 * (w * i / 2 + w * i / 32)
+    };
+    let report = Report {
+        tokens: token_s.len(),
+        token_s,
+        engine_disk_bytes: stats.reader.disk.device_bytes - stats0.reader.disk.device_bytes,
+        engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads,
+        proc_read_bytes: proc_read_bytes() - io0,
+        cache_hits: stats.cache.hits,
+        cache_misses: stats.cache.misses,
+        cache_budget_bytes: stats.cache.budget,
+        expert_bytes,
+        spine_bytes: engine.spine_bytes(),
+        peak_rss_bytes: peak_rss(),
+        expert_wait_s: p.expert_wait.as_secs_f64(),
+        expert_compute_s: p.expert_compute.as_secs_f64(),
+        attention_s: p.attention.as_secs_f64(),
+        spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}

@@ -1,0 +1,258 @@
+//! `cargo xtask bench --model DIR --mem-cap-gb G --tokens N [--runs R] [--json]`: decode inside a memory cap,
+//! next to the disk's O_DIRECT bandwidth for the same read pattern measured in the same run.
+//!
+//! Method (docs/benchmarks.md): the engine runs in a child process (`deltafin bench-decode`) placed in a cgroup-v1
+//! memory cgroup whose limit counts page cache, as RAM does on a laptop; the page cache is dropped before every
+//! run; one warm-up run, then `runs` counted runs. The bound for a token is the bytes that token had to read
+//! (experts missed by the RAM cache; the spine is resident) divided by the bandwidth measured with the storage
+//! read pool reading random expert spans in layer-sized batches of top-k.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use deltafin_storage::{ExpertMap, ModelFiles, PoolFile, ReadPool, ReadPoolOptions, ReadRequest};
+use serde_json::{Value, json};
+
+/// Arguments of `bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model directory (for example `cargo xtask make-synthetic --preset large`).
+    #[arg(long)]
+    model: PathBuf,
+    /// Memory cap for the engine process, in GiB (page cache included).
+    #[arg(long, default_value_t = 4.0)]
+    mem_cap_gb: f64,
+    /// Tokens decoded per run.
+    #[arg(long, default_value_t = 8)]
+    tokens: usize,
+    /// Counted runs (after one warm-up).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+const CGROUP: &str = "/sys/fs/cgroup/memory/deltafin-bench";
+/// Memory kept out of the expert cache for the spine copy, buffers and the process itself.
+const HEADROOM_GIB: f64 = 0.75;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn drop_caches() -> anyhow::Result<()> {
+    Command::new("sync").status().context("sync")?;
+    std::fs::write("/proc/sys/vm/drop_caches", "3")
+        .context("dropping the page cache (needs root)")?;
+    Ok(())
+}
+
+/// The deltafin binary next to this xtask binary (both built by `cargo xtask` in release mode).
+fn deltafin_binary() -> anyhow::Result<PathBuf> {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--release", "-q", "-p", "deltafin-cli"])
+        .status()
+        .context("building deltafin")?;
+    if !status.success() {
+        bail!("cargo build -p deltafin-cli failed");
+    }
+    let exe = std::env::current_exe()?;
+    let bin = exe.with_file_name("deltafin");
+    if !bin.is_file() {
+        bail!("{} not found", bin.display());
+    }
+    Ok(bin)
+}
+
+/// O_DIRECT bandwidth for the engine's pattern: batches of `top_k` random expert spans, median of 5 passes.
+fn disk_bandwidth(model: &Path, top_k: usize) -> anyhow::Result<f64> {
+    let files = ModelFiles::open(model)?;
+    let map = ExpertMap::build(&files)?;
+    let handles: Vec<Arc<PoolFile>> = files
+        .shards()
+        .iter()
+        .map(|s| PoolFile::open(&s.path, true).map(Arc::new))
+        .collect::<Result<_, _>>()?;
+    let pool = ReadPool::new(&ReadPoolOptions::default())?;
+    let layers = map.layers();
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let mut rates = Vec::new();
+    for _ in 0..5 {
+        drop_caches()?;
+        let started = Instant::now();
+        let mut bytes = 0u64;
+        for _ in 0..8 {
+            let layer = layers[next(layers.len())];
+            let reqs: Vec<ReadRequest> = (0..top_k)
+                .map(|tag| {
+                    let span = map.span(layer, next(map.n_experts(layer)))?;
+                    Ok(ReadRequest {
+                        tag,
+                        file: Arc::clone(&handles[span.shard]),
+                        offset: span.offset,
+                        len: span.len,
+                        expect_crc: None,
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?;
+            for done in pool.submit(reqs) {
+                bytes += done.result?.len() as u64;
+            }
+        }
+        rates.push(bytes as f64 / started.elapsed().as_secs_f64());
+    }
+    Ok(median(rates))
+}
+
+/// One capped run of `deltafin bench-decode`.
+fn capped_run(bin: &Path, args: &BenchArgs, ram_gb: f64) -> anyhow::Result<Value> {
+    drop_caches()?;
+    let capped = Path::new(CGROUP).is_dir();
+    let mut cmd = if capped {
+        let mut c = Command::new("sh");
+        c.arg("-c")
+            .arg(format!(
+                "echo $$ > {CGROUP}/cgroup.procs && exec \"$0\" \"$@\""
+            ))
+            .arg(bin);
+        c
+    } else {
+        Command::new(bin)
+    };
+    let out = cmd
+        .args(["bench-decode", "--model"])
+        .arg(&args.model)
+        .args([
+            "--tokens",
+            &args.tokens.to_string(),
+            "--ram-gb",
+            &format!("{ram_gb:.3}"),
+        ])
+        .output()
+        .context("running deltafin bench-decode")?;
+    if !out.status.success() {
+        bail!(
+            "bench-decode failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Runs the benchmark.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let cap = (args.mem_cap_gb * (1u64 << 30) as f64) as u64;
+    let root = std::fs::create_dir_all(CGROUP).is_ok()
+        && std::fs::write(format!("{CGROUP}/memory.limit_in_bytes"), cap.to_string()).is_ok();
+    if !root {
+        eprintln!(
+            "warning: cannot create the cgroup-v1 memory cgroup {CGROUP} (root needed): running uncapped"
+        );
+    }
+    let bin = deltafin_binary()?;
+    let files = ModelFiles::open(&args.model)?;
+    let spine: u64 = files
+        .tensors()
+        .filter(|t| !t.name.contains(".experts."))
+        .map(|t| t.len)
+        .sum();
+    let cfg = deltafin_runtime::Engine::open(&args.model, Default::default())
+        .map(|e| e.config().moe.top_k)
+        .unwrap_or(16);
+    let ram_gb = (args.mem_cap_gb - spine as f64 / (1u64 << 30) as f64 - HEADROOM_GIB).max(0.0);
+    let bandwidth = disk_bandwidth(&args.model, cfg)?;
+
+    let mut runs = Vec::new();
+    for i in 0..=args.runs {
+        let r = capped_run(&bin, &args, ram_gb)?;
+        if i > 0 {
+            runs.push(r);
+        }
+    }
+    let per_run = |f: &dyn Fn(&Value) -> f64| median(runs.iter().map(f).collect());
+    let num = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
+    // Decode tokens only: the first entry includes the prefill.
+    let s_per_token = |v: &Value| {
+        let t: Vec<f64> = v["token_s"].as_array().map_or(Vec::new(), |a| {
+            a.iter().skip(1).filter_map(Value::as_f64).collect()
+        });
+        median(t)
+    };
+    let tokens = |v: &Value| num(v, "tokens").max(1.0);
+    let needed = |v: &Value| num(v, "cache_misses") * num(v, "expert_bytes") / tokens(v);
+    let engine_bytes = |v: &Value| num(v, "engine_disk_bytes") / tokens(v);
+    let proc_bytes = |v: &Value| num(v, "proc_read_bytes") / tokens(v);
+    let all_token_s: Vec<f64> = runs.iter().map(s_per_token).collect();
+    let s_tok = median(all_token_s.clone());
+    let need = per_run(&needed);
+    let bound = need / bandwidth;
+    let report = json!({
+        "model": args.model,
+        "mem_cap_gib": args.mem_cap_gb,
+        "capped": root,
+        "expert_cache_gib": ram_gb,
+        "spine_bytes": spine,
+        "disk_bandwidth_gbs": bandwidth / 1e9,
+        "runs": args.runs,
+        "tokens_per_run": args.tokens,
+        "s_per_token_median": s_tok,
+        "s_per_token_min": all_token_s.iter().cloned().fold(f64::INFINITY, f64::min),
+        "s_per_token_max": all_token_s.iter().cloned().fold(0.0, f64::max),
+        "needed_bytes_per_token": need,
+        "engine_bytes_per_token": per_run(&engine_bytes),
+        "proc_bytes_per_token": per_run(&proc_bytes),
+        "achieved_gbs": per_run(&engine_bytes) / s_tok / 1e9,
+        "io_bound_s_per_token": bound,
+        "ratio_to_io_bound": s_tok / bound.max(1e-12),
+        "bytes_ratio_to_needed": per_run(&engine_bytes) / need.max(1.0),
+        "peak_rss_bytes": per_run(&|v| num(v, "peak_rss_bytes")),
+        "peak_rss_to_cap": per_run(&|v| num(v, "peak_rss_bytes")) / cap as f64,
+        "breakdown_s_per_token": {
+            "expert_wait": per_run(&|v| num(v, "expert_wait_s") / tokens(v)),
+            "expert_compute": per_run(&|v| num(v, "expert_compute_s") / tokens(v)),
+            "attention": per_run(&|v| num(v, "attention_s") / tokens(v)),
+            "spine_compute": per_run(&|v| num(v, "spine_compute_s") / tokens(v)),
+        },
+        "raw": runs,
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!(
+            "decode {:.3} s/token (median of {} runs, range {:.3}-{:.3}); I/O bound {:.3} s/token \
+             ({:.2} GB needed / {:.2} GB/s) -> ratio {:.2}",
+            s_tok,
+            args.runs,
+            report["s_per_token_min"].as_f64().unwrap_or(0.0),
+            report["s_per_token_max"].as_f64().unwrap_or(0.0),
+            bound,
+            need / 1e9,
+            bandwidth / 1e9,
+            s_tok / bound.max(1e-12)
+        );
+        println!(
+            "bytes/token: engine {:.2} GB, /proc/self/io {:.2} GB, needed {:.2} GB ({:.3}x); peak RSS {:.2} GiB of a {:.1} GiB cap",
+            per_run(&engine_bytes) / 1e9,
+            per_run(&proc_bytes) / 1e9,
+            need / 1e9,
+            per_run(&engine_bytes) / need.max(1.0),
+            per_run(&|v| num(v, "peak_rss_bytes")) / (1u64 << 30) as f64,
+            args.mem_cap_gb
+        );
+        println!("breakdown (s/token): {}", report["breakdown_s_per_token"]);
+    }
+    Ok(())
+}
