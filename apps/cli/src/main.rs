@@ -7,6 +7,7 @@ mod demo;
 mod ids;
 mod nll;
 mod run;
+mod serve;
 mod text;
 mod tokenize;
 
@@ -28,21 +29,29 @@ enum Command {
     Nll(nll::NllArgs),
     /// Encode text or render a chat with the model's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The server states what it serves at start-up: info by default there, warnings only elsewhere.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "warn,deltafin_server=info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Run(a) => run::run(a),
         Command::Nll(a) => nll::run(a),
         Command::Tokenize(a) => tokenize::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
