@@ -794,3 +794,45 @@ async fn keep_alive_comments_flow_while_waiting() {
     let (_, _, finish, _) = reassemble_chat(&a);
     assert_eq!(finish, "length");
 }
+
+#[tokio::test]
+async fn dropping_a_request_during_prefill_stops_between_chunks() {
+    // One token per prefill pass: reading this prompt takes seconds, so the abort lands inside the prefill.
+    let state = state_with(EngineOptions::default().with_prefill_chunk(1), |_| {});
+    let app = app(state.clone());
+    let prompt: Vec<u32> = (0..4000).map(|i| 64 + i % 200).collect();
+    let task = tokio::spawn({
+        let app = app.clone();
+        async move {
+            post(
+                &app,
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}),
+            )
+            .await
+        }
+    });
+    let start = Instant::now();
+    while !state.is_busy() {
+        assert!(start.elapsed() < Duration::from_secs(5), "never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    task.abort();
+    let start = Instant::now();
+    while state.is_busy() {
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "the prefill went on after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The next request is served (and reuses what the cancelled prefill fed).
+    let a = post(
+        &app,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": [64, 65, 66], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+}

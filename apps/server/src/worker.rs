@@ -205,10 +205,28 @@ impl Worker<'_> {
     }
 
     fn run(&mut self, job: &Job) -> Result<Outcome, String> {
+        let started = std::time::Instant::now();
         let prompt = &job.prompt[..];
         let input = self.reuse(prompt)?;
         let cached = prompt.len() - input.len();
-        let input = self.prefill_whole_chunks(input)?;
+        let shutting_down = Arc::clone(&self.shutting_down);
+        let cancelled =
+            || job.cancel.load(Ordering::Relaxed) || shutting_down.load(Ordering::Relaxed);
+        let Some(input) = self.prefill_whole_chunks(input, &cancelled)? else {
+            tracing::info!(
+                "request cancelled during prefill: prompt {} tokens ({cached} reused), {:.1} s",
+                prompt.len(),
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(Outcome {
+                finish: Finish::Cancelled,
+                usage: Usage {
+                    prompt_tokens: prompt.len(),
+                    completion_tokens: 0,
+                    cached_tokens: cached,
+                },
+            });
+        };
 
         let mut out = OutputAssembler::new(
             Arc::clone(&self.tokenizer),
@@ -216,15 +234,11 @@ impl Worker<'_> {
             Arc::clone(&job.stops),
         )
         .map_err(|e| format!("output parser: {e}"))?;
-        let shutting_down = &self.shutting_down;
         let generation = self
             .session
             .generate(input, &job.options, |id| {
                 let delta = out.push(id);
-                job.events.send(Event::Delta(delta)).is_ok()
-                    && !out.stopped()
-                    && !job.cancel.load(Ordering::Relaxed)
-                    && !shutting_down.load(Ordering::Relaxed)
+                job.events.send(Event::Delta(delta)).is_ok() && !out.stopped() && !cancelled()
             })
             .map_err(|e| format!("generation: {e}"))?;
         let tail = out.finish();
@@ -232,8 +246,15 @@ impl Worker<'_> {
             // A client that has gone cannot be told.
             let _ = job.events.send(Event::Delta(tail));
         }
+        let finish = Finish::of(generation.finish, out.stopped(), out.n_tool_calls());
+        tracing::info!(
+            "generated {} tokens ({finish:?}) after a prompt of {} ({cached} reused) in {:.1} s",
+            generation.tokens.len(),
+            prompt.len(),
+            started.elapsed().as_secs_f64(),
+        );
         Ok(Outcome {
-            finish: Finish::of(generation.finish, out.stopped(), out.n_tool_calls()),
+            finish,
             usage: Usage {
                 prompt_tokens: prompt.len(),
                 completion_tokens: generation.tokens.len(),
@@ -256,23 +277,37 @@ impl Worker<'_> {
         Ok(self.session.reuse_prefix(prompt))
     }
 
-    /// Feeds the whole prefill chunks of `input` (leaving at least one token, so generation makes the same passes
-    /// as feeding everything at once), records the checkpoint, and returns the rest.
-    fn prefill_whole_chunks<'p>(&mut self, input: &'p [u32]) -> Result<&'p [u32], String> {
+    /// Feeds the whole prefill chunks of `input` one chunk at a time (leaving at least one token, so generation
+    /// makes the same passes as feeding everything at once), records the checkpoint, and returns the rest; `None`
+    /// when `cancelled` said so between two chunks (the checkpoint then covers what was fed, for a retry).
+    fn prefill_whole_chunks<'p>(
+        &mut self,
+        input: &'p [u32],
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<&'p [u32]>, String> {
         let chunk = self.engine.options().prefill_chunk.max(1);
+        // Pending tokens are fed first, so chunk boundaries count from them.
         let pending = self.session.snapshot().pending;
         let total = pending + input.len();
         let whole = total.saturating_sub(1) / chunk * chunk;
         let head = whole
             .saturating_sub(pending)
             .min(input.len().saturating_sub(1));
-        if head > 0 {
+        let mut start = 0;
+        while start < head {
+            if cancelled() {
+                self.checkpoint = Some(self.session.snapshot());
+                return Ok(None);
+            }
+            let next_boundary = ((pending + start) / chunk + 1) * chunk;
+            let end = (next_boundary - pending).min(head);
             self.session
-                .prefill_last(&input[..head])
+                .prefill_last(&input[start..end])
                 .map_err(|e| format!("prefill: {e}"))?;
+            start = end;
         }
         self.checkpoint = Some(self.session.snapshot());
-        Ok(&input[head..])
+        Ok(Some(&input[head..]))
     }
 }
 
