@@ -12,11 +12,11 @@
 
 #![deny(missing_docs)]
 
-pub mod api;
+mod api;
 pub mod error;
-pub mod output;
+mod output;
 mod routes;
-pub mod worker;
+mod worker;
 
 #[cfg(test)]
 mod tests;
