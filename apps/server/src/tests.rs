@@ -836,3 +836,19 @@ async fn dropping_a_request_during_prefill_stops_between_chunks() {
     .await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text);
 }
+
+#[tokio::test]
+async fn shutting_down_is_503_and_server_errors_hide_their_detail() {
+    let state = state();
+    let app = app(state.clone());
+    state.begin_shutdown();
+    let a = post(&app, "/v1/chat/completions", chat_body("hi", 2)).await;
+    let e = a.error(StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(e["type"], "server_error");
+    assert!(!a.text.contains("shutting"), "{}", a.text);
+
+    let secret = "/home/someone/model/shard-00001.safetensors: read failed";
+    let body = crate::ApiError::Internal(secret.to_owned()).body();
+    assert!(!body.to_string().contains("shard"), "{body}");
+    assert_eq!(body["error"]["type"], "server_error");
+}
