@@ -603,7 +603,7 @@ pub(crate) fn tool_calls_json(
         .enumerate()
         .map(|(i, call)| {
             let mut v = json!({
-                "id": new_id("call"),
+                "id": new_id("call_"),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments},
             });
@@ -615,8 +615,9 @@ pub(crate) fn tool_calls_json(
         .collect()
 }
 
+/// A fresh id in OpenAI's style: `chatcmpl-…`, `cmpl-…`, `call_…`.
 fn new_id(prefix: &str) -> String {
-    format!("{prefix}-{:032x}", rand::random::<u128>())
+    format!("{prefix}{:032x}", rand::random::<u128>())
 }
 
 fn usage_json(usage: &Usage) -> Value {
@@ -647,8 +648,8 @@ impl Wire {
         Self {
             endpoint: p.endpoint,
             id: new_id(match p.endpoint {
-                Endpoint::Chat => "chatcmpl",
-                Endpoint::Completion => "cmpl",
+                Endpoint::Chat => "chatcmpl-",
+                Endpoint::Completion => "cmpl-",
             }),
             created,
             model: state.config().model_id.clone(),
@@ -803,7 +804,7 @@ pub(crate) mod wire_tests {
         assert!(
             call["id"]
                 .as_str()
-                .is_some_and(|id| id.starts_with("call-"))
+                .is_some_and(|id| id.starts_with("call_"))
         );
         assert_eq!(v["usage"]["total_tokens"], 8);
 
