@@ -123,6 +123,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         attention_s: p.attention.as_secs_f64(),
         spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
     };
-    println!("{}", serde_json::to_string(&report)?);
+    crate::out::emit(&serde_json::to_string(&report)?)?;
     Ok(())
 }

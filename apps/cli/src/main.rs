@@ -7,7 +7,9 @@ mod bench;
 mod demo;
 mod ids;
 mod nll;
+mod out;
 mod run;
+mod serve;
 mod setup;
 mod text;
 mod tokenize;
@@ -43,13 +45,21 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Install Kimi K3 from the hub (--full, --stream), or fill a streaming install (fetch-experts-all).
     Setup(setup::SetupCommand),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The server states what it serves at start-up: info by default there, warnings only elsewhere.
+    let default_filter = match cli.command {
+        Command::Serve(_) => "warn,deltafin_server=info",
+        _ => "warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -63,6 +73,7 @@ fn main() -> std::process::ExitCode {
         Command::BenchDecode(a) => bench::run(a),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Setup(a) => setup::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -68,7 +68,7 @@ pub fn run(args: NllArgs) -> anyhow::Result<()> {
             .collect::<Result<_, _>>()?,
     };
     let report = score(&ids, &rows);
-    println!("{}", serde_json::to_string(&report)?);
+    crate::out::emit(&serde_json::to_string(&report)?)?;
     Ok(())
 }
 

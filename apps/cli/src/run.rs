@@ -164,13 +164,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     } else {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
-        writeln!(out, "prompt ids: {prompt:?}")?;
-        write!(out, "new ids:")?;
+        // A closed stdout ends generation instead of failing it.
+        let mut open = write!(out, "prompt ids: {prompt:?}\nnew ids:").is_ok();
         let g = session.generate(&prompt, &opts, |id| {
-            // A closed stdout ends generation instead of failing it.
-            write!(out, " {id}").and_then(|_| out.flush()).is_ok() && keep_going()
+            open = open && write!(out, " {id}").and_then(|_| out.flush()).is_ok();
+            open && keep_going()
         })?;
-        writeln!(out)?;
+        // The line end is cosmetic; a closed stdout was already handled above.
+        let _ = writeln!(out);
         g.tokens
     };
     if let Some(path) = &args.save_snapshot {
@@ -183,7 +184,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             prompt_ids: prompt,
             new_ids,
         };
-        println!("{}", serde_json::to_string(&report)?);
+        crate::out::emit(&serde_json::to_string(&report)?)?;
     }
     if args.stats {
         print_stats(&engine, &session, started.elapsed());

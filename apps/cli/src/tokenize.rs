@@ -63,7 +63,13 @@ fn parse_effort(value: &str) -> Result<ThinkingEffort, String> {
 
 /// Runs the subcommand, printing to stdout.
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
-    println!("{}", output(&args)?);
+    let text = output(&args)?;
+    let mut out = std::io::stdout().lock();
+    // A reader that closed the pipe early is not an error.
+    match std::io::Write::write_all(&mut out, format!("{text}\n").as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        other => other?,
+    }
     Ok(())
 }
 
