@@ -184,11 +184,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let per_run = |f: &dyn Fn(&Value) -> f64| median(runs.iter().map(f).collect());
     let num = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
-    // Decode tokens only: the first entry includes the prefill.
+    // Decode tokens only (bench-decode starts its clocks and counters after the prefill's token).
     let s_per_token = |v: &Value| {
-        let t: Vec<f64> = v["token_s"].as_array().map_or(Vec::new(), |a| {
-            a.iter().skip(1).filter_map(Value::as_f64).collect()
-        });
+        let t: Vec<f64> = v["token_s"]
+            .as_array()
+            .map_or(Vec::new(), |a| a.iter().filter_map(Value::as_f64).collect());
         median(t)
     };
     let tokens = |v: &Value| num(v, "tokens").max(1.0);

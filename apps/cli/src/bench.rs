@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
+use deltafin_model::ProfileSnapshot;
 use deltafin_runtime::{Engine, EngineOptions, GenerateOptions};
 use serde::Serialize;
 
@@ -30,7 +31,7 @@ pub struct BenchArgs {
 #[derive(Serialize)]
 struct Report {
     tokens: usize,
-    /// Seconds for each decoded token (the first entry is the prefill's first token).
+    /// Seconds for each decoded token (after the prefill and its first token).
     token_s: Vec<f64>,
     engine_disk_bytes: u64,
     engine_disk_reads: u64,
@@ -80,27 +81,40 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
-    let io0 = proc_read_bytes();
-    let stats0 = engine.expert_stats();
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
     let mut session = engine.session();
     let mut token_s = Vec::with_capacity(args.tokens);
     let mut last = Instant::now();
+    // Counters start after the first token (prefill + its first token), so every number is per decoded token.
+    let mut start: Option<(u64, deltafin_runtime::ExpertStats, ProfileSnapshot)> = None;
     session.generate(
         &prompt,
         &GenerateOptions {
-            max_new: args.tokens,
+            max_new: args.tokens + 1,
             ignore_eos: true,
             ..GenerateOptions::default()
         },
         |_| {
-            token_s.push(last.elapsed().as_secs_f64());
+            if start.is_none() {
+                start = Some((proc_read_bytes(), engine.expert_stats(), engine.profile()));
+            } else {
+                token_s.push(last.elapsed().as_secs_f64());
+            }
             last = Instant::now();
             true
         },
     )?;
+    let (io0, stats0, p0) = start.context("no token was generated")?;
     let stats = engine.expert_stats();
-    let p = engine.profile();
+    let p1 = engine.profile();
+    let p = ProfileSnapshot {
+        attention: p1.attention - p0.attention,
+        dense_ffn: p1.dense_ffn - p0.dense_ffn,
+        moe_trunk: p1.moe_trunk - p0.moe_trunk,
+        expert_wait: p1.expert_wait - p0.expert_wait,
+        expert_compute: p1.expert_compute - p0.expert_compute,
+        head: p1.head - p0.head,
+    };
     let cfg = engine.config();
     let expert_bytes = {
         let (w, i) = (cfg.expert_width() as u64, cfg.moe.inter as u64);
@@ -112,8 +126,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         engine_disk_bytes: stats.reader.disk.device_bytes - stats0.reader.disk.device_bytes,
         engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads,
         proc_read_bytes: proc_read_bytes() - io0,
-        cache_hits: stats.cache.hits,
-        cache_misses: stats.cache.misses,
+        cache_hits: stats.cache.hits - stats0.cache.hits,
+        cache_misses: stats.cache.misses - stats0.cache.misses,
         cache_budget_bytes: stats.cache.budget,
         expert_bytes,
         spine_bytes: engine.spine_bytes(),
