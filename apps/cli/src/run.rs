@@ -55,7 +55,7 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// n-gram speculation for greedy decoding (lossless).
-    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     spec: bool,
     /// Draft tokens verified per pass.
     #[arg(long, env = "K3_SPEC_DEPTH", default_value_t = 1)]

@@ -275,3 +275,24 @@ fn run_takes_text_and_chat_prompts() {
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("[thinking]"));
 }
+
+/// `--spec off` and `--spec on --spec-depth 3` parse and give the same greedy tokens.
+#[test]
+fn speculation_flag_takes_on_and_off() {
+    let dir = fixture("k3/k3-tiny-a");
+    let model = dir.to_str().expect("utf-8 path");
+    let base = [
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        "1,2,3,1,2,3",
+        "--max-new",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ];
+    let off = deltafin_json(&[&base[..], &["--spec", "off"]].concat());
+    let on = deltafin_json(&[&base[..], &["--spec", "on", "--spec-depth", "3"]].concat());
+    assert_eq!(off["new_ids"], on["new_ids"]);
+}

@@ -225,3 +225,28 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
         }
     }
 }
+
+/// Like [`par_rows`], but `f(r, out)` fills the `t_rows` outputs of weight row `r` at once (so a row can be
+/// prepared once for every activation row).
+pub fn par_rows_batched(
+    rows: usize,
+    t_rows: usize,
+    y: &mut [f32],
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let mut by_row = vec![0.0f32; rows * t_rows];
+    by_row
+        .par_chunks_mut(ROWS_PER_TASK * t_rows)
+        .enumerate()
+        .for_each(|(chunk, out)| {
+            let r0 = chunk * ROWS_PER_TASK;
+            for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
+                f(r0 + i, row_out);
+            }
+        });
+    for r in 0..rows {
+        for t in 0..t_rows {
+            y[t * rows + r] = by_row[r * t_rows + t];
+        }
+    }
+}

@@ -132,8 +132,14 @@ impl<'a> Mxfp4Matrix<'a> {
     /// Each weight is decoded exactly as `(2·E2M1) · 2^(e-128)` and the products follow the accumulation contract
     /// of [`crate::dot`] (a 32-group is one block), so the SIMD twin is bit-identical.
     pub fn dot_row_ref(&self, row: usize, x: &[f32]) -> f32 {
-        let (packed, scales) = self.row_bytes(row);
         let mut w = vec![0.0f32; self.cols];
+        self.decode_row_for_dot(row, &mut w);
+        crate::dot::dot_f32_ref(&w, x)
+    }
+
+    /// Row `row` decoded exactly as the dot kernels see it (`(2·E2M1) · 2^(e-128)`), into `w` (`cols` values).
+    fn decode_row_for_dot(&self, row: usize, w: &mut [f32]) {
+        let (packed, scales) = self.row_bytes(row);
         for (g, &e) in scales.iter().enumerate() {
             let hs = half_scale(e);
             for (j, &b) in packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES]
@@ -144,7 +150,6 @@ impl<'a> Mxfp4Matrix<'a> {
                 w[g * MXFP4_GROUP + 2 * j + 1] = E2M1_DOUBLED[(b >> 4) as usize] as f32 * hs;
             }
         }
-        crate::dot::dot_f32_ref(&w, x)
     }
 
     /// The dot product of row `row` with `x` on the fastest path (bit-identical to [`Self::dot_row_ref`]).
@@ -186,9 +191,19 @@ impl<'a> Mxfp4Matrix<'a> {
                 actual: x.len(),
             });
         }
-        crate::dense::par_rows(self.rows, t_rows, y, |r, t| {
-            self.dot_row(r, &x[t * self.cols..(t + 1) * self.cols])
-        });
+        if t_rows == 1 {
+            crate::dense::par_rows(self.rows, 1, y, |r, _| self.dot_row(r, x));
+        } else {
+            // Several rows of activations: decode each weight row once, then the f32 dot for every activation row.
+            // The decoded values are exactly those the fused kernel uses, so the bits are the same.
+            crate::dense::par_rows_batched(self.rows, t_rows, y, |r, out| {
+                let mut w = vec![0.0f32; self.cols];
+                self.decode_row_for_dot(r, &mut w);
+                for (t, o) in out.iter_mut().enumerate() {
+                    *o = crate::dot::dot_f32(&w, &x[t * self.cols..(t + 1) * self.cols]);
+                }
+            });
+        }
         Ok(())
     }
 
