@@ -33,6 +33,14 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 30)]
         reps: usize,
+        /// Kernel families to time (tensor, tensor-wide, tensor-narrow, tensor-plain, simt); each one's output is
+        /// compared with the first one's.
+        #[arg(
+            long,
+            default_value = "tensor,tensor-wide,tensor-narrow,tensor-plain,simt",
+            value_delimiter = ','
+        )]
+        kernels: Vec<String>,
     },
     /// Write a synthetic model.
     Synth {
@@ -88,7 +96,8 @@ fn main() -> anyhow::Result<()> {
                 experts,
                 tokens,
                 reps,
-            } => bench::moe_bw(experts, &tokens, reps),
+                kernels,
+            } => bench::moe_bw(experts, &tokens, reps, &kernels),
             Cmd::Decode {
                 model,
                 devs,
