@@ -309,11 +309,20 @@ extern "C" __global__ void moe_combine(const float* y, const int* tok_pair, cons
 // The quad's four lanes are summed once per row at the end. Only the eight lanes with c == g / 2 read a
 // non-zero B fragment; the others read a zero block of shared memory (a broadcast).
 //
-// Shared memory per token: [groups rounded up to 4][hi, lo][32 halves], the halves of each 8-element word in the
-// order (0, 4, 2, 6, 1, 5, 3, 7) that the two mmas of the word consume; then a zero block of 64 bytes.
+// Streaming. Each lane copies its own chunks (16 bytes of weights, the 4-byte word holding its scale byte) with
+// cp.async into a per-warp ring of S stages, S - 1 batches ahead of the batch being multiplied (the first ones
+// while the activations are staged), so no registers hold data in flight. An L2 miss fetches 256 bytes (four
+// batches of a row). Blocks of 4 warps, 16 rows of gate and of up (or 32 rows of down) per warp: 114 registers,
+// four blocks per multiprocessor. (Measured on the H200: 8-warp blocks or a register cap for more blocks per
+// multiprocessor were slower; see docs/PERFORMANCE.md.)
+//
+// Shared memory: per token [groups rounded up to 4][hi, lo][32 halves], the halves of each 8-element word in the
+// order (0, 4, 2, 6, 1, 5, 3, 7) that the two mmas of the word consume; a zero block of 64 bytes; then the rings:
+// [warp][stage][stream][row][lane] 16-byte weight chunks, then [warp][stage][stream][row][lane] scale words.
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * WARP)
+#define MMA_STAGES 3
 #define MAX_SLOTS 64
 
 // The experts of one launch, passed by value (no upload before the launch). Must match `SlotTable` in
@@ -425,40 +434,64 @@ __device__ void stage_hilo(uint4* xs, const float* src, const int rows[TT], int 
     __syncthreads();
 }
 
-// A 16-byte load of streamed weights: not kept in L1, and each L2 miss fetches the surrounding 256 bytes (four
-// batches of the row), so three of every four batches find their data in L2.
-template <bool HINT>
-__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
-    if (!HINT) return __ldg(p);
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
 }
 
-// Loads batch b (groups 4b..4b+3) of the NM streams: rows g and g + 8, this lane's group; zeros (scale 2^0)
-// past the last group. Stream i reads matrix wb[mi] / sb[mi] at the byte offsets off[mt] of its two rows (the
-// scale offset is the packed offset / 16: a row has 16 packed bytes per scale byte).
-template <int NM, bool GATE_UP, bool HINT>
-__device__ __forceinline__ void load_batch(const u8* const wb[2], const u8* const sb[2], const u32 off[][2],
-                                           int groups, int b, int c, uint4 w[NM][2], u32 e[NM][2]) {
-    int gi = 4 * b + c;
-    bool ok = gi < groups;
+// Asynchronous 16-byte copy global -> shared (bypassing L1; an L2 miss fetches the surrounding 256 bytes, four
+// batches of the row); `bytes` = 0 writes zeros and reads nothing.
+template <bool HINT>
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    if (HINT)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Asynchronous 4-byte copy global -> shared; `bytes` = 0 writes zeros.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
+
+// This lane's weight stream: for each stream i and row r (g, g + 8), the global address of its 16-byte chunk of
+// batch 0 (group c) and of the aligned 4-byte word holding that group's scale byte (the byte sits at bit
+// sshift[i][r]). Batch b adds 64 and 4 bytes. Each lane owns its ring slots: [stage][i][r][lane] 16 bytes of
+// packed weights, then [stage][i][r][lane] 4 bytes of scales, per warp.
+template <int NM>
+struct LaneStream {
+    const u8* wp[NM][2];
+    const u8* sp[NM][2];
+    u32 sshift[NM][2];
+};
+
+// Queues the copies of batch b into ring stage `st` (zeros past the last group) and commits them as one group.
+template <int NM, int S, bool HINT>
+__device__ __forceinline__ void issue_batch(const LaneStream<NM>& ls, u32 wring, u32 sring, int groups, int b,
+                                            int st, int c, int lane) {
+    bool ok = 4 * b + c < groups;
+    u32 wbytes = ok ? 16u : 0u, sbytes = ok ? 4u : 0u;
+    size_t bo = ok ? (size_t)b : 0;
 #pragma unroll
-    for (int i = 0; i < NM; i++) {
-        int mi = GATE_UP ? (i & 1) : 0, mt = GATE_UP ? i / 2 : i;
+    for (int i = 0; i < NM; i++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
-            if (ok) {
-                w[i][r] = ldg_stream<HINT>((const uint4*)(wb[mi] + off[mt][r]) + gi);
-                e[i][r] = __ldg(sb[mi] + (off[mt][r] >> 4) + gi);
-            } else {
-                w[i][r] = make_uint4(0u, 0u, 0u, 0u);
-                e[i][r] = 127u;
-            }
+            u32 slot = (u32)(((st * NM + i) * 2 + r) * WARP + lane);
+            cp_async16<HINT>(wring + slot * 16, ls.wp[i][r] + bo * 64, wbytes);
+            cp_async4(sring + slot * 4, ls.sp[i][r] + bo * 4, sbytes);
         }
-    }
+    cp_async_commit();
 }
 
 // The eight mmas of one batch for every stream and token, then acc[i][r][t] += scale * (hi + lo).
@@ -505,11 +538,11 @@ __device__ __forceinline__ void mma_batch(const uint4 w[NM][2], const u32 e[NM][
 
 // GATE_UP: act[pair, :inter] = glu(W1 x, W3 x); otherwise y[pair, :width] = W2 act[pair]. A warp covers
 // NM / 2 (gate+up) or NM (down) row tiles of 16 rows.
-template <int TT, int NM, bool GATE_UP, bool HINT>
+template <int TT, int NM, bool GATE_UP, int S, int W, bool HINT>
 __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const float* src, float* dst, int width,
                              int inter, int act_kind, float beta, float lin_beta) {
     extern __shared__ uint4 xs[];
-    __shared__ float red[MMA_WARPS][TT];
+    __shared__ float red[W][TT];
     __shared__ float s_up[TT], s_down[TT];
     const ExpertSlot& s = tab.s[blockIdx.y];
     constexpr int MT = GATE_UP ? NM / 2 : NM;
@@ -519,17 +552,30 @@ __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const fl
     const int rowbytes = cols / 2;
     int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
     int g = lane >> 2, c = lane & 3;
-    int row0 = (blockIdx.x * MMA_WARPS + warp) * MT * 16;
+    int row0 = (blockIdx.x * W + warp) * MT * 16;
 
-    // This lane's rows g and g + 8 of every row tile, as byte offsets into the packed matrix. Rows past the end
-    // read the last row (and are not stored).
+    // This lane's rows g and g + 8 of every row tile. Rows past the end read the last row (and are not stored).
     const u8* mw[2] = {(const u8*)(GATE_UP ? s.w1 : s.w2), (const u8*)(GATE_UP ? s.w3 : s.w2)};
     const u8* ms[2] = {(const u8*)(GATE_UP ? s.s1 : s.s2), (const u8*)(GATE_UP ? s.s3 : s.s2)};
-    u32 off[MT][2];
+    LaneStream<NM> ls;
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int i = 0; i < NM; i++) {
+        int mi = GATE_UP ? (i & 1) : 0, mt = GATE_UP ? i / 2 : i;
 #pragma unroll
-        for (int r = 0; r < 2; r++) off[mt][r] = (u32)min(row0 + mt * 16 + g + 8 * r, nrows - 1) * (u32)rowbytes;
+        for (int r = 0; r < 2; r++) {
+            size_t row = (size_t)min(row0 + mt * 16 + g + 8 * r, nrows - 1);
+            ls.wp[i][r] = mw[mi] + row * rowbytes + (size_t)c * 16;
+            const u8* sbyte = ms[mi] + row * groups + c;
+            ls.sp[i][r] = (const u8*)((size_t)sbyte & ~(size_t)3);
+            ls.sshift[i][r] = (u32)((size_t)sbyte & 3) * 8;
+        }
+    }
+    // Per-warp rings after the B fragments: S stages of NM x 2 x 32 16-byte weight chunks, then of 4-byte scale
+    // words.
+    const int xs_len = TT * gp * 8 + 4;
+    uint4* wring_p = xs + xs_len + warp * (S * NM * 2 * WARP);
+    u32* sring_p = (u32*)(xs + xs_len + W * (S * NM * 2 * WARP)) + warp * (S * NM * 2 * WARP);
+    const u32 wring = smem_addr(wring_p), sring = smem_addr(sring_p);
 
     // B fragment addressing: active lanes (c == g / 2) read group 4b + c, half g & 1.
     bool active = c == (g >> 1);
@@ -537,9 +583,6 @@ __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const fl
     int bstride = active ? 32 : 0;
     int tstride = active ? gp * 8 : 0;
 
-    uint4 wa[NM][2], wb[NM][2];
-    u32 ea[NM][2], eb[NM][2];
-    load_batch<NM, GATE_UP, HINT>(mw, ms, off, groups, 0, c, wa, ea);
     for (int t0 = 0; t0 < s.n_rows; t0 += TT) {
         int count = min(TT, s.n_rows - t0);
         int rows[TT];
@@ -548,7 +591,9 @@ __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const fl
             int p = s.pair0 + t0 + min(t, count - 1);
             rows[t] = GATE_UP ? pair_row[p] : p;
         }
-        if (t0 > 0) load_batch<NM, GATE_UP, HINT>(mw, ms, off, groups, 0, c, wa, ea);
+        // The first S - 1 batches stream in while the activations are staged.
+#pragma unroll
+        for (int k = 0; k < S - 1; k++) issue_batch<NM, S, HINT>(ls, wring, sring, groups, k, k, c, lane);
         __syncthreads();
         stage_hilo<TT>(xs, src, rows, count, cols, gp, s_up, s_down, red);
 
@@ -557,12 +602,25 @@ __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const fl
         for (int i = 0; i < NM; i++)
 #pragma unroll
             for (int t = 0; t < TT; t++) acc[i][0][t] = acc[i][1][t] = 0.f;
-        for (int b = 0; b < nb; b += 2) {
-            load_batch<NM, GATE_UP, HINT>(mw, ms, off, groups, b + 1, c, wb, eb);
-            mma_batch<TT, NM>(wa, ea, xs + xoff + b * bstride, tstride, acc);
-            load_batch<NM, GATE_UP, HINT>(mw, ms, off, groups, b + 2, c, wa, ea);
-            if (b + 1 < nb) mma_batch<TT, NM>(wb, eb, xs + xoff + (b + 1) * bstride, tstride, acc);
+        int st = 0;
+        for (int b = 0; b < nb; b++) {
+            // Refill the stage read in the previous iteration with batch b + S - 1, then wait for batch b.
+            issue_batch<NM, S, HINT>(ls, wring, sring, groups, b + S - 1, st == 0 ? S - 1 : st - 1, c, lane);
+            cp_async_wait<S - 1>();
+            uint4 w[NM][2];
+            u32 e[NM][2];
+#pragma unroll
+            for (int i = 0; i < NM; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    int slot = ((st * NM + i) * 2 + r) * WARP + lane;
+                    w[i][r] = wring_p[slot];
+                    e[i][r] = (sring_p[slot] >> ls.sshift[i][r]) & 0xffu;
+                }
+            mma_batch<TT, NM>(w, e, xs + xoff + b * bstride, tstride, acc);
+            st = st == S - 1 ? 0 : st + 1;
         }
+        cp_async_wait_all();
 
         // Sum the quad's four groups-of-a-batch partial sums, then scale back and store.
 #pragma unroll
@@ -596,27 +654,25 @@ __device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const fl
     }
 }
 
-// Blocks per multiprocessor the register budget is sized for: 4 warps of NM = 2 fit 4 times (128 registers)
-// at one or two tokens; NM = 4, or four tokens, three times (168).
-#define MMA_MIN_BLOCKS(TT, NM) ((NM) == 4 || (TT) == 4 ? 3 : 4)
-
-#define MOE_MMA_ENTRY(TT, NM, HINT, SUFFIX)                                                                      \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(TT, NM))                           \
+// Entry points: moe_mma_{gate_up,down}_t<TT>_m<NM><SUFFIX>: TT tokens per tile, NM row streams per warp, 4-warp
+// blocks, at most 168 registers (3 blocks per multiprocessor; the one-token kernels need 114-116, so 4 fit), S ring
+// stages, HINT: the 256-byte L2 prefetch on weight copies.
+#define MOE_MMA_ENTRY(TT, NM, S, HINT, SUFFIX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)                                                \
         moe_mma_gate_up_t##TT##_m##NM##SUFFIX(const __grid_constant__ SlotTable tab, const int* pair_row,       \
-                                             const float* x, float* act, int width, int inter, int act_kind,   \
-                                             float beta, float lin_beta) {                                     \
-        moe_mma_impl<TT, NM, true, HINT>(tab, pair_row, x, act, width, inter, act_kind, beta, lin_beta);        \
+                                              const float* x, float* act, int width, int inter, int act_kind,  \
+                                              float beta, float lin_beta) {                                    \
+        moe_mma_impl<TT, NM, true, S, MMA_WARPS, HINT>(tab, pair_row, x, act, width, inter, act_kind, beta,     \
+                                                       lin_beta);                                              \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(MMA_THREADS, MMA_MIN_BLOCKS(TT, NM))                           \
-        moe_mma_down_t##TT##_m##NM##SUFFIX(const __grid_constant__ SlotTable tab, const float* act, float* y,   \
-                                          int width, int inter) {                                              \
-        moe_mma_impl<TT, NM, false, HINT>(tab, 0, act, y, width, inter, 0, 1.f, 1.f);                           \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) moe_mma_down_t##TT##_m##NM##SUFFIX(            \
+        const __grid_constant__ SlotTable tab, const float* act, float* y, int width, int inter) {             \
+        moe_mma_impl<TT, NM, false, S, MMA_WARPS, HINT>(tab, 0, act, y, width, inter, 0, 1.f, 1.f);             \
     }
 
-MOE_MMA_ENTRY(1, 2, true, )
-MOE_MMA_ENTRY(1, 4, true, )
-MOE_MMA_ENTRY(2, 2, true, )
-MOE_MMA_ENTRY(4, 2, true, )
-// Without the L2 prefetch hint (a measurement variant).
-MOE_MMA_ENTRY(1, 2, false, _plain)
-MOE_MMA_ENTRY(1, 4, false, _plain)
+MOE_MMA_ENTRY(1, 2, MMA_STAGES, true, )
+MOE_MMA_ENTRY(2, 2, MMA_STAGES, true, )
+MOE_MMA_ENTRY(4, 2, MMA_STAGES, true, )
+// Measurement variants at one token: four ring stages; no L2 prefetch hint.
+MOE_MMA_ENTRY(1, 2, 4, true, _s4)
+MOE_MMA_ENTRY(1, 2, MMA_STAGES, false, _nohint)

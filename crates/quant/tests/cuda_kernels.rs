@@ -14,11 +14,10 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 5] = [
+const KERNELS: [MoeKernel; 4] = [
     MoeKernel::Tensor,
-    MoeKernel::TensorWide,
-    MoeKernel::TensorNarrow,
-    MoeKernel::TensorPlain,
+    MoeKernel::TensorS4,
+    MoeKernel::TensorNoHint,
     MoeKernel::Simt,
 ];
 
@@ -276,6 +275,7 @@ fn mxfp4_products_match_reference_with_extreme_scales() {
             let (act, _) = run(&gpu, &shape, &dev, &routes, &x, kernel);
             let mut pair = 0;
             let mut worst = 0.0f64;
+            let mut tiny = 0usize;
             for (h, rows) in host.iter().zip(&routes) {
                 let m = Mxfp4Matrix::new(&h.parts[part], &h.parts[part + 1], inter, width)
                     .expect("matrix");
@@ -292,13 +292,20 @@ fn mxfp4_products_match_reference_with_extreme_scales() {
                             err <= REL_TOL || (got - reference).abs() < 1e-37,
                             "{kernel:?} {glu:?} {width}: pair {pair} row {r}: {got} vs {reference} (|w·x| {mag})"
                         );
-                        worst = worst.max(err);
+                        // Rows whose whole product is subnormal pass on the absolute bound; the worst relative
+                        // error is reported over the others.
+                        if (got - reference).abs() >= 1e-37 {
+                            worst = worst.max(err);
+                        } else {
+                            tiny += 1;
+                        }
                     }
                     pair += 1;
                 }
             }
             eprintln!(
-                "{kernel:?} {glu:?} [{inter}x{width}] T={t_len} extreme scales: worst |Δ| / Σ|w·x| = {worst:.3e}"
+                "{kernel:?} {glu:?} [{inter}x{width}] T={t_len} extreme scales: worst |Δ| / Σ|w·x| = {worst:.3e} \
+                 ({tiny} outputs within 1e-37 absolute)"
             );
         }
     }

@@ -31,34 +31,36 @@ const TILES: [usize; 4] = [1, 2, 4, 8];
 const SLOT_WORDS: usize = 7;
 /// Experts per launch of the tensor-core kernels (their table is a kernel parameter: 64 × 56 bytes).
 const MAX_SLOTS: usize = 64;
-/// Warps per block of the tensor-core kernels (`MMA_WARPS` in `kernels/moe_mxfp4.cu`).
-const MMA_WARPS: usize = 4;
+/// Ring stages of the tensor-core kernels' asynchronous weight copies (`MMA_STAGES`).
+const MMA_STAGES: usize = 3;
 
 /// Which kernels multiply the MXFP4 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeKernel {
-    /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation). At one token a
-    /// gate/up warp owns 32 rows of gate and of up and a down warp 32 rows; at more tokens 16 and 32.
+    /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation), weights
+    /// streamed through a 3-stage `cp.async` ring per warp.
     Tensor,
-    /// As [`MoeKernel::Tensor`], with 64 rows per down warp at one token.
-    TensorWide,
-    /// As [`MoeKernel::Tensor`], with 16 rows of gate and of up per gate/up warp at one token.
-    TensorNarrow,
-    /// As [`MoeKernel::Tensor`], without the L2 prefetch hint on the weight loads at one token.
-    TensorPlain,
+    /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
+    TensorS4,
+    /// As [`MoeKernel::Tensor`] without the 256-byte L2 prefetch hint at one token (a measurement variant).
+    TensorNoHint,
     /// CUDA cores: one f32 FMA per weight and token.
     Simt,
 }
 
+/// Warps per block of the tensor-core kernels (`MMA_WARPS` in `kernels/moe_mxfp4.cu`).
+const MMA_WARPS: usize = 4;
+/// Row streams per warp of the tensor-core kernels: a gate/up warp owns 16 rows of gate and 16 of up, a down
+/// warp 32 rows.
+const MMA_STREAMS: usize = 2;
+
 impl MoeKernel {
-    /// Row streams per warp of the gate/up and of the down kernel at one token (a gate/up stream pair is 16 rows
-    /// of gate and 16 of up; a down stream is 16 rows), and the kernel-name suffix.
-    fn one_token_config(self) -> (usize, usize, &'static str) {
-        match self {
-            MoeKernel::TensorWide => (4, 4, ""),
-            MoeKernel::TensorNarrow => (2, 2, ""),
-            MoeKernel::TensorPlain => (4, 2, "_plain"),
-            MoeKernel::Tensor | MoeKernel::Simt => (4, 2, ""),
+    /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
+    fn tensor_variant(self, tt: usize) -> (usize, &'static str) {
+        match (self, tt) {
+            (MoeKernel::TensorS4, 1) => (4, "_s4"),
+            (MoeKernel::TensorNoHint, 1) => (MMA_STAGES, "_nohint"),
+            _ => (MMA_STAGES, ""),
         }
     }
 }
@@ -69,12 +71,11 @@ impl FromStr for MoeKernel {
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "tensor" => Ok(MoeKernel::Tensor),
-            "tensor-wide" => Ok(MoeKernel::TensorWide),
-            "tensor-narrow" => Ok(MoeKernel::TensorNarrow),
-            "tensor-plain" => Ok(MoeKernel::TensorPlain),
+            "tensor-s4" => Ok(MoeKernel::TensorS4),
+            "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, tensor-wide, tensor-narrow, tensor-plain or simt)"
+                "unknown MoE kernel {other:?} (expected tensor, tensor-s4, tensor-nohint or simt)"
             )),
         }
     }
@@ -263,10 +264,14 @@ pub fn run_experts_with(
     for s in &slots {
         let aligned = [s.ptrs.w1, s.ptrs.w2, s.ptrs.w3]
             .iter()
-            .all(|p| p.is_multiple_of(16));
+            .all(|p| p.is_multiple_of(16))
+            && [s.ptrs.s1, s.ptrs.s2, s.ptrs.s3]
+                .iter()
+                .all(|p| p.is_multiple_of(4));
         if !aligned {
             return Err(QuantError::Cuda(
-                "expert packed weights must be 16-byte aligned on the device".to_string(),
+                "expert packed weights must be 16-byte and scales 4-byte aligned on the device"
+                    .to_string(),
             ));
         }
     }
@@ -339,10 +344,21 @@ fn tensor_tile(max_rows: usize) -> usize {
 }
 
 /// Dynamic shared memory of a tensor-core kernel: `tt` tokens of fp16 hi/lo fragments (128 bytes per group,
-/// groups rounded up to 4) and a 64-byte zero block.
-fn tensor_smem(tt: usize, cols: usize) -> usize {
+/// groups rounded up to 4) and a 64-byte zero block, then each warp's ring of `stages` batches of its row
+/// streams (two rows, 32 lanes, 16 bytes of weights and a 4-byte scale word each).
+fn tensor_smem(tt: usize, cols: usize, stages: usize) -> usize {
     let gp = (cols / MXFP4_GROUP).div_ceil(4) * 4;
-    (tt * gp * 8 + 4) * 16
+    (tt * gp * 8 + 4) * 16 + MMA_WARPS * stages * MMA_STREAMS * 2 * 32 * (16 + 4)
+}
+
+/// The tensor-core kernels (gate/up, down) for token tile `tt`, and their ring stages.
+fn tensor_kernels(kernel: MoeKernel, tt: usize) -> (String, String, usize) {
+    let (stages, suffix) = kernel.tensor_variant(tt);
+    (
+        format!("moe_mma_gate_up_t{tt}_m{MMA_STREAMS}{suffix}"),
+        format!("moe_mma_down_t{tt}_m{MMA_STREAMS}{suffix}"),
+        stages,
+    )
 }
 
 /// Gate/up then down for up to [`MAX_SLOTS`] experts on the tensor-core kernels.
@@ -365,8 +381,11 @@ fn run_tensor(
     let words = slot_table(slots);
     table.words[..words.len()].copy_from_slice(&words);
     let n_slots = slots.len() as u32;
+    let need = |tt: usize| {
+        let stages = kernel.tensor_variant(tt).0;
+        tensor_smem(tt, width, stages).max(tensor_smem(tt, inter, stages))
+    };
     let mut tt = tensor_tile(max_rows);
-    let need = |tt: usize| tensor_smem(tt, width).max(tensor_smem(tt, inter));
     while tt > 1 && need(tt) > gpu.smem_limit() {
         tt /= 2;
     }
@@ -375,21 +394,20 @@ fn run_tensor(
             "expert widths {width}/{inter} need more shared memory than the device has"
         )));
     }
-    // Row streams per warp: gate+up pairs of 16-row tiles, or 16-row tiles of down.
-    let (nm_gu, nm_down, suffix) = if tt == 1 {
-        kernel.one_token_config()
-    } else {
-        (2, 2, "")
-    };
+    let (gate_up_name, down_name, stages) = tensor_kernels(kernel, tt);
     let (kind, beta, lin) = shape.glu.code();
     let (w_i, i_i) = (width as i32, inter as i32);
 
-    let name = format!("moe_mma_gate_up_t{tt}_m{nm_gu}{suffix}");
+    let name = gate_up_name;
     let f = gpu.function(&name)?;
     let cfg = LaunchConfig {
-        grid_dim: (div_ceil(inter, MMA_WARPS * 16 * nm_gu / 2), n_slots, 1),
+        grid_dim: (
+            div_ceil(inter, MMA_WARPS * 16 * MMA_STREAMS / 2),
+            n_slots,
+            1,
+        ),
         block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: tensor_smem(tt, width) as u32,
+        shared_mem_bytes: tensor_smem(tt, width, stages) as u32,
     };
     let mut b = gpu.stream().launch_builder(f);
     b.arg(&table)
@@ -407,12 +425,12 @@ fn run_tensor(
     // (checked by `run_experts`); x rows come from `pair_row`.
     unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
 
-    let name = format!("moe_mma_down_t{tt}_m{nm_down}{suffix}");
+    let name = down_name;
     let f = gpu.function(&name)?;
     let cfg = LaunchConfig {
-        grid_dim: (div_ceil(width, MMA_WARPS * 16 * nm_down), n_slots, 1),
+        grid_dim: (div_ceil(width, MMA_WARPS * 16 * MMA_STREAMS), n_slots, 1),
         block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: tensor_smem(tt, inter) as u32,
+        shared_mem_bytes: tensor_smem(tt, inter, stages) as u32,
     };
     let mut b = gpu.stream().launch_builder(f);
     b.arg(&table).arg(&*act).arg(&mut *y).arg(&w_i).arg(&i_i);
@@ -483,30 +501,50 @@ mod tests {
         assert_eq!(tensor_tile(2), 2);
         assert_eq!(tensor_tile(3), 4);
         assert_eq!(tensor_tile(64), 4);
-        // K3: 112 groups of 32 columns, 128 bytes of hi/lo fp16 each, plus the zero block.
-        assert_eq!(tensor_smem(1, 3584), 112 * 128 + 64);
+        // K3: 112 groups of 32 columns, 128 bytes of hi/lo fp16 each, plus the zero block; then the rings.
+        let ring = |stages: usize| 4 * stages * 2 * 2 * 32 * 20;
+        assert_eq!(tensor_smem(1, 3584, 3), 112 * 128 + 64 + ring(3));
+        // Four blocks of the one-token kernels fit one multiprocessor (228 KiB, 1 KiB reserved per block).
+        assert!(4 * (tensor_smem(1, 3584, 3) + 1024 + 64) <= 228 * 1024);
+        assert!(4 * (tensor_smem(1, 3584, 4) + 1024 + 64) <= 228 * 1024);
         // 3 groups round up to 4.
-        assert_eq!(tensor_smem(2, 96), 2 * 4 * 128 + 64);
+        assert_eq!(tensor_smem(2, 96, 3), 2 * 4 * 128 + 64 + ring(3));
         assert_eq!(std::mem::size_of::<SlotTable>(), 64 * 56);
     }
 
     #[test]
     fn kernel_names_parse() {
-        assert_eq!("tensor".parse::<MoeKernel>(), Ok(MoeKernel::Tensor));
-        assert_eq!(
-            "tensor-narrow".parse::<MoeKernel>(),
-            Ok(MoeKernel::TensorNarrow)
-        );
-        assert_eq!("simt".parse::<MoeKernel>(), Ok(MoeKernel::Simt));
-        assert_eq!(
-            "tensor-plain".parse::<MoeKernel>(),
-            Ok(MoeKernel::TensorPlain)
-        );
-        assert_eq!(
-            "tensor-wide".parse::<MoeKernel>(),
-            Ok(MoeKernel::TensorWide)
-        );
+        for (name, k) in [
+            ("tensor", MoeKernel::Tensor),
+            ("tensor-s4", MoeKernel::TensorS4),
+            ("tensor-nohint", MoeKernel::TensorNoHint),
+            ("simt", MoeKernel::Simt),
+        ] {
+            assert_eq!(name.parse::<MoeKernel>(), Ok(k));
+        }
         assert!("fast".parse::<MoeKernel>().is_err());
+    }
+
+    /// Every tensor-core kernel a launch can ask for is compiled and loaded with the large shared-memory limit.
+    #[test]
+    fn tensor_kernel_names_exist() {
+        for kernel in [
+            MoeKernel::Tensor,
+            MoeKernel::TensorS4,
+            MoeKernel::TensorNoHint,
+        ] {
+            for tt in [1, 2, 4] {
+                assert_eq!(tensor_tile(tt), tt);
+                let (gate_up, down, _) = tensor_kernels(kernel, tt);
+                for name in [gate_up, down] {
+                    assert!(
+                        super::super::KERNELS.contains(&name.as_str()),
+                        "{name} is not in KERNELS"
+                    );
+                    assert!(super::super::BIG_SMEM_KERNELS.contains(&name.as_str()));
+                }
+            }
+        }
     }
 
     #[test]
