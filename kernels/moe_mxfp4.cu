@@ -285,3 +285,394 @@ extern "C" __global__ void moe_combine(const float* y, const int* tok_pair, cons
     }
     out[(size_t)t * width + c] = acc;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tensor-core path (the default): the same three products with `mma.sync.m16n8k16` (fp16 inputs, f32 accumulate).
+//
+// Weights. A nibble s|e1 e0 m becomes the fp16 bits (s << 15) | (e1 e0 m << 9), exactly E2M1 * 2^-14 (the E2M1
+// subnormal lines up with the fp16 one). Per 32-bit packed word (elements 0..7): the fp16 high bytes of the even
+// and of the odd elements are built with three or four integer ops, then split into four half2 registers by one
+// `prmt` or one mask each: (e0, e4), (e2, e6), (e1, e5), (e3, e7). About 1.4 integer ops per weight element, no
+// conversion, no FMA.
+//
+// Activations. A token's row x is scaled by 2^s (a power of two chosen from max |x| so that the largest element
+// lands in [2^14, 2^15)) and split into x_hi = fp16(x 2^s) and x_lo = fp16(x 2^s - x_hi): 22 significant bits, so
+// w.x = w.x_hi + w.x_lo keeps f32 accuracy (each fp16 product is exact in the f32 accumulator).
+//
+// Fragments. A warp owns NM streams of 16 rows (gate+up: NM/2 row tiles of W1 and of W3; down: NM row tiles of
+// W2). Lane (g, c) (g = lane / 4, c = lane % 4) loads the 16-byte group 4b + c of rows g and g + 8 of every
+// stream for batch b (four consecutive groups per batch, so a row's 64 bytes are read by four neighbouring
+// lanes). In the mma, the k slots of lane c therefore always hold group 4b + c. The B operand puts group c's
+// activations in output columns 2c (x_hi) and 2c + 1 (x_lo) and zeros elsewhere, so one accumulator keeps the four
+// groups (and the hi/lo halves) apart: after the eight mmas of a batch, lane c holds exactly the partial sums of
+// its own group for rows g and g + 8, multiplies them by that group's E8M0 scale and adds them to f32 row sums.
+// The quad's four lanes are summed once per row at the end. Only the eight lanes with c == g / 2 read a
+// non-zero B fragment; the others read a zero block of shared memory (a broadcast).
+//
+// Streaming. Each lane copies its own chunks (16 bytes of weights, the 4-byte word holding its scale byte) with
+// cp.async into a per-warp ring of S stages, S - 1 batches ahead of the batch being multiplied (the first ones
+// while the activations are staged), so no registers hold data in flight. An L2 miss fetches 256 bytes (four
+// batches of a row). Blocks of 4 warps, 16 rows of gate and of up (or 32 rows of down) per warp: 114 registers,
+// four blocks per multiprocessor. (Measured on the H200: 8-warp blocks or a register cap for more blocks per
+// multiprocessor were slower; see docs/PERFORMANCE.md.)
+//
+// Shared memory: per token [groups rounded up to 4][hi, lo][32 halves], the halves of each 8-element word in the
+// order (0, 4, 2, 6, 1, 5, 3, 7) that the two mmas of the word consume; a zero block of 64 bytes; then the rings:
+// [warp][stage][stream][row][lane] 16-byte weight chunks, then [warp][stage][stream][row][lane] scale words.
+
+#define MMA_WARPS 4
+#define MMA_THREADS (MMA_WARPS * WARP)
+#define MMA_STAGES 3
+#define MAX_SLOTS 64
+
+// The experts of one launch, passed by value (no upload before the launch). Must match `SlotTable` in
+// crates/quant/src/cuda/moe.rs.
+struct SlotTable {
+    ExpertSlot s[MAX_SLOTS];
+};
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+__device__ __forceinline__ u32 f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Four half2 of E2M1 * 2^-14 from one packed word: h[0] = (e0, e4), h[1] = (e2, e6), h[2] = (e1, e5),
+// h[3] = (e3, e7) (low half first).
+__device__ __forceinline__ void decode_h2(u32 w, u32 h[4]) {
+    u32 even = ((w << 1) & 0x0e0e0e0eu) | ((w << 4) & 0x80808080u); // byte k: fp16 high byte of element 2k
+    u32 odd = ((w >> 3) & 0x0e0e0e0eu) | (w & 0x80808080u);         // byte k: element 2k + 1
+    h[0] = prmt(even, 0u, 0x2404u);
+    h[1] = even & 0xff00ff00u;
+    h[2] = prmt(odd, 0u, 0x2404u);
+    h[3] = odd & 0xff00ff00u;
+}
+
+// d += A . B for one m16n8k16 tile (A row-major 16x16 fp16, B column-major 16x8 fp16, f32 accumulators).
+__device__ __forceinline__ void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 word_of(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
+
+// Stages tokens rows[0..count) of `src` (`cols` wide) as fp16 hi/lo fragments (layout above); tokens count..TT
+// and the padding groups are zeros. s_down[t] receives 2^(14 - s_t), the factor that turns a row sum back into
+// w.x. Ends with a barrier.
+template <int TT>
+__device__ void stage_hilo(uint4* xs, const float* src, const int rows[TT], int count, int cols, int gp,
+                           float* s_up, float* s_down, float (*red)[TT]) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    int c4 = cols / 4;
+    float m[TT];
+#pragma unroll
+    for (int t = 0; t < TT; t++) {
+        m[t] = 0.f;
+        if (t < count) {
+            const float4* p = (const float4*)(src + (size_t)rows[t] * cols);
+            for (int q = threadIdx.x; q < c4; q += blockDim.x) {
+                float4 v = p[q];
+                m[t] = fmaxf(m[t], fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+            }
+        }
+        m[t] = warp_max(m[t]);
+        if (lane == 0) red[warp][t] = m[t];
+    }
+    __syncthreads();
+    if (threadIdx.x < TT) {
+        int t = threadIdx.x;
+        float mm = 0.f;
+        for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w][t]);
+        int e = (__float_as_int(mm) >> 23) & 0xff;
+        int sh = mm > 0.f ? 141 - e : 0; // mm * 2^sh in [2^14, 2^15)
+        sh = max(-112, min(126, sh));
+        s_up[t] = __int_as_float((127 + sh) << 23);
+        s_down[t] = __int_as_float((141 - sh) << 23);
+    }
+    if (threadIdx.x < 4) xs[TT * gp * 8 + threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+    // Four consecutive columns per item: one half of an 8-element word.
+    int per_tok = gp * 8;
+    for (int it = threadIdx.x; it < TT * per_tok; it += blockDim.x) {
+        int t = it / per_tok, c = it - t * per_tok;
+        int col = c * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        int row = rows[0];
+#pragma unroll
+        for (int k = 1; k < TT; k++)
+            if (t == k) row = rows[k];
+        if (t < count && col < cols) v = ((const float4*)(src + (size_t)row * cols))[c];
+        float f = s_up[t];
+        float vs[4] = {v.x * f, v.y * f, v.z * f, v.w * f};
+        u32 hi[4], lo[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            hi[k] = f32_to_f16(vs[k]);
+            lo[k] = f32_to_f16(vs[k] - half_lo(hi[k]));
+        }
+        int grp = col >> 5, within = col & 31, q = within >> 3, odd = (within >> 2) & 1;
+        // Elements i = 4*odd + k go to positions bitrev3(i): (0, 4, 2, 6) for k = 0..3, plus 1 when odd.
+        u16* base = (u16*)(xs + ((size_t)(t * gp + grp) * 2) * 4) + q * 8 + odd;
+        u16* bl = base + 32;
+        base[0] = (u16)hi[0];
+        base[4] = (u16)hi[1];
+        base[2] = (u16)hi[2];
+        base[6] = (u16)hi[3];
+        bl[0] = (u16)lo[0];
+        bl[4] = (u16)lo[1];
+        bl[2] = (u16)lo[2];
+        bl[6] = (u16)lo[3];
+    }
+    __syncthreads();
+}
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Asynchronous 16-byte copy global -> shared (bypassing L1; an L2 miss fetches the surrounding 256 bytes, four
+// batches of the row); `bytes` = 0 writes zeros and reads nothing.
+template <bool HINT>
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    if (HINT)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Asynchronous 4-byte copy global -> shared; `bytes` = 0 writes zeros.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
+
+// This lane's weight stream: for each stream i and row r (g, g + 8), the global address of its 16-byte chunk of
+// batch 0 (group c) and of the aligned 4-byte word holding that group's scale byte (the byte sits at bit
+// sshift[i][r]). Batch b adds 64 and 4 bytes. Each lane owns its ring slots: [stage][i][r][lane] 16 bytes of
+// packed weights, then [stage][i][r][lane] 4 bytes of scales, per warp.
+template <int NM>
+struct LaneStream {
+    const u8* wp[NM][2];
+    const u8* sp[NM][2];
+    u32 sshift[NM][2];
+};
+
+// Queues the copies of batch b into ring stage `st` (zeros past the last group) and commits them as one group.
+template <int NM, int S, bool HINT>
+__device__ __forceinline__ void issue_batch(const LaneStream<NM>& ls, u32 wring, u32 sring, int groups, int b,
+                                            int st, int c, int lane) {
+    bool ok = 4 * b + c < groups;
+    u32 wbytes = ok ? 16u : 0u, sbytes = ok ? 4u : 0u;
+    size_t bo = ok ? (size_t)b : 0;
+#pragma unroll
+    for (int i = 0; i < NM; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            u32 slot = (u32)(((st * NM + i) * 2 + r) * WARP + lane);
+            cp_async16<HINT>(wring + slot * 16, ls.wp[i][r] + bo * 64, wbytes);
+            cp_async4(sring + slot * 4, ls.sp[i][r] + bo * 4, sbytes);
+        }
+    cp_async_commit();
+}
+
+// The eight mmas of one batch for every stream and token, then acc[i][r][t] += scale * (hi + lo).
+// xb: this lane's B fragments for this batch (the zero block for inactive lanes); tstride: uint4s between tokens
+// (0 for inactive lanes).
+template <int TT, int NM>
+__device__ __forceinline__ void mma_batch(const uint4 w[NM][2], const u32 e[NM][2], const uint4* xb, int tstride,
+                                          float acc[NM][2][TT]) {
+    float d[NM][TT][4];
+#pragma unroll
+    for (int i = 0; i < NM; i++)
+#pragma unroll
+        for (int t = 0; t < TT; t++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) d[i][t][k] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        u32 h[NM][2][4];
+#pragma unroll
+        for (int i = 0; i < NM; i++) {
+            decode_h2(word_of(w[i][0], q), h[i][0]);
+            decode_h2(word_of(w[i][1], q), h[i][1]);
+        }
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            uint4 bv = xb[t * tstride + q];
+#pragma unroll
+            for (int i = 0; i < NM; i++) {
+                mma16816(d[i][t], h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bv.x, bv.y);
+                mma16816(d[i][t], h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bv.z, bv.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NM; i++) {
+        float s0 = e8m0(e[i][0]), s1 = e8m0(e[i][1]);
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            acc[i][0][t] = fmaf(s0, d[i][t][0] + d[i][t][1], acc[i][0][t]);
+            acc[i][1][t] = fmaf(s1, d[i][t][2] + d[i][t][3], acc[i][1][t]);
+        }
+    }
+}
+
+// GATE_UP: act[pair, :inter] = glu(W1 x, W3 x); otherwise y[pair, :width] = W2 act[pair]. A warp covers
+// NM / 2 (gate+up) or NM (down) row tiles of 16 rows.
+template <int TT, int NM, bool GATE_UP, int S, int W, bool HINT>
+__device__ void moe_mma_impl(const SlotTable& tab, const int* pair_row, const float* src, float* dst, int width,
+                             int inter, int act_kind, float beta, float lin_beta) {
+    extern __shared__ uint4 xs[];
+    __shared__ float red[W][TT];
+    __shared__ float s_up[TT], s_down[TT];
+    const ExpertSlot& s = tab.s[blockIdx.y];
+    constexpr int MT = GATE_UP ? NM / 2 : NM;
+    const int cols = GATE_UP ? width : inter;
+    const int nrows = GATE_UP ? inter : width;
+    const int groups = cols / GROUP, gp = (groups + 3) & ~3, nb = gp / 4;
+    const int rowbytes = cols / 2;
+    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    int g = lane >> 2, c = lane & 3;
+    int row0 = (blockIdx.x * W + warp) * MT * 16;
+
+    // This lane's rows g and g + 8 of every row tile. Rows past the end read the last row (and are not stored).
+    const u8* mw[2] = {(const u8*)(GATE_UP ? s.w1 : s.w2), (const u8*)(GATE_UP ? s.w3 : s.w2)};
+    const u8* ms[2] = {(const u8*)(GATE_UP ? s.s1 : s.s2), (const u8*)(GATE_UP ? s.s3 : s.s2)};
+    LaneStream<NM> ls;
+#pragma unroll
+    for (int i = 0; i < NM; i++) {
+        int mi = GATE_UP ? (i & 1) : 0, mt = GATE_UP ? i / 2 : i;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            size_t row = (size_t)min(row0 + mt * 16 + g + 8 * r, nrows - 1);
+            ls.wp[i][r] = mw[mi] + row * rowbytes + (size_t)c * 16;
+            const u8* sbyte = ms[mi] + row * groups + c;
+            ls.sp[i][r] = (const u8*)((size_t)sbyte & ~(size_t)3);
+            ls.sshift[i][r] = (u32)((size_t)sbyte & 3) * 8;
+        }
+    }
+    // Per-warp rings after the B fragments: S stages of NM x 2 x 32 16-byte weight chunks, then of 4-byte scale
+    // words.
+    const int xs_len = TT * gp * 8 + 4;
+    uint4* wring_p = xs + xs_len + warp * (S * NM * 2 * WARP);
+    u32* sring_p = (u32*)(xs + xs_len + W * (S * NM * 2 * WARP)) + warp * (S * NM * 2 * WARP);
+    const u32 wring = smem_addr(wring_p), sring = smem_addr(sring_p);
+
+    // B fragment addressing: active lanes (c == g / 2) read group 4b + c, half g & 1.
+    bool active = c == (g >> 1);
+    int xoff = active ? (c * 2 + (g & 1)) * 4 : TT * gp * 8;
+    int bstride = active ? 32 : 0;
+    int tstride = active ? gp * 8 : 0;
+
+    for (int t0 = 0; t0 < s.n_rows; t0 += TT) {
+        int count = min(TT, s.n_rows - t0);
+        int rows[TT];
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            int p = s.pair0 + t0 + min(t, count - 1);
+            rows[t] = GATE_UP ? pair_row[p] : p;
+        }
+        // The first S - 1 batches stream in while the activations are staged.
+#pragma unroll
+        for (int k = 0; k < S - 1; k++) issue_batch<NM, S, HINT>(ls, wring, sring, groups, k, k, c, lane);
+        __syncthreads();
+        stage_hilo<TT>(xs, src, rows, count, cols, gp, s_up, s_down, red);
+
+        float acc[NM][2][TT];
+#pragma unroll
+        for (int i = 0; i < NM; i++)
+#pragma unroll
+            for (int t = 0; t < TT; t++) acc[i][0][t] = acc[i][1][t] = 0.f;
+        int st = 0;
+        for (int b = 0; b < nb; b++) {
+            // Refill the stage read in the previous iteration with batch b + S - 1, then wait for batch b.
+            issue_batch<NM, S, HINT>(ls, wring, sring, groups, b + S - 1, st == 0 ? S - 1 : st - 1, c, lane);
+            cp_async_wait<S - 1>();
+            uint4 w[NM][2];
+            u32 e[NM][2];
+#pragma unroll
+            for (int i = 0; i < NM; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    int slot = ((st * NM + i) * 2 + r) * WARP + lane;
+                    w[i][r] = wring_p[slot];
+                    e[i][r] = (sring_p[slot] >> ls.sshift[i][r]) & 0xffu;
+                }
+            mma_batch<TT, NM>(w, e, xs + xoff + b * bstride, tstride, acc);
+            st = st == S - 1 ? 0 : st + 1;
+        }
+        cp_async_wait_all();
+
+        // Sum the quad's four groups-of-a-batch partial sums, then scale back and store.
+#pragma unroll
+        for (int i = 0; i < NM; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++)
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    float v = acc[i][r][t];
+                    v += __shfl_xor_sync(FULL_MASK, v, 1);
+                    v += __shfl_xor_sync(FULL_MASK, v, 2);
+                    acc[i][r][t] = v * s_down[t];
+                }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                int row = row0 + mt * 16 + g + 8 * r;
+                if (row >= nrows) continue;
+#pragma unroll
+                for (int t = 0; t < TT; t++) {
+                    if (t >= count || (t & 3) != c) continue;
+                    size_t p = (size_t)(s.pair0 + t0 + t);
+                    if (GATE_UP)
+                        dst[p * inter + row] =
+                            glu(act_kind, beta, lin_beta, acc[2 * mt][r][t], acc[2 * mt + 1][r][t]);
+                    else
+                        dst[p * width + row] = acc[mt][r][t];
+                }
+            }
+    }
+}
+
+// Entry points: moe_mma_{gate_up,down}_t<TT>_m<NM><SUFFIX>: TT tokens per tile, NM row streams per warp, 4-warp
+// blocks, at most 168 registers (3 blocks per multiprocessor; the one-token kernels need 114-116, so 4 fit), S ring
+// stages, HINT: the 256-byte L2 prefetch on weight copies.
+#define MOE_MMA_ENTRY(TT, NM, S, HINT, SUFFIX)                                                                  \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3)                                                \
+        moe_mma_gate_up_t##TT##_m##NM##SUFFIX(const __grid_constant__ SlotTable tab, const int* pair_row,       \
+                                              const float* x, float* act, int width, int inter, int act_kind,  \
+                                              float beta, float lin_beta) {                                    \
+        moe_mma_impl<TT, NM, true, S, MMA_WARPS, HINT>(tab, pair_row, x, act, width, inter, act_kind, beta,     \
+                                                       lin_beta);                                              \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) moe_mma_down_t##TT##_m##NM##SUFFIX(            \
+        const __grid_constant__ SlotTable tab, const float* act, float* y, int width, int inter) {             \
+        moe_mma_impl<TT, NM, false, S, MMA_WARPS, HINT>(tab, 0, act, y, width, inter, 0, 1.f, 1.f);             \
+    }
+
+MOE_MMA_ENTRY(1, 2, MMA_STAGES, true, )
+MOE_MMA_ENTRY(2, 2, MMA_STAGES, true, )
+MOE_MMA_ENTRY(4, 2, MMA_STAGES, true, )
+// Measurement variants at one token: four ring stages; no L2 prefetch hint.
+MOE_MMA_ENTRY(1, 2, 4, true, _s4)
+MOE_MMA_ENTRY(1, 2, MMA_STAGES, false, _nohint)

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use deltafin_quant::cuda::moe::{self, ExpertPtrs, Glu, MoeShape, SlotRef};
+use deltafin_quant::cuda::moe::{self, ExpertPtrs, Glu, MoeKernel, MoeShape, SlotRef};
 use deltafin_quant::cuda::{Gpu, device_address};
 use deltafin_runtime::{DevicePref, Engine, EngineOptions, argmax};
 use rand::{RngExt, SeedableRng};
@@ -86,26 +86,14 @@ impl DeviceExpert {
     }
 }
 
-/// MoE kernels on `n_experts` experts of K3's shape, each multiplying `t` tokens, against a device copy.
-pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result<()> {
-    let gpu = Gpu::shared()?;
-    println!("device: {}", gpu.name());
-    let mut rng = ChaCha8Rng::seed_from_u64(7);
-    let experts = (0..n_experts)
-        .map(|_| random_expert(&gpu, &mut rng))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let weight_bytes: usize = experts
-        .iter()
-        .map(|e| e.bufs.iter().map(|b| b.len()).sum::<usize>())
-        .sum();
-
-    // Copy reference: the same number of bytes, device to device, through a plain 16-byte copy kernel and
-    // through cuMemcpyDtoD.
-    let n16 = weight_bytes / 16;
-    let src = gpu.zeros::<u8>(n16 * 16)?;
+/// Device-to-device copy of `bytes` through the `copy16` kernel and through `cuMemcpyDtoD`: (kernel µs, memcpy
+/// µs), medians of `reps` event-timed copies.
+fn copy_us(gpu: &Gpu, bytes: usize, reps: usize) -> anyhow::Result<(f64, f64)> {
+    let n16 = bytes / 16;
+    let src = gpu.upload(&vec![0x5au8; n16 * 16])?;
     let mut dst = gpu.zeros::<u8>(n16 * 16)?;
     let copy = gpu.function("copy16")?;
-    let copy_ms = time_ms(&gpu, reps, || {
+    let copy_ms = time_ms(gpu, reps, || {
         let cfg = LaunchConfig {
             grid_dim: (132 * 16, 1, 1),
             block_dim: (256, 1, 1),
@@ -118,24 +106,53 @@ pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result
         unsafe { b.launch(cfg) }?;
         Ok(())
     })?;
-    let memcpy_ms = time_ms(&gpu, reps, || {
+    let memcpy_ms = time_ms(gpu, reps, || {
         gpu.stream().memcpy_dtod(&src, &mut dst)?;
         Ok(())
     })?;
-    let copy_bw = 2.0 * (n16 * 16) as f64 / (copy_ms * 1e-3);
-    let memcpy_bw = 2.0 * (n16 * 16) as f64 / (memcpy_ms * 1e-3);
-    let ref_bw = copy_bw.max(memcpy_bw);
-    println!(
-        "device-to-device copy of {:.1} MB: kernel {:.1} us = {:.0} GB/s, cuMemcpyDtoD {:.1} us = {:.0} GB/s \
-         (read + write)",
-        weight_bytes as f64 / 1e6,
-        copy_ms * 1e3,
-        copy_bw / 1e9,
-        memcpy_ms * 1e3,
-        memcpy_bw / 1e9
-    );
-    println!("| tokens | experts | weight MB | time us | weight GB/s | % of copy |");
-    println!("|---|---|---|---|---|---|");
+    Ok((copy_ms * 1e3, memcpy_ms * 1e3))
+}
+
+/// MoE kernels on `n_experts` experts of K3's shape, each multiplying `t` tokens, against a device copy of the
+/// same bytes (timed before and after the kernels). Each kernel family's output is compared with the first
+/// family's (relative L2 difference of y).
+pub fn moe_bw(
+    n_experts: usize,
+    tokens: &[usize],
+    reps: usize,
+    kernels: &[String],
+) -> anyhow::Result<()> {
+    let kernels = kernels
+        .iter()
+        .map(|k| k.parse::<MoeKernel>().map_err(anyhow::Error::msg))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let gpu = Gpu::shared()?;
+    println!("device: {}", gpu.name());
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let experts = (0..n_experts)
+        .map(|_| random_expert(&gpu, &mut rng))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let weight_bytes: usize = experts
+        .iter()
+        .map(|e| e.bufs.iter().map(|b| b.len()).sum::<usize>())
+        .sum();
+
+    let report_copy = |when: &str| -> anyhow::Result<f64> {
+        let (k_us, m_us) = copy_us(&gpu, weight_bytes, reps)?;
+        let (k_bw, m_bw) = (
+            2.0 * weight_bytes as f64 / (k_us * 1e-6),
+            2.0 * weight_bytes as f64 / (m_us * 1e-6),
+        );
+        println!(
+            "device-to-device copy of {:.1} MB ({when}): kernel {k_us:.1} us = {:.0} GB/s, cuMemcpyDtoD {m_us:.1} us = \
+             {:.0} GB/s (read + write)",
+            weight_bytes as f64 / 1e6,
+            k_bw / 1e9,
+            m_bw / 1e9
+        );
+        Ok(k_bw.max(m_bw))
+    };
+    let ref_bw = report_copy("before")?;
     let shape = MoeShape {
         width: WIDTH,
         inter: INTER,
@@ -144,6 +161,7 @@ pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result
             linear_beta: 25.0,
         },
     };
+    let mut rows_out = Vec::new();
     for &t in tokens {
         let x: Vec<f32> = (0..t * WIDTH)
             .map(|_| rng.random_range(-1.0f32..1.0))
@@ -153,8 +171,6 @@ pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result
             .flat_map(|_| (0..t as i32).collect::<Vec<_>>())
             .collect();
         let rows = gpu.upload(&pair_row)?;
-        let mut act = gpu.zeros::<f32>(n_experts * t * INTER)?;
-        let mut y = gpu.zeros::<f32>(n_experts * t * WIDTH)?;
         let slots: Vec<SlotRef> = experts
             .iter()
             .enumerate()
@@ -164,22 +180,68 @@ pub fn moe_bw(n_experts: usize, tokens: &[usize], reps: usize) -> anyhow::Result
                 n_rows: t,
             })
             .collect();
-        let ms = time_ms(&gpu, reps, || {
-            moe::run_experts(&gpu, &shape, &slots, &rows, &xd, &mut act, &mut y)?;
-            Ok(())
-        })?;
+        let mut first: Option<Vec<f32>> = None;
+        for &kernel in &kernels {
+            let mut act = gpu.zeros::<f32>(n_experts * t * INTER)?;
+            let mut y = gpu.zeros::<f32>(n_experts * t * WIDTH)?;
+            let ms = time_ms(&gpu, reps, || {
+                moe::run_experts_with(&gpu, &shape, &slots, &rows, &xd, &mut act, &mut y, kernel)?;
+                Ok(())
+            })?;
+            // Ten calls back to back between two events: the launch latency of one call is hidden.
+            let a = gpu
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            let b = gpu
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            a.record(gpu.stream())?;
+            for _ in 0..10 {
+                moe::run_experts_with(&gpu, &shape, &slots, &rows, &xd, &mut act, &mut y, kernel)?;
+            }
+            b.record(gpu.stream())?;
+            let b2b_ms = a.elapsed_ms(&b)? as f64 / 10.0;
+            let out = gpu.download(&y)?;
+            if out.iter().any(|v| !v.is_finite()) {
+                bail!("non-finite MoE output at {t} tokens ({kernel:?})");
+            }
+            let diff = match &first {
+                None => {
+                    first = Some(out);
+                    0.0
+                }
+                Some(f) => {
+                    let (mut num, mut den) = (0.0f64, 0.0f64);
+                    for (a, b) in f.iter().zip(&out) {
+                        num += (*a as f64 - *b as f64).powi(2);
+                        den += (*a as f64).powi(2);
+                    }
+                    (num / den.max(1e-300)).sqrt()
+                }
+            };
+            rows_out.push((t, kernel, ms, b2b_ms, diff));
+        }
+    }
+    let ref_after = report_copy("after")?;
+    let ref_bw = ref_bw.max(ref_after);
+    println!(
+        "| tokens | kernel | experts | weight MB | time us | weight GB/s | % of copy | back-to-back us | % of copy | \
+         rel. diff vs {:?} |",
+        kernels[0]
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (t, kernel, ms, b2b_ms, diff) in rows_out {
         let bw = weight_bytes as f64 / (ms * 1e-3);
+        let bw2 = weight_bytes as f64 / (b2b_ms * 1e-3);
         println!(
-            "| {t} | {n_experts} | {:.1} | {:.1} | {:.0} | {:.1}% |",
+            "| {t} | {kernel:?} | {n_experts} | {:.1} | {:.1} | {:.0} | {:.1}% | {:.1} | {:.1}% | {diff:.2e} |",
             weight_bytes as f64 / 1e6,
             ms * 1e3,
             bw / 1e9,
-            100.0 * bw / ref_bw
+            100.0 * bw / ref_bw,
+            b2b_ms * 1e3,
+            100.0 * bw2 / ref_bw,
         );
-        let out = gpu.download(&y)?;
-        if out.iter().any(|v| !v.is_finite()) {
-            bail!("non-finite MoE output at {t} tokens");
-        }
     }
     Ok(())
 }

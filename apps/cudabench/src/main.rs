@@ -33,6 +33,14 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 30)]
         reps: usize,
+        /// Kernel families to time (tensor, tensor-s4, tensor-nohint, simt); each one's output is compared with
+        /// the first one's.
+        #[arg(
+            long,
+            default_value = "tensor,tensor-s4,tensor-nohint,simt",
+            value_delimiter = ','
+        )]
+        kernels: Vec<String>,
     },
     /// Write a synthetic model.
     Synth {
@@ -88,7 +96,8 @@ fn main() -> anyhow::Result<()> {
                 experts,
                 tokens,
                 reps,
-            } => bench::moe_bw(experts, &tokens, reps),
+                kernels,
+            } => bench::moe_bw(experts, &tokens, reps, &kernels),
             Cmd::Decode {
                 model,
                 devs,
@@ -103,5 +112,23 @@ fn main() -> anyhow::Result<()> {
     #[cfg(not(feature = "cuda"))]
     {
         anyhow::bail!("this build has no CUDA support (rebuild with --features cuda)")
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+
+    /// The default `moe-bw --kernels` list names kernel families that exist.
+    #[test]
+    fn default_moe_kernels_parse() {
+        let cli = Cli::try_parse_from(["deltafin-cudabench", "moe-bw"]).expect("arguments");
+        let Cmd::MoeBw { kernels, .. } = cli.command else {
+            panic!("not moe-bw");
+        };
+        for k in kernels {
+            k.parse::<deltafin_quant::cuda::moe::MoeKernel>()
+                .expect("a known kernel family");
+        }
     }
 }

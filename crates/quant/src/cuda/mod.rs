@@ -34,7 +34,17 @@ const SOURCES: [(&str, &str); 4] = [
 ];
 
 /// Every kernel entry point of [`SOURCES`].
-const KERNELS: [&str; 14] = [
+pub(crate) const KERNELS: [&str; 24] = [
+    "moe_mma_gate_up_t1_m2",
+    "moe_mma_down_t1_m2",
+    "moe_mma_gate_up_t2_m2",
+    "moe_mma_down_t2_m2",
+    "moe_mma_gate_up_t4_m2",
+    "moe_mma_down_t4_m2",
+    "moe_mma_gate_up_t1_m2_s4",
+    "moe_mma_down_t1_m2_s4",
+    "moe_mma_gate_up_t1_m2_nohint",
+    "moe_mma_down_t1_m2_nohint",
     "moe_gate_up_t1",
     "moe_gate_up_t2",
     "moe_gate_up_t4",
@@ -52,7 +62,17 @@ const KERNELS: [&str; 14] = [
 ];
 
 /// Kernels that take more than the default 48 KiB of dynamic shared memory.
-const BIG_SMEM_KERNELS: [&str; 9] = [
+pub(crate) const BIG_SMEM_KERNELS: [&str; 19] = [
+    "moe_mma_gate_up_t1_m2",
+    "moe_mma_down_t1_m2",
+    "moe_mma_gate_up_t2_m2",
+    "moe_mma_down_t2_m2",
+    "moe_mma_gate_up_t4_m2",
+    "moe_mma_down_t4_m2",
+    "moe_mma_gate_up_t1_m2_s4",
+    "moe_mma_down_t1_m2_s4",
+    "moe_mma_gate_up_t1_m2_nohint",
+    "moe_mma_down_t1_m2_nohint",
     "moe_gate_up_t1",
     "moe_gate_up_t2",
     "moe_gate_up_t4",

@@ -5,8 +5,17 @@
 //! `pair_row[p]` is the activation row pair `p` reads. `act [pairs, inter]` and `y [pairs, width]` are indexed by
 //! pair, so a call may launch its experts in several chunks (when the device cache holds fewer experts than the
 //! call needs) and combine once.
+//!
+//! Two kernel families compute the same products: the tensor-core kernels (the default, [`MoeKernel::Tensor`]:
+//! `mma.sync` with fp16 weights decoded exactly from E2M1 and the activations split into fp16 hi/lo halves, f32
+//! accumulation) and the CUDA-core kernels ([`MoeKernel::Simt`]: one f32 FMA per weight and token), kept as a
+//! reference and fallback. `DELTAFIN_MOE_KERNEL=tensor|simt` (or a measurement variant of `tensor`, see
+//! [`MoeKernel`]) picks one for a whole process.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, div_ceil, driver_err};
 use crate::error::{QuantError, Result};
@@ -20,6 +29,81 @@ const MOE_THREADS: u32 = 256;
 const TILES: [usize; 4] = [1, 2, 4, 8];
 /// `u64` words per `ExpertSlot` (six addresses, then `n_rows` and `pair0` as two `i32`).
 const SLOT_WORDS: usize = 7;
+/// Experts per launch of the tensor-core kernels (their table is a kernel parameter: 64 × 56 bytes).
+const MAX_SLOTS: usize = 64;
+/// Ring stages of the tensor-core kernels' asynchronous weight copies (`MMA_STAGES`).
+const MMA_STAGES: usize = 3;
+
+/// Which kernels multiply the MXFP4 experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeKernel {
+    /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation), weights
+    /// streamed through a 3-stage `cp.async` ring per warp.
+    Tensor,
+    /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
+    TensorS4,
+    /// As [`MoeKernel::Tensor`] without the 256-byte L2 prefetch hint at one token (a measurement variant).
+    TensorNoHint,
+    /// CUDA cores: one f32 FMA per weight and token.
+    Simt,
+}
+
+/// Warps per block of the tensor-core kernels (`MMA_WARPS` in `kernels/moe_mxfp4.cu`).
+const MMA_WARPS: usize = 4;
+/// Row streams per warp of the tensor-core kernels: a gate/up warp owns 16 rows of gate and 16 of up, a down
+/// warp 32 rows.
+const MMA_STREAMS: usize = 2;
+
+impl MoeKernel {
+    /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
+    fn tensor_variant(self, tt: usize) -> (usize, &'static str) {
+        match (self, tt) {
+            (MoeKernel::TensorS4, 1) => (4, "_s4"),
+            (MoeKernel::TensorNoHint, 1) => (MMA_STAGES, "_nohint"),
+            _ => (MMA_STAGES, ""),
+        }
+    }
+}
+
+impl FromStr for MoeKernel {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
+        match s {
+            "tensor" => Ok(MoeKernel::Tensor),
+            "tensor-s4" => Ok(MoeKernel::TensorS4),
+            "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
+            "simt" => Ok(MoeKernel::Simt),
+            other => Err(format!(
+                "unknown MoE kernel {other:?} (expected tensor, tensor-s4, tensor-nohint or simt)"
+            )),
+        }
+    }
+}
+
+impl MoeKernel {
+    /// The process default: `DELTAFIN_MOE_KERNEL` if set (and valid), else [`MoeKernel::Tensor`].
+    pub fn from_env() -> MoeKernel {
+        static K: OnceLock<MoeKernel> = OnceLock::new();
+        *K.get_or_init(|| {
+            std::env::var("DELTAFIN_MOE_KERNEL")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(MoeKernel::Tensor)
+        })
+    }
+}
+
+/// The tensor-core kernels' expert table, passed by value (`SlotTable` in `kernels/moe_mxfp4.cu`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SlotTable {
+    words: [u64; SLOT_WORDS * MAX_SLOTS],
+}
+
+// SAFETY: plain old data with the C layout of the kernel's `SlotTable` (u64 words; the trailing `int n_rows,
+// pair0` pair of each record is one little-endian u64).
+unsafe impl DeviceRepr for SlotTable {}
 
 /// Device addresses of one expert's six tensors (packed nibbles and E8M0 scales of gate, down and up). Each
 /// packed tensor must be 16-byte aligned.
@@ -119,6 +203,7 @@ fn slot_table(slots: &[SlotRef]) -> Vec<u64> {
 /// `act[p] = glu(W1 x[pair_row[p]], W3 x[pair_row[p]])`, `y[p] = W2 act[p]`.
 ///
 /// `x` is `[*, width]`; `act` must hold `[pairs, inter]` and `y` `[pairs, width]` for every pair of `slots`.
+/// The kernels are [`MoeKernel::from_env`].
 pub fn run_experts(
     gpu: &Gpu,
     shape: &MoeShape,
@@ -127,6 +212,30 @@ pub fn run_experts(
     x: &CudaSlice<f32>,
     act: &mut CudaSlice<f32>,
     y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    run_experts_with(
+        gpu,
+        shape,
+        slots,
+        pair_row,
+        x,
+        act,
+        y,
+        MoeKernel::from_env(),
+    )
+}
+
+/// [`run_experts`] with the given kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn run_experts_with(
+    gpu: &Gpu,
+    shape: &MoeShape,
+    slots: &[SlotRef],
+    pair_row: &CudaSlice<i32>,
+    x: &CudaSlice<f32>,
+    act: &mut CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    kernel: MoeKernel,
 ) -> Result<()> {
     let (width, inter) = (shape.width, shape.inter);
     if !width.is_multiple_of(MXFP4_GROUP) || !inter.is_multiple_of(MXFP4_GROUP) {
@@ -155,14 +264,24 @@ pub fn run_experts(
     for s in &slots {
         let aligned = [s.ptrs.w1, s.ptrs.w2, s.ptrs.w3]
             .iter()
-            .all(|p| p.is_multiple_of(16));
+            .all(|p| p.is_multiple_of(16))
+            && [s.ptrs.s1, s.ptrs.s2, s.ptrs.s3]
+                .iter()
+                .all(|p| p.is_multiple_of(4));
         if !aligned {
             return Err(QuantError::Cuda(
-                "expert packed weights must be 16-byte aligned on the device".to_string(),
+                "expert packed weights must be 16-byte and scales 4-byte aligned on the device"
+                    .to_string(),
             ));
         }
     }
     let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
+    if kernel != MoeKernel::Simt {
+        for chunk in slots.chunks(MAX_SLOTS) {
+            run_tensor(gpu, shape, chunk, max_rows, pair_row, x, act, y, kernel)?;
+        }
+        return Ok(());
+    }
     let table = gpu.upload(&slot_table(&slots))?;
     let n_slots = slots.len() as u32;
     let (kind, beta, lin) = shape.glu.code();
@@ -206,6 +325,112 @@ pub fn run_experts(
         grid_dim: (div_ceil(width, MOE_ROWS_PER_BLOCK), n_slots, 1),
         block_dim: (MOE_THREADS, 1, 1),
         shared_mem_bytes: (tt * inter * 4) as u32,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&table).arg(&*act).arg(&mut *y).arg(&w_i).arg(&i_i);
+    // SAFETY: as above; act was written for every pair of these slots by the previous launch on this stream.
+    unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
+    Ok(())
+}
+
+/// Token tile of the tensor-core kernels for a launch whose largest expert has `max_rows` tokens (larger counts
+/// loop over tiles of 4 inside the kernel).
+fn tensor_tile(max_rows: usize) -> usize {
+    match max_rows {
+        0 | 1 => 1,
+        2 => 2,
+        _ => 4,
+    }
+}
+
+/// Dynamic shared memory of a tensor-core kernel: `tt` tokens of fp16 hi/lo fragments (128 bytes per group,
+/// groups rounded up to 4) and a 64-byte zero block, then each warp's ring of `stages` batches of its row
+/// streams (two rows, 32 lanes, 16 bytes of weights and a 4-byte scale word each).
+fn tensor_smem(tt: usize, cols: usize, stages: usize) -> usize {
+    let gp = (cols / MXFP4_GROUP).div_ceil(4) * 4;
+    (tt * gp * 8 + 4) * 16 + MMA_WARPS * stages * MMA_STREAMS * 2 * 32 * (16 + 4)
+}
+
+/// The tensor-core kernels (gate/up, down) for token tile `tt`, and their ring stages.
+fn tensor_kernels(kernel: MoeKernel, tt: usize) -> (String, String, usize) {
+    let (stages, suffix) = kernel.tensor_variant(tt);
+    (
+        format!("moe_mma_gate_up_t{tt}_m{MMA_STREAMS}{suffix}"),
+        format!("moe_mma_down_t{tt}_m{MMA_STREAMS}{suffix}"),
+        stages,
+    )
+}
+
+/// Gate/up then down for up to [`MAX_SLOTS`] experts on the tensor-core kernels.
+#[allow(clippy::too_many_arguments)]
+fn run_tensor(
+    gpu: &Gpu,
+    shape: &MoeShape,
+    slots: &[SlotRef],
+    max_rows: usize,
+    pair_row: &CudaSlice<i32>,
+    x: &CudaSlice<f32>,
+    act: &mut CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+    kernel: MoeKernel,
+) -> Result<()> {
+    let (width, inter) = (shape.width, shape.inter);
+    let mut table = SlotTable {
+        words: [0; SLOT_WORDS * MAX_SLOTS],
+    };
+    let words = slot_table(slots);
+    table.words[..words.len()].copy_from_slice(&words);
+    let n_slots = slots.len() as u32;
+    let need = |tt: usize| {
+        let stages = kernel.tensor_variant(tt).0;
+        tensor_smem(tt, width, stages).max(tensor_smem(tt, inter, stages))
+    };
+    let mut tt = tensor_tile(max_rows);
+    while tt > 1 && need(tt) > gpu.smem_limit() {
+        tt /= 2;
+    }
+    if need(tt) > gpu.smem_limit() {
+        return Err(QuantError::Cuda(format!(
+            "expert widths {width}/{inter} need more shared memory than the device has"
+        )));
+    }
+    let (gate_up_name, down_name, stages) = tensor_kernels(kernel, tt);
+    let (kind, beta, lin) = shape.glu.code();
+    let (w_i, i_i) = (width as i32, inter as i32);
+
+    let name = gate_up_name;
+    let f = gpu.function(&name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            div_ceil(inter, MMA_WARPS * 16 * MMA_STREAMS / 2),
+            n_slots,
+            1,
+        ),
+        block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: tensor_smem(tt, width, stages) as u32,
+    };
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(&table)
+        .arg(pair_row)
+        .arg(x)
+        .arg(&mut *act)
+        .arg(&w_i)
+        .arg(&i_i)
+        .arg(&kind)
+        .arg(&beta)
+        .arg(&lin);
+    // SAFETY: the table holds n_slots ExpertSlot records (the rest zero, never read: grid.y = n_slots) whose
+    // addresses point at the experts' packed/scale tensors of the given shapes (the caller's contract, 16-byte
+    // alignment checked by `run_experts`); pairs stay below the end that `pair_row`, `act` and `y` cover
+    // (checked by `run_experts`); x rows come from `pair_row`.
+    unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
+
+    let name = down_name;
+    let f = gpu.function(&name)?;
+    let cfg = LaunchConfig {
+        grid_dim: (div_ceil(width, MMA_WARPS * 16 * MMA_STREAMS), n_slots, 1),
+        block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: tensor_smem(tt, inter, stages) as u32,
     };
     let mut b = gpu.stream().launch_builder(f);
     b.arg(&table).arg(&*act).arg(&mut *y).arg(&w_i).arg(&i_i);
@@ -268,6 +493,58 @@ mod tests {
         assert_eq!(tile_for(64, 3584, 227 * 1024), Some(8));
         assert_eq!(tile_for(64, 3584, 48 * 1024), Some(2));
         assert_eq!(tile_for(1, 1 << 20, 48 * 1024), None);
+    }
+
+    #[test]
+    fn tensor_tiles_and_shared_memory() {
+        assert_eq!(tensor_tile(1), 1);
+        assert_eq!(tensor_tile(2), 2);
+        assert_eq!(tensor_tile(3), 4);
+        assert_eq!(tensor_tile(64), 4);
+        // K3: 112 groups of 32 columns, 128 bytes of hi/lo fp16 each, plus the zero block; then the rings.
+        let ring = |stages: usize| 4 * stages * 2 * 2 * 32 * 20;
+        assert_eq!(tensor_smem(1, 3584, 3), 112 * 128 + 64 + ring(3));
+        // Four blocks of the one-token kernels fit one multiprocessor (228 KiB, 1 KiB reserved per block).
+        assert!(4 * (tensor_smem(1, 3584, 3) + 1024 + 64) <= 228 * 1024);
+        assert!(4 * (tensor_smem(1, 3584, 4) + 1024 + 64) <= 228 * 1024);
+        // 3 groups round up to 4.
+        assert_eq!(tensor_smem(2, 96, 3), 2 * 4 * 128 + 64 + ring(3));
+        assert_eq!(std::mem::size_of::<SlotTable>(), 64 * 56);
+    }
+
+    #[test]
+    fn kernel_names_parse() {
+        for (name, k) in [
+            ("tensor", MoeKernel::Tensor),
+            ("tensor-s4", MoeKernel::TensorS4),
+            ("tensor-nohint", MoeKernel::TensorNoHint),
+            ("simt", MoeKernel::Simt),
+        ] {
+            assert_eq!(name.parse::<MoeKernel>(), Ok(k));
+        }
+        assert!("fast".parse::<MoeKernel>().is_err());
+    }
+
+    /// Every tensor-core kernel a launch can ask for is compiled and loaded with the large shared-memory limit.
+    #[test]
+    fn tensor_kernel_names_exist() {
+        for kernel in [
+            MoeKernel::Tensor,
+            MoeKernel::TensorS4,
+            MoeKernel::TensorNoHint,
+        ] {
+            for tt in [1, 2, 4] {
+                assert_eq!(tensor_tile(tt), tt);
+                let (gate_up, down, _) = tensor_kernels(kernel, tt);
+                for name in [gate_up, down] {
+                    assert!(
+                        super::super::KERNELS.contains(&name.as_str()),
+                        "{name} is not in KERNELS"
+                    );
+                    assert!(super::super::BIG_SMEM_KERNELS.contains(&name.as_str()));
+                }
+            }
+        }
     }
 
     #[test]
