@@ -4,6 +4,7 @@
 #
 #   scripts/bench-generation.sh LARGE_DIR LARGE_CYCLIC_DIR [RUNS=3]
 #
+# Every run is a fresh process inside a 4 GiB memory cgroup, page cache dropped first.
 # 1. Prefill of a 64-token prompt: chunked (64 tokens a pass) vs token by token (chunk 1): wall time and expert
 #    bytes read from disk, expert cache 2.8 GiB (what a 4 GiB machine leaves for it).
 # 2. Decode on a repetitive prompt with the cyclic preset: n-gram speculation off vs depth 1 vs depth 3.
@@ -16,6 +17,10 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
 cargo build --release -q -p deltafin-cli
 BIN=$CARGO_TARGET_DIR/release/deltafin
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+# The memory cap of `cargo xtask bench` (cgroup v1, 4 GiB, page cache included), as in the decode benchmark.
+CG=/sys/fs/cgroup/memory/deltafin-bench
+mkdir -p "$CG" && echo $((4 << 30)) > "$CG/memory.limit_in_bytes"
+capped() { sh -c "echo \$\$ > $CG/cgroup.procs && exec \"\$0\" \"\$@\"" "$@"; }
 PROMPT64=$(seq 1 64 | awk '{printf "%s%d", (NR>1?",":""), ($1*37)%800+1}')
 REPEAT=$(for i in $(seq 1 6); do printf "1,2,3,4,5,6,7,"; done; printf "1")
 
@@ -25,7 +30,7 @@ run_stats() { # label, args...
         drop
         local start end
         start=$(date +%s.%N)
-        "$BIN" run "$@" --json --stats 2>/tmp/bench-gen.err >/dev/null
+        capped "$BIN" run "$@" --json --stats 2>/tmp/bench-gen.err >/dev/null
         end=$(date +%s.%N)
         local disk
         disk=$(grep -o 'disk: [0-9]* reads, [0-9.]* MiB' /tmp/bench-gen.err | head -1)

@@ -128,17 +128,22 @@ impl ExpertStore {
                 }
             }
         }
-        // Reads go out before the hits are multiplied, so disk and compute overlap from the start.
-        let mut completions = if requests.is_empty() {
-            None
-        } else {
-            Some(self.reader.read(&requests))
-        };
+        // Reads go out before the hits are multiplied, so disk and compute overlap from the start. At most two
+        // windows of reads are outstanding, which bounds the buffers waiting for the multiplier (a prefill chunk
+        // can need every expert of a layer) while the disk always has the next window queued.
+        let mut windows = requests.chunks(READ_WINDOW);
+        let mut in_flight = std::collections::VecDeque::with_capacity(2);
+        for w in windows.by_ref().take(2) {
+            in_flight.push_back(self.reader.read(w));
+        }
         for (i, w) in hits {
             on_expert(i, w).map_err(StreamError::Model)?;
         }
-        if let Some(done_iter) = completions.as_mut() {
-            for done in done_iter {
+        while let Some(batch) = in_flight.pop_front() {
+            if let Some(w) = windows.next() {
+                in_flight.push_back(self.reader.read(w));
+            }
+            for done in batch {
                 let bytes = done.result?;
                 let e = experts[done.tag];
                 let weights = Arc::new(decode(self.map.span(layer, e)?, bytes)?);
@@ -149,6 +154,9 @@ impl ExpertStore {
         Ok(())
     }
 }
+
+/// Expert reads per submission window (two windows are outstanding at a time).
+const READ_WINDOW: usize = 8;
 
 /// A failure while streaming experts: from storage/decoding, or from the caller's callback.
 enum StreamError {
