@@ -53,23 +53,6 @@ fn drop_caches() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The deltafin binary next to this xtask binary (both built by `cargo xtask` in release mode).
-fn deltafin_binary() -> anyhow::Result<PathBuf> {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--release", "-q", "-p", "deltafin-cli"])
-        .status()
-        .context("building deltafin")?;
-    if !status.success() {
-        bail!("cargo build -p deltafin-cli failed");
-    }
-    let exe = std::env::current_exe()?;
-    let bin = exe.with_file_name("deltafin");
-    if !bin.is_file() {
-        bail!("{} not found", bin.display());
-    }
-    Ok(bin)
-}
-
 /// O_DIRECT bandwidth for the engine's pattern: batches of `top_k` random expert spans, median of 5 passes.
 fn disk_bandwidth(model: &Path, top_k: usize) -> anyhow::Result<f64> {
     let files = ModelFiles::open(model)?;
@@ -162,18 +145,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             "warning: cannot create the cgroup-v1 memory cgroup {CGROUP} (root needed): running uncapped"
         );
     }
-    let bin = deltafin_binary()?;
-    let files = ModelFiles::open(&args.model)?;
-    let spine: u64 = files
-        .tensors()
-        .filter(|t| !t.name.contains(".experts."))
-        .map(|t| t.len)
-        .sum();
-    let cfg = deltafin_runtime::Engine::open(&args.model, Default::default())
-        .map(|e| e.config().moe.top_k)
-        .unwrap_or(16);
+    let bin = crate::deltafin::deltafin_binary()?;
+    let spine = deltafin_runtime::spine_bytes(&ModelFiles::open(&args.model)?);
+    // Only the config is needed here: opening an engine would load the whole spine.
+    let top_k = deltafin_model::ModelConfig::from_file(&args.model.join("config.json"))?
+        .moe
+        .top_k;
     let ram_gb = (args.mem_cap_gb - spine as f64 / (1u64 << 30) as f64 - HEADROOM_GIB).max(0.0);
-    let bandwidth = disk_bandwidth(&args.model, cfg)?;
+    let bandwidth = disk_bandwidth(&args.model, top_k)?;
 
     let mut runs = Vec::new();
     for i in 0..=args.runs {

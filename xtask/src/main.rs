@@ -1,6 +1,7 @@
 //! `cargo xtask`: project automation written in Rust (one module per subcommand).
 
 mod bench;
+mod deltafin;
 mod int8;
 mod setup;
 mod synthetic;
@@ -20,9 +21,9 @@ enum Command {
     /// Print the workspace's crate map (a quick orientation).
     Crates,
     /// Install Kimi K3 from the hub: --full, --stream, or neither (full if the disk has room).
-    Setup(setup::SetupArgs),
+    Setup(setup::PassArgs),
     /// Fetch every missing expert of a streaming install (resumable).
-    FetchExpertsAll(setup::FetchArgs),
+    FetchExpertsAll(setup::PassArgs),
     /// Write a synthetic K3-architecture checkpoint (presets demo, large, and -cyclic variants).
     MakeSynthetic(synthetic::SyntheticArgs),
     /// Write the row-wise int8 copy of a model's spine (used with K3_SPINE=int8).

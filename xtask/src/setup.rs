@@ -1,100 +1,25 @@
-//! `cargo xtask setup` and `cargo xtask fetch-experts-all`: install Kimi K3 from the hub (the same code as
-//! `deltafin setup`, in `deltafin_storage::install`).
+//! `cargo xtask setup` and `cargo xtask fetch-experts-all`: the CLI's `deltafin setup` and `deltafin setup
+//! fetch-experts-all` (one implementation, `apps/cli/src/setup.rs` over `deltafin_storage::install`), built and run
+//! with the arguments passed through.
 
-use std::path::PathBuf;
-
-use anyhow::Context;
 use clap::Args;
-use deltafin_storage::install::{
-    self, BarProgress, DEFAULT_REPO, DEFAULT_REVISION, SetupOptions, default_dest, parse_layers,
-};
-use deltafin_storage::{HubOptions, InstallMode};
 
-/// Arguments of `setup`.
+use crate::deltafin::run_deltafin;
+
+/// Arguments handed to the CLI unchanged (`--full`, `--stream`, `--repo`, `--revision`, `--dest`; or `--model`,
+/// `--dry-run`, `--layers`).
 #[derive(Args, Debug)]
-pub struct SetupArgs {
-    /// Download everything (~1.7 TB for K3); resumable.
-    #[arg(long, conflicts_with = "stream")]
-    full: bool,
-    /// Download config, tokenizer, index, shard headers and the spine; fetch experts on demand.
-    #[arg(long)]
-    stream: bool,
-    /// Hub repository.
-    #[arg(long, default_value = DEFAULT_REPO)]
-    repo: String,
-    /// Branch, tag or commit.
-    #[arg(long, default_value = DEFAULT_REVISION)]
-    revision: String,
-    /// Destination (default: $DELTAFIN_ROOT/models/<name>).
-    #[arg(long)]
-    dest: Option<PathBuf>,
+pub struct PassArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
 }
 
-/// Arguments of `fetch-experts-all`.
-#[derive(Args, Debug)]
-pub struct FetchArgs {
-    /// The streaming install to fill (default: $DELTAFIN_ROOT/models/Kimi-K3).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Only print how many experts and bytes are missing.
-    #[arg(long)]
-    dry_run: bool,
-    /// Only these MoE layers, e.g. `1-40` (0-based, inclusive).
-    #[arg(long)]
-    layers: Option<String>,
+/// Runs `deltafin setup ARGS`.
+pub fn setup(a: PassArgs) -> anyhow::Result<()> {
+    run_deltafin(&["setup"], &a.args)
 }
 
-/// Runs `setup`.
-pub fn setup(args: SetupArgs) -> anyhow::Result<()> {
-    let mode = match (args.full, args.stream) {
-        (true, _) => Some(InstallMode::Full),
-        (_, true) => Some(InstallMode::Stream),
-        _ => None,
-    };
-    let dest = args.dest.unwrap_or_else(|| default_dest(&args.repo));
-    let opts = SetupOptions {
-        repo: args.repo,
-        revision: args.revision,
-        dest: dest.clone(),
-        mode,
-        hub: HubOptions::default(),
-    };
-    let report = install::setup(&opts, &BarProgress::default(), &|s| eprintln!("{s}"))
-        .with_context(|| format!("setting up {}", dest.display()))?;
-    if report.missing.experts > 0 {
-        eprintln!(
-            "{} experts ({:.1} GB) will be fetched on demand; `cargo xtask fetch-experts-all` fetches them now",
-            report.missing.experts,
-            report.missing.bytes as f64 / 1e9
-        );
-    }
-    println!("{}", dest.display());
-    Ok(())
-}
-
-/// Runs `fetch-experts-all`.
-pub fn fetch_experts_all(args: FetchArgs) -> anyhow::Result<()> {
-    let dir = args.model.unwrap_or_else(|| default_dest(DEFAULT_REPO));
-    let layers = match &args.layers {
-        Some(t) => {
-            Some(parse_layers(t).with_context(|| format!("--layers {t:?}: expected A-B or N"))?)
-        }
-        None => None,
-    };
-    let missing = install::fetch_experts_all(
-        &dir,
-        layers.as_ref(),
-        args.dry_run,
-        &HubOptions::default(),
-        &BarProgress::default(),
-    )
-    .with_context(|| format!("filling {}", dir.display()))?;
-    let verb = if args.dry_run { "missing" } else { "fetched" };
-    println!(
-        "{verb}: {} experts, {} bytes ({:.1} GB)",
-        missing.experts,
-        missing.bytes,
-        missing.bytes as f64 / 1e9
-    );
-    Ok(())
+/// Runs `deltafin setup fetch-experts-all ARGS`.
+pub fn fetch_experts_all(a: PassArgs) -> anyhow::Result<()> {
+    run_deltafin(&["setup", "fetch-experts-all"], &a.args)
 }

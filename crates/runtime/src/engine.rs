@@ -102,7 +102,8 @@ impl EngineOptions {
                 Ok(v) => v.trim().parse::<f64>().map_err(|_| {
                     RuntimeError::Usage(format!("K3_RAM_GB={v:?} is not a number of GiB"))
                 })?,
-                Err(_) => physical_memory_gb().map_or(FALLBACK_RAM_GB, |m| m * DEFAULT_RAM_SHARE),
+                Err(_) => meminfo_bytes("MemTotal")
+                    .map_or(FALLBACK_RAM_GB, |b| b as f64 / GIB * DEFAULT_RAM_SHARE),
             },
         };
         if !gb.is_finite() || gb < 0.0 {
@@ -110,16 +111,20 @@ impl EngineOptions {
                 "expert cache budget {gb} GiB is not a non-negative number"
             )));
         }
-        Ok((gb * (1u64 << 30) as f64) as u64)
+        Ok((gb * GIB) as u64)
     }
 }
 
-/// `MemTotal` from `/proc/meminfo`, in GiB.
-fn physical_memory_gb() -> Option<f64> {
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// A field of `/proc/meminfo` (`MemTotal`, `MemAvailable`, …) in bytes; `None` where it cannot be read.
+fn meminfo_bytes(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / (1u64 << 20) as f64)
+    let line = text
+        .lines()
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// An opened model.
@@ -165,13 +170,9 @@ impl Engine {
         };
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
-        let spine = SpineSource::open(&files, options.spine, available_memory_bytes())?;
+        let spine = SpineSource::open(&files, options.spine, meminfo_bytes("MemAvailable"))?;
         let spine_int8 = spine.is_int8();
-        let spine_bytes = files
-            .tensors()
-            .filter(|t| !t.name.contains(".experts."))
-            .map(|t| t.len)
-            .sum();
+        let spine_bytes = spine.stored_bytes();
         let model = Model::load_on(cfg, &spine, &options.device)?;
         drop(spine);
         let mut pool = ReadPoolOptions::default();
@@ -346,12 +347,4 @@ fn check_experts(dir: &Path, cfg: &ModelConfig, map: &ExpertMap) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// `MemAvailable` from `/proc/meminfo`, in bytes (`None` where it cannot be read).
-fn available_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

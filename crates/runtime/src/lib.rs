@@ -27,4 +27,4 @@ pub use session::{
     Snapshot,
 };
 pub use sources::ExpertStats;
-pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8};
+pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8, spine_bytes};

@@ -134,12 +134,23 @@ pub fn convert_spine_int8(dir: &Path) -> Result<Int8Report> {
 pub struct SpineSource<'a> {
     files: &'a ModelFiles,
     int8: Option<ModelFiles>,
+    stored_bytes: u64,
+}
+
+/// Bytes of the spine (every non-expert tensor) as stored in the shards.
+pub fn spine_bytes(files: &ModelFiles) -> u64 {
+    files
+        .tensors()
+        .filter(|t| !t.name.contains(".experts."))
+        .map(|t| t.len)
+        .sum()
 }
 
 impl<'a> SpineSource<'a> {
     /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`).
     pub fn open(files: &'a ModelFiles, mode: SpineMode, budget_bytes: Option<u64>) -> Result<Self> {
         let path = files.dir().join(INT8_SPINE_FILE);
+        let stored_bytes = spine_bytes(files);
         let use_int8 = match mode {
             SpineMode::Bf16 => false,
             SpineMode::Int8 => {
@@ -152,21 +163,23 @@ impl<'a> SpineSource<'a> {
                 }
                 true
             }
-            SpineMode::Auto => {
-                let spine: u64 = files
-                    .tensors()
-                    .filter(|t| !t.name.contains(".experts."))
-                    .map(|t| t.len)
-                    .sum();
-                path.is_file() && budget_bytes.is_some_and(|b| spine > b)
-            }
+            SpineMode::Auto => path.is_file() && budget_bytes.is_some_and(|b| stored_bytes > b),
         };
         let int8 = if use_int8 {
             Some(ModelFiles::open_file(&path)?)
         } else {
             None
         };
-        Ok(Self { files, int8 })
+        Ok(Self {
+            files,
+            int8,
+            stored_bytes,
+        })
+    }
+
+    /// Bytes of the spine as stored in the shards (bf16), whichever copy is served.
+    pub fn stored_bytes(&self) -> u64 {
+        self.stored_bytes
     }
 
     /// Whether the int8 copy is in use.
