@@ -33,4 +33,6 @@ pub use error::{ModelError, Result, SourceError};
 pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};
 pub use state::SessionState;
-pub use weights::{ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource};
+pub use weights::{
+    ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource,
+};
