@@ -34,5 +34,5 @@ pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};
 pub use state::SessionState;
 pub use weights::{
-    ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource,
+    ExpertBytes, ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource,
 };

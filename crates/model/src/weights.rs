@@ -69,11 +69,41 @@ pub enum ExpertWeights {
     },
 }
 
+/// Bytes owned by whoever read them (a read pool's reusable buffer, or a plain vector), shared without copying.
+#[derive(Clone)]
+pub struct ExpertBytes(Arc<dyn std::ops::Deref<Target = [u8]> + Send + Sync>);
+
+impl ExpertBytes {
+    /// Wraps any owner of bytes (the buffer stays where it was read: a 17.5 MB expert is not copied).
+    pub fn new(owner: impl std::ops::Deref<Target = [u8]> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(owner))
+    }
+}
+
+impl From<Vec<u8>> for ExpertBytes {
+    fn from(v: Vec<u8>) -> Self {
+        Self::new(v)
+    }
+}
+
+impl std::ops::Deref for ExpertBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ExpertBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExpertBytes({} bytes)", self.len())
+    }
+}
+
 /// The raw bytes of an MXFP4 expert and where each of its six tensors lies in them.
 #[derive(Clone, Debug)]
 pub struct PackedExpert {
     /// The expert's span, exactly as in the shard.
-    pub bytes: Vec<u8>,
+    pub bytes: ExpertBytes,
     /// Byte ranges in `bytes` of w1.packed, w1.scale, w2.packed, w2.scale, w3.packed, w3.scale.
     pub parts: [Range<usize>; 6],
 }

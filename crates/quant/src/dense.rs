@@ -267,7 +267,8 @@ pub fn par_row_blocks(
     f: impl Fn(usize, &mut [f32]) + Sync,
 ) {
     if t_rows == 1 {
-        // One activation row: `y` is already laid out by weight row.
+        // One activation row: `y` is already laid out by weight row. Small tasks balance the two cores when one
+        // of them is slowed by something else (measured: a few large tasks per thread halved the throughput).
         if rows < 4 * ROWS_PER_TASK {
             f(0, &mut y[..rows]);
         } else {

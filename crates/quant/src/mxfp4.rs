@@ -79,7 +79,10 @@ impl<'a> Mxfp4Matrix<'a> {
         check("packed", rows * cols / 2, packed.len())?;
         let groups = cols / MXFP4_GROUP;
         check("scales", rows * groups, scales.len())?;
-        if let Some(pos) = scales.iter().position(|&e| e == E8M0_NAN) {
+        // `contains` on bytes is a vectorised search; the position is only looked for on the error path.
+        if scales.contains(&E8M0_NAN)
+            && let Some(pos) = scales.iter().position(|&e| e == E8M0_NAN)
+        {
             return Err(QuantError::NanScale {
                 row: pos / groups,
                 group: pos % groups,

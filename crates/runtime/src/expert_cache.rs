@@ -174,7 +174,7 @@ mod tests {
 
     fn expert(len: usize) -> Arc<ExpertWeights> {
         Arc::new(ExpertWeights::Mxfp4(PackedExpert {
-            bytes: vec![0; len],
+            bytes: vec![0; len].into(),
             parts: [0..0, 0..0, 0..0, 0..0, 0..0, 0..0],
         }))
     }

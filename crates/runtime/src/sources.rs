@@ -5,7 +5,9 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_model::weights::OnExpert;
-use deltafin_model::{ExpertFetch, ExpertSource, ExpertWeights, ModelError, PackedExpert};
+use deltafin_model::{
+    ExpertBytes, ExpertFetch, ExpertSource, ExpertWeights, ModelError, PackedExpert,
+};
 use deltafin_storage::{
     ExpertFormat, ExpertMap, ExpertSpan, Missing, ReaderStats, SpanBytes, SpanKey, SpanReader,
     SpanRequest, StorageError,
@@ -227,7 +229,8 @@ fn decode(span: &ExpertSpan, bytes: SpanBytes) -> Result<ExpertWeights, RuntimeE
     match span.format {
         ExpertFormat::Mxfp4 => Ok(ExpertWeights::Mxfp4(PackedExpert {
             parts: [range(0), range(1), range(2), range(3), range(4), range(5)],
-            bytes: bytes.into_vec(),
+            // The read buffer itself (no copy): it goes back to the pool when the expert leaves the cache.
+            bytes: ExpertBytes::new(bytes),
         })),
         ExpertFormat::Dense(dtype) => {
             let conv = |i: usize| {

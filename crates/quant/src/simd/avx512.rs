@@ -97,6 +97,25 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
     super::x86::reduce(a0, a1, a2, a3)
 }
 
+/// How far ahead of the kernel dense weights are prefetched: far enough to cover memory latency at full
+/// bandwidth, close enough to stay in L1/L2. Rows are contiguous, so the window runs on into the next rows.
+const PREFETCH_BYTES: usize = 2048;
+/// The same for MXFP4 rows, whose kernel is slower per byte: a longer window (about four rows of K3's experts).
+const MXFP4_PREFETCH_BYTES: usize = 8192;
+
+/// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn prefetch<T>(p: *const T, len: usize, dist: usize) {
+    let ahead = (p as *const i8).wrapping_add(dist);
+    let mut off = 0;
+    while off < len {
+        // A hint: it does not access memory architecturally, even past an allocation, so it is safe.
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
+        off += 64;
+    }
+}
+
 /// Two rows of the dense contract against one input.
 ///
 /// # Safety
@@ -110,6 +129,8 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
     let (mut r0a, mut r0b, mut r1a, mut r1b) = (z, z, z, z);
     let mut b = 0;
     while b < full {
+        prefetch(p0.wrapping_add(b), size_of::<W>() * BLOCK, PREFETCH_BYTES);
+        prefetch(p1.wrapping_add(b), size_of::<W>() * BLOCK, PREFETCH_BYTES);
         // SAFETY: b + 32 <= full <= n for all three slices.
         unsafe {
             let xa = _mm512_loadu_ps(xp.add(b));
@@ -370,6 +391,16 @@ pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
     let (mut s0, mut s1) = (z, z);
     // One chunk of both rows into the given accumulators.
     let step = |c: usize, s0: __m512, s1: __m512, a0: &mut __m512, a1: &mut __m512| {
+        prefetch(
+            rows[0].0.as_ptr().wrapping_add(c * CHUNK_BYTES),
+            CHUNK_BYTES,
+            MXFP4_PREFETCH_BYTES,
+        );
+        prefetch(
+            rows[1].0.as_ptr().wrapping_add(c * CHUNK_BYTES),
+            CHUNK_BYTES,
+            MXFP4_PREFETCH_BYTES,
+        );
         // SAFETY: chunk c of each row (masked at its end) and of `xp` (whole chunks).
         unsafe {
             let xc = xp.as_ptr().add(c * CHUNK);
