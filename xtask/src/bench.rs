@@ -4,8 +4,9 @@
 //! Method (docs/benchmarks.md): the engine runs in a child process (`deltafin bench-decode`) placed in a cgroup-v1
 //! memory cgroup whose limit counts page cache, as RAM does on a laptop; the page cache is dropped before every
 //! run; one warm-up run, then `runs` counted runs. The bound for a token is the bytes that token had to read
-//! (experts missed by the RAM cache; the spine is resident) divided by the bandwidth measured with the storage
-//! read pool reading random expert spans in layer-sized batches of top-k.
+//! (experts missed by the RAM cache; the spine is resident) divided by the disk's bandwidth, measured right before
+//! every run as the faster of the storage read pool reading random expert spans with a full queue and fio's
+//! O_DIRECT random reads of expert-sized blocks.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -53,8 +54,26 @@ fn drop_caches() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// O_DIRECT bandwidth for the engine's pattern: batches of `top_k` random expert spans, median of 5 passes.
-fn disk_bandwidth(model: &Path, top_k: usize) -> anyhow::Result<f64> {
+/// The storage bound, measured just before each decode run so both see the same disk.
+#[derive(Clone, Copy, Debug)]
+struct DiskBound {
+    /// Our read pool (O_DIRECT, 4 reads in flight) over random expert spans, queue kept full.
+    pool_bps: f64,
+    /// `fio --direct=1 --ioengine=libaio --rw=randread --bs=<expert span> --iodepth=4` over the shards, if fio is
+    /// installed.
+    fio_bps: Option<f64>,
+}
+
+impl DiskBound {
+    /// The faster of the two: the stricter bound for the engine.
+    fn bps(&self) -> f64 {
+        self.pool_bps.max(self.fio_bps.unwrap_or(0.0))
+    }
+}
+
+/// Random expert spans read back to back through the read pool (one submission, so the queue never drains between
+/// layers), after dropping the page cache.
+fn pool_bandwidth(model: &Path, top_k: usize, seed: u64) -> anyhow::Result<f64> {
     let files = ModelFiles::open(model)?;
     let map = ExpertMap::build(&files)?;
     let handles: Vec<Arc<PoolFile>> = files
@@ -64,39 +83,65 @@ fn disk_bandwidth(model: &Path, top_k: usize) -> anyhow::Result<f64> {
         .collect::<Result<_, _>>()?;
     let pool = ReadPool::new(&ReadPoolOptions::default())?;
     let layers = map.layers();
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut rng = 0x2545_f491_4f6c_dd1du64 ^ seed;
     let mut next = |n: usize| {
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         (rng % n as u64) as usize
     };
-    let mut rates = Vec::new();
-    for _ in 0..5 {
-        drop_caches()?;
-        let started = Instant::now();
-        let mut bytes = 0u64;
-        for _ in 0..8 {
+    // About as many bytes as a few tokens read.
+    let reqs: Vec<ReadRequest> = (0..8 * top_k)
+        .map(|tag| {
             let layer = layers[next(layers.len())];
-            let reqs: Vec<ReadRequest> = (0..top_k)
-                .map(|tag| {
-                    let span = map.span(layer, next(map.n_experts(layer)))?;
-                    Ok(ReadRequest {
-                        tag,
-                        file: Arc::clone(&handles[span.shard]),
-                        offset: span.offset,
-                        len: span.len,
-                        expect_crc: None,
-                    })
-                })
-                .collect::<anyhow::Result<_>>()?;
-            for done in pool.submit(reqs) {
-                bytes += done.result?.len() as u64;
-            }
-        }
-        rates.push(bytes as f64 / started.elapsed().as_secs_f64());
+            let span = map.span(layer, next(map.n_experts(layer)))?;
+            Ok(ReadRequest {
+                tag,
+                file: Arc::clone(&handles[span.shard]),
+                offset: span.offset,
+                len: span.len,
+                expect_crc: None,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    drop_caches()?;
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    for done in pool.submit(reqs) {
+        bytes += done.result?.len() as u64;
     }
-    Ok(median(rates))
+    Ok(bytes as f64 / started.elapsed().as_secs_f64())
+}
+
+/// fio's random-read bandwidth over the model's shards with expert-sized blocks; `None` without fio.
+fn fio_bandwidth(model: &Path, block: u64) -> anyhow::Result<Option<f64>> {
+    let files = ModelFiles::open(model)?;
+    let names: Vec<String> = files
+        .shards()
+        .iter()
+        .map(|s| s.path.display().to_string().replace(':', "\\:"))
+        .collect();
+    drop_caches()?;
+    let out = match Command::new("fio")
+        .args([
+            "--name=bound",
+            "--direct=1",
+            "--ioengine=libaio",
+            "--rw=randread",
+            "--iodepth=4",
+            "--runtime=3",
+            "--time_based",
+            "--output-format=json",
+        ])
+        .arg(format!("--bs={}", block.next_multiple_of(4096)))
+        .arg(format!("--filename={}", names.join(":")))
+        .output()
+    {
+        Ok(out) if out.status.success() => out,
+        Ok(_) | Err(_) => return Ok(None),
+    };
+    let v: Value = serde_json::from_slice(&out.stdout).context("fio's JSON output")?;
+    Ok(v["jobs"][0]["read"]["bw_bytes"].as_f64())
 }
 
 /// One capped run of `deltafin bench-decode`.
@@ -152,15 +197,29 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .moe
         .top_k;
     let ram_gb = (args.mem_cap_gb - spine as f64 / (1u64 << 30) as f64 - HEADROOM_GIB).max(0.0);
-    let bandwidth = disk_bandwidth(&args.model, top_k)?;
+    let block = {
+        let files = ModelFiles::open(&args.model)?;
+        let map = ExpertMap::build(&files)?;
+        let layer = map.layers().first().copied().unwrap_or(0);
+        map.span(layer, 0).map(|s| s.len).unwrap_or(16 << 20)
+    };
 
+    // The disk bound is measured right before every run (this machine's disk and memory vary by tens of per cent
+    // from minute to minute), and each run is compared with its own bound.
     let mut runs = Vec::new();
+    let mut bounds = Vec::new();
     for i in 0..=args.runs {
+        let bound = DiskBound {
+            pool_bps: pool_bandwidth(&args.model, top_k, i as u64)?,
+            fio_bps: fio_bandwidth(&args.model, block)?,
+        };
         let r = capped_run(&bin, &args, ram_gb)?;
         if i > 0 {
             runs.push(r);
+            bounds.push(bound);
         }
     }
+    let bandwidth = median(bounds.iter().map(DiskBound::bps).collect());
     let per_run = |f: &dyn Fn(&Value) -> f64| median(runs.iter().map(f).collect());
     let num = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
     // Decode tokens only (bench-decode starts its clocks and counters after the prefill's token).
@@ -178,6 +237,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let s_tok = median(all_token_s.clone());
     let need = per_run(&needed);
     let bound = need / bandwidth;
+    // Each run against the bound measured just before it.
+    let run_ratios: Vec<f64> = runs
+        .iter()
+        .zip(&bounds)
+        .map(|(r, b)| s_per_token(r) / (needed(r) / b.bps()).max(1e-12))
+        .collect();
     let report = json!({
         "model": args.model,
         "mem_cap_gib": args.mem_cap_gb,
@@ -185,6 +250,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "expert_cache_gib": ram_gb,
         "spine_bytes": spine,
         "disk_bandwidth_gbs": bandwidth / 1e9,
+        "disk_pool_gbs": bounds.iter().map(|b| b.pool_bps / 1e9).collect::<Vec<_>>(),
+        "disk_fio_gbs": bounds.iter().map(|b| b.fio_bps.map(|v| v / 1e9)).collect::<Vec<_>>(),
+        "run_ratios_to_own_bound": run_ratios,
+        "ratio_median_of_runs": median(run_ratios.clone()),
         "runs": args.runs,
         "tokens_per_run": args.tokens,
         "s_per_token_median": s_tok,
@@ -230,6 +299,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             per_run(&engine_bytes) / need.max(1.0),
             per_run(&|v| num(v, "peak_rss_bytes")) / (1u64 << 30) as f64,
             args.mem_cap_gb
+        );
+        println!(
+            "per run against the bound measured just before it: {:?} (median {:.2}); disk GB/s pool {}, fio {}",
+            run_ratios
+                .iter()
+                .map(|r| (r * 100.0).round() / 100.0)
+                .collect::<Vec<_>>(),
+            median(run_ratios.clone()),
+            report["disk_pool_gbs"],
+            report["disk_fio_gbs"]
         );
         println!("breakdown (s/token): {}", report["breakdown_s_per_token"]);
     }

@@ -161,7 +161,7 @@ impl<'a> Mxfp4Matrix<'a> {
             while !rest.is_empty() {
                 if t_rows == 1 && rest.len() >= 2 {
                     let (pair, tail) = rest.split_at_mut(2);
-                    // SAFETY: AVX-512F, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted
+                    // SAFETY: AVX-512F/BW, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted
                     // input of the right length.
                     let ys = unsafe {
                         crate::simd::avx512::mxfp4_dot_x2(

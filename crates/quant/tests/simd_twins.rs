@@ -203,9 +203,10 @@ fn mxfp4_each_simd_level_matches_twin() {
                 }
             }
             if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
                 && std::arch::is_x86_feature_detected!("fma")
             {
-                // SAFETY: AVX-512F, AVX2 and FMA detected; two rows and their permuted input.
+                // SAFETY: AVX-512F/BW, AVX2 and FMA detected; two rows and their permuted input.
                 let got =
                     unsafe { deltafin_quant::simd::avx512::mxfp4_dot_x2([row(0), row(1)], &xp) };
                 let mut multi = [0.0f32; 2];

@@ -1,4 +1,4 @@
-//! AVX-512 kernels (x86-64-v4: AVX-512F, with AVX2/FMA for tails). Each follows its scalar twin's contract exactly:
+//! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails). Each follows its scalar twin's contract exactly:
 //! [`crate::dot`] for dense rows (one 16-lane register holds two of the contract's 8-lane accumulators) and
 //! [`crate::mxfp4_contract`] for MXFP4 rows. Two rows are computed per call so they share the input's loads.
 
@@ -199,13 +199,20 @@ dense_entry!(dot_f32, dot_f32_x2, f32, "crate::dot::dot_f32_ref");
 dense_entry!(dot_bf16, dot_bf16_x2, u16, "crate::dot::dot_bf16_ref");
 dense_entry!(dot_i8, dot_i8_x2, i8, "crate::dot::dot_i8_ref");
 
-/// The sixteen E2M1 values as a permute table.
+/// The E2M1 values as bf16 bit patterns, twice (the word permute reads five index bits; the fifth is the next
+/// code's lowest bit, so both halves must agree).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn e2m1_table() -> __m512 {
-    _mm512_setr_ps(
-        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-    )
+fn e2m1_table() -> __m512i {
+    const BF16: [u16; 16] = [
+        0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80,
+        0xbfc0, 0xc000, 0xc040, 0xc080, 0xc0c0,
+    ];
+    let mut both = [0u16; 32];
+    both[..16].copy_from_slice(&BF16);
+    both[16..].copy_from_slice(&BF16);
+    // SAFETY: `both` holds 64 bytes.
+    unsafe { _mm512_loadu_si512(both.as_ptr() as *const _) }
 }
 
 /// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact.
@@ -265,19 +272,33 @@ unsafe fn chunk_words(packed: &[u8], c: usize) -> __m512i {
 }
 
 /// The eight decoded weight vectors of one chunk (code `s` of every lane in vector `s`).
+///
+/// A word permute (`vpermw`, 32-entry table of bf16 bit patterns) decodes the code in the low bits of every 16-bit
+/// half-lane at once: the low half of lane `k` holds codes 0..4 of the lane and the high half codes 4..8. The bf16
+/// results become f32 by moving the low half up, or masking the high half in place (exact). Half as many permutes
+/// as a dword table.
 #[inline]
-#[target_feature(enable = "avx512f")]
-fn decode(words: __m512i, table: __m512) -> [__m512; 8] {
-    let p = |v: __m512i| _mm512_permutexvar_ps(v, table);
-    [
+#[target_feature(enable = "avx512f,avx512bw")]
+fn decode(words: __m512i, table: __m512i) -> [__m512; 8] {
+    let p = |v: __m512i| _mm512_permutexvar_epi16(v, table);
+    let r = [
         p(words),
-        p(_mm512_srli_epi32::<4>(words)),
-        p(_mm512_srli_epi32::<8>(words)),
-        p(_mm512_srli_epi32::<12>(words)),
-        p(_mm512_srli_epi32::<16>(words)),
-        p(_mm512_srli_epi32::<20>(words)),
-        p(_mm512_srli_epi32::<24>(words)),
-        p(_mm512_srli_epi32::<28>(words)),
+        p(_mm512_srli_epi16::<4>(words)),
+        p(_mm512_srli_epi16::<8>(words)),
+        p(_mm512_srli_epi16::<12>(words)),
+    ];
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let lo = |v: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+    let hi = |v: __m512i| _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    [
+        lo(r[0]),
+        lo(r[1]),
+        lo(r[2]),
+        lo(r[3]),
+        hi(r[0]),
+        hi(r[1]),
+        hi(r[2]),
+        hi(r[3]),
     ]
 }
 
@@ -345,7 +366,7 @@ fn reduce16(acc0: __m512, acc1: __m512) -> f32 {
 /// # Safety
 /// The CPU must support AVX-512F, AVX2 and FMA; `xp_len == chunks(cols) * 128`, `xps.len() >= out.len() * xp_len`,
 /// `packed` and `scales` are one row's bytes (no scale byte 255).
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 pub unsafe fn mxfp4_row_multi(
     packed: &[u8],
     scales: &[u8],
@@ -381,7 +402,7 @@ pub unsafe fn mxfp4_row_multi(
 ///
 /// # Safety
 /// As [`mxfp4_row_multi`] with one input row, for both rows.
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
     let table = e2m1_table();
     let n_chunks = xp.len() / CHUNK;

@@ -24,7 +24,7 @@ pub fn has_avx2_fma() -> bool {
     })
 }
 
-/// Whether AVX-512F (with AVX2 and FMA) is available and allowed; detected once. `DELTAFIN_NO_AVX512=1` keeps the
+/// Whether AVX-512F and AVX-512BW (with AVX2 and FMA) are available and allowed; detected once. `DELTAFIN_NO_AVX512=1` keeps the
 /// AVX2 paths (for comparisons); `DELTAFIN_NO_SIMD=1` turns both off.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512() -> bool {
@@ -34,6 +34,7 @@ pub fn has_avx512() -> bool {
         has_avx2_fma()
             && std::env::var_os("DELTAFIN_NO_AVX512").is_none()
             && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
     })
 }
 
