@@ -24,6 +24,7 @@ pub mod moe;
 pub mod ops;
 pub mod profile;
 pub mod state;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;
 
@@ -33,4 +34,6 @@ pub use error::{ModelError, Result, SourceError};
 pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};
 pub use state::SessionState;
-pub use weights::{ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource};
+pub use weights::{
+    ExpertSource, ExpertWeights, HostTensor, PackedExpert, SharedWeightSource, WeightSource,
+};

@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod expert_cache;
 pub mod ngram;
+pub mod pinning;
 pub mod sampling;
 pub mod session;
 pub mod snapshot_file;
@@ -27,4 +28,7 @@ pub use session::{
     Snapshot,
 };
 pub use sources::ExpertStats;
-pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8, spine_bytes};
+pub use pinning::PinLayers;
+pub use spine::{
+    INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
+};
