@@ -63,7 +63,10 @@ fn outputs(engine: &Engine, ids: &[u32]) -> Outputs {
 }
 
 fn ids_of(dir: &Path) -> Vec<u32> {
-    Golden::load(dir).expect("golden").ids("input_ids").expect("ids")
+    Golden::load(dir)
+        .expect("golden")
+        .ids("input_ids")
+        .expect("ids")
 }
 
 /// Opens `dir` resident and streamed as `pins` asks, expecting `streamed` layers, and compares the outputs bit
@@ -86,7 +89,11 @@ fn check(dir: &Path, spine: SpineMode, pins: PinLayers, ram_gb: Option<f64>, str
         "{}: {pins:?} is not bit-identical to the resident spine",
         dir.display()
     );
-    assert_eq!(resident.spine_reads().bytes, 0, "a resident spine reads nothing");
+    assert_eq!(
+        resident.spine_reads().bytes,
+        0,
+        "a resident spine reads nothing"
+    );
 }
 
 #[test]
@@ -178,7 +185,13 @@ fn streamed_int8_spine_is_bit_identical_to_the_resident_int8_spine() {
     let n = engine.config().n_layers;
     let all: Vec<usize> = (0..n).collect();
     check(&m.dir, SpineMode::Int8, PinLayers::None, Some(0.0), &all);
-    check(&m.dir, SpineMode::Int8, PinLayers::First(2), Some(0.0), &all[2..]);
+    check(
+        &m.dir,
+        SpineMode::Int8,
+        PinLayers::First(2),
+        Some(0.0),
+        &all[2..],
+    );
     // The bytes served come from the int8 copy: fewer than the shards' bf16 bytes.
     let before = engine.spine_reads().bytes;
     engine.session().step(1).expect("step");

@@ -247,9 +247,13 @@ impl Model {
         let mut next = state.clone();
         let src = self.stream.as_deref();
         p = with_streamed_layers(src, &self.cfg, &self.streamed, |streamed| {
-            for (l, (slot, layer_state)) in self.layers.iter().zip(next.layers.iter_mut()).enumerate() {
+            for (l, (slot, layer_state)) in
+                self.layers.iter().zip(next.layers.iter_mut()).enumerate()
+            {
                 p = match slot {
-                    Some(layer) => layer.forward(p, &mut bank, layer_state, experts, &self.profile)?,
+                    Some(layer) => {
+                        layer.forward(p, &mut bank, layer_state, experts, &self.profile)?
+                    }
                     None => streamed.take(l, &self.profile)?.forward(
                         p,
                         &mut bank,

@@ -22,13 +22,13 @@ pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
+pub use pinning::PinLayers;
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
     Snapshot,
 };
 pub use sources::ExpertStats;
-pub use pinning::PinLayers;
 pub use spine::{
     INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
 };

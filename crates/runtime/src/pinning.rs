@@ -94,7 +94,9 @@ impl PinLayers {
                         n.saturating_sub(1)
                     )));
                 }
-                (0..n).map(|l| ranges.iter().any(|r| r.contains(&l))).collect()
+                (0..n)
+                    .map(|l| ranges.iter().any(|r| r.contains(&l)))
+                    .collect()
             }
             Self::Auto => {
                 let mut used = fixed_bytes;
@@ -156,15 +158,26 @@ mod tests {
     #[test]
     fn resolves_against_the_budget() {
         let layers = [10, 10, 10, 10];
-        assert_eq!(PinLayers::All.resolve(&layers, 5, 0).expect("all"), [true; 4]);
-        assert_eq!(PinLayers::None.resolve(&layers, 5, 1000).expect("none"), [false; 4]);
+        assert_eq!(
+            PinLayers::All.resolve(&layers, 5, 0).expect("all"),
+            [true; 4]
+        );
+        assert_eq!(
+            PinLayers::None.resolve(&layers, 5, 1000).expect("none"),
+            [false; 4]
+        );
         assert_eq!(
             PinLayers::First(2).resolve(&layers, 5, 0).expect("first"),
             [true, true, false, false]
         );
-        assert_eq!(PinLayers::First(9).resolve(&layers, 5, 0).expect("first"), [true; 4]);
         assert_eq!(
-            PinLayers::Ranges(vec![1..=1, 3..=3]).resolve(&layers, 5, 0).expect("list"),
+            PinLayers::First(9).resolve(&layers, 5, 0).expect("first"),
+            [true; 4]
+        );
+        assert_eq!(
+            PinLayers::Ranges(vec![1..=1, 3..=3])
+                .resolve(&layers, 5, 0)
+                .expect("list"),
             [false, true, false, true]
         );
         let err = PinLayers::Ranges(vec![2..=4])
@@ -172,7 +185,10 @@ mod tests {
             .expect_err("past the end");
         assert!(err.to_string().contains("layer 4 does not exist"), "{err}");
         // auto: all when everything fits, else a prefix that fits, else nothing.
-        assert_eq!(PinLayers::Auto.resolve(&layers, 5, 45).expect("auto"), [true; 4]);
+        assert_eq!(
+            PinLayers::Auto.resolve(&layers, 5, 45).expect("auto"),
+            [true; 4]
+        );
         assert_eq!(
             PinLayers::Auto.resolve(&layers, 5, 44).expect("auto"),
             [true, true, true, false]
@@ -181,6 +197,9 @@ mod tests {
             PinLayers::Auto.resolve(&layers, 5, 25).expect("auto"),
             [true, true, false, false]
         );
-        assert_eq!(PinLayers::Auto.resolve(&layers, 5, 4).expect("auto"), [false; 4]);
+        assert_eq!(
+            PinLayers::Auto.resolve(&layers, 5, 4).expect("auto"),
+            [false; 4]
+        );
     }
 }
