@@ -35,5 +35,6 @@ pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};
 pub use state::SessionState;
 pub use weights::{
-    ExpertSource, ExpertWeights, HostTensor, PackedExpert, SharedWeightSource, WeightSource,
+    ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert, SharedWeightSource,
+    WeightSource,
 };

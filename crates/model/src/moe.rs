@@ -150,14 +150,6 @@ impl Moe {
         }
         let routes = self.route(x)?;
         let t_len = routes.len();
-        let z = match &self.latent {
-            Some(l) => linear(x, &l.down)?,
-            None => x.clone(),
-        };
-        let z_vals = values(&z)?;
-        let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
-
-        let routing = routing_from.elapsed();
         // expert -> rows that chose it, with the weight.
         let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
         for (t, r) in routes.iter().enumerate() {
@@ -166,11 +158,22 @@ impl Moe {
             }
         }
         let ids: Vec<usize> = users.keys().copied().collect();
+        // The reads go out now; the latent projection and the shared experts are computed while they run.
+        let fetch = experts.begin(self.layer, &ids)?;
+        let z = match &self.latent {
+            Some(l) => linear(x, &l.down)?,
+            None => x.clone(),
+        };
+        let z_vals = values(&z)?;
+        let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
+        let shared = self.shared.as_ref().map(|s| s.forward(x)).transpose()?;
+        let routing = routing_from.elapsed();
+
         // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order whatever
         // order the experts arrive in.
         let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
         let mut waited_from = Instant::now();
-        experts.for_each_expert(self.layer, &ids, &mut |i, weights| {
+        fetch.finish(&mut |i, weights| {
             profile.add(Phase::ExpertWait, waited_from.elapsed());
             let started = Instant::now();
             let e = ids[i];
@@ -202,8 +205,8 @@ impl Moe {
             }
             y = linear(&y, &l.up)?;
         }
-        if let Some(s) = &self.shared {
-            y = (y + s.forward(x)?)?;
+        if let Some(s) = shared {
+            y = (y + s)?;
         }
         profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
         Ok(y)

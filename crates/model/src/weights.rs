@@ -92,6 +92,26 @@ pub struct PackedExpert {
 /// Called with `(position in the requested list, weights)` as each expert becomes available.
 pub type OnExpert<'a> = dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()> + 'a;
 
+/// Expert fetches started by [`ExpertSource::begin`], handed over by [`ExpertFetch::finish`].
+pub trait ExpertFetch {
+    /// Calls `on_expert` for each requested expert as soon as it is available (in any order).
+    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> Result<()>;
+}
+
+/// The default [`ExpertFetch`]: nothing starts early; `finish` runs [`ExpertSource::for_each_expert`].
+struct Deferred<'s, S: ?Sized> {
+    source: &'s S,
+    layer: usize,
+    experts: Vec<usize>,
+}
+
+impl<S: ExpertSource + ?Sized> ExpertFetch for Deferred<'_, S> {
+    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> Result<()> {
+        self.source
+            .for_each_expert(self.layer, &self.experts, on_expert)
+    }
+}
+
 /// Supplies routed experts: the runtime decides whether they come from RAM, disk or the network.
 pub trait ExpertSource: Send + Sync {
     /// The weights of `experts` (distinct ids) of layer `layer`, in the same order.
@@ -109,6 +129,17 @@ pub trait ExpertSource: Send + Sync {
             on_expert(i, w)?;
         }
         Ok(())
+    }
+
+    /// Starts fetching `experts` (distinct ids) of `layer` now, so the reads run while the caller does other
+    /// work (the shared experts, the latent projection); [`ExpertFetch::finish`] then hands them over as
+    /// [`Self::for_each_expert`] would. The default starts nothing early.
+    fn begin<'s>(&'s self, layer: usize, experts: &[usize]) -> Result<Box<dyn ExpertFetch + 's>> {
+        Ok(Box::new(Deferred {
+            source: self,
+            layer,
+            experts: experts.to_vec(),
+        }))
     }
 }
 

@@ -82,6 +82,11 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 /// `Σ w·x` for f32 weights, on the fastest path this CPU has (bit-identical to [`dot_f32_ref`]).
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked above).
+        return unsafe { crate::simd::avx512::dot_f32(w, x) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { crate::simd::x86::dot_f32(w, x) };
@@ -94,6 +99,11 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 
 /// `Σ w·x` for bf16 weights, on the fastest path (bit-identical to [`dot_bf16_ref`]).
 pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked above).
+        return unsafe { crate::simd::avx512::dot_bf16(w, x) };
+    }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
@@ -108,6 +118,11 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
 /// `Σ q·x` for int8 weights, on the fastest path (bit-identical to [`dot_i8_ref`]).
 pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked above).
+        return unsafe { crate::simd::avx512::dot_i8(q, x) };
+    }
+    #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { crate::simd::x86::dot_i8(q, x) };
@@ -116,4 +131,34 @@ pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
     return crate::simd::neon::dot_i8(q, x);
     #[allow(unreachable_code)]
     dot_i8_ref(q, x)
+}
+
+/// Two rows of f32 weights against one input: each result bit-identical to [`dot_f32_ref`].
+pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() && w0.len() == x.len() && w1.len() == x.len() {
+        // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
+        return unsafe { crate::simd::avx512::dot_f32_x2(w0, w1, x) };
+    }
+    [dot_f32(w0, x), dot_f32(w1, x)]
+}
+
+/// Two rows of bf16 weights against one input: each result bit-identical to [`dot_bf16_ref`].
+pub fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() && w0.len() == x.len() && w1.len() == x.len() {
+        // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
+        return unsafe { crate::simd::avx512::dot_bf16_x2(w0, w1, x) };
+    }
+    [dot_bf16(w0, x), dot_bf16(w1, x)]
+}
+
+/// Two rows of int8 weights against one input: each result bit-identical to [`dot_i8_ref`].
+pub fn dot_i8_x2(q0: &[i8], q1: &[i8], x: &[f32]) -> [f32; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() && q0.len() == x.len() && q1.len() == x.len() {
+        // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
+        return unsafe { crate::simd::avx512::dot_i8_x2(q0, q1, x) };
+    }
+    [dot_i8(q0, x), dot_i8(q1, x)]
 }

@@ -7,9 +7,11 @@
 //! - `scales[rows, cols / 32]` (u8): one E8M0 exponent per 32 consecutive columns; multiplier `2^(e - 127)`, exact.
 //!   `e = 255` is NaN in the OCP spec and is rejected; `e = 0` is `2^-127`.
 //!
-//! Dequantisation is exact in f32, so a kernel's only freedom is its accumulation order.
+//! Dequantisation is exact in f32, so a kernel's only freedom is its accumulation order, fixed in
+//! [`crate::mxfp4_contract`].
 
 use crate::error::{QuantError, Result};
+use crate::mxfp4_contract;
 
 /// Inputs per E8M0 scale.
 pub const MXFP4_GROUP: usize = 32;
@@ -21,7 +23,7 @@ pub const E8M0_NAN: u8 = 255;
 const _: () = assert!(MXFP4_GROUP.is_multiple_of(2) && MXFP4_GROUP_BYTES == 16);
 
 /// The sixteen E2M1 values, indexed by code.
-const E2M1_TABLE: [f32; 16] = [
+pub(crate) const E2M1_TABLE: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
@@ -127,41 +129,70 @@ impl<'a> Mxfp4Matrix<'a> {
         out
     }
 
-    /// The dot product of row `row` with `x`, fused with dequantisation. Scalar reference.
-    ///
-    /// Each weight is decoded exactly as `(2·E2M1) · 2^(e-128)` and the products follow the accumulation contract
-    /// of [`crate::dot`] (a 32-group is one block), so the SIMD twin is bit-identical.
+    /// The dot product of row `row` with `x`, fused with dequantisation. Scalar reference of the accumulation
+    /// contract in [`crate::mxfp4_contract`].
     pub fn dot_row_ref(&self, row: usize, x: &[f32]) -> f32 {
-        let mut w = vec![0.0f32; self.cols];
-        self.decode_row_for_dot(row, &mut w);
-        crate::dot::dot_f32_ref(&w, x)
-    }
-
-    /// Row `row` decoded exactly as the dot kernels see it (`(2·E2M1) · 2^(e-128)`), into `w` (`cols` values).
-    fn decode_row_for_dot(&self, row: usize, w: &mut [f32]) {
         let (packed, scales) = self.row_bytes(row);
-        for (g, &e) in scales.iter().enumerate() {
-            let hs = half_scale(e);
-            for (j, &b) in packed[g * MXFP4_GROUP_BYTES..(g + 1) * MXFP4_GROUP_BYTES]
-                .iter()
-                .enumerate()
-            {
-                w[g * MXFP4_GROUP + 2 * j] = E2M1_DOUBLED[(b & 0x0f) as usize] as f32 * hs;
-                w[g * MXFP4_GROUP + 2 * j + 1] = E2M1_DOUBLED[(b >> 4) as usize] as f32 * hs;
-            }
-        }
+        mxfp4_contract::dot_row_ref(packed, scales, &mxfp4_contract::permute_input(x))
     }
 
     /// The dot product of row `row` with `x` on the fastest path (bit-identical to [`Self::dot_row_ref`]).
     pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx2_fma() && x.len() == self.cols {
-            let (packed, scales) = self.row_bytes(row);
-            // SAFETY: AVX2+FMA present; lengths follow from `new`'s checks and `x.len() == cols`; scale bytes were
-            // checked for 255 in `new`.
-            return unsafe { crate::simd::x86::mxfp4_dot(packed, scales, x) };
+        let mut y = [0.0f32];
+        let xp = mxfp4_contract::permute_input(x);
+        self.rows_permuted(row, &xp, xp.len(), &mut y);
+        y[0]
+    }
+
+    /// Rows `r0 ..` times the permuted inputs `xps` (`t_rows` of `xp_len` values each), into `out`
+    /// (`[rows_here, t_rows]`, row-major by weight row).
+    fn rows_permuted(&self, r0: usize, xps: &[f32], xp_len: usize, out: &mut [f32]) {
+        let t_rows = xps.len() / xp_len.max(1);
+        if t_rows == 0 || xp_len != mxfp4_contract::chunks(self.cols) * mxfp4_contract::CHUNK {
+            return;
         }
-        self.dot_row_ref(row, x)
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512() {
+            let mut r = r0;
+            let mut rest = out;
+            while !rest.is_empty() {
+                if t_rows == 1 && rest.len() >= 2 {
+                    let (pair, tail) = rest.split_at_mut(2);
+                    // SAFETY: AVX-512F, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted
+                    // input of the right length.
+                    let ys = unsafe {
+                        crate::simd::avx512::mxfp4_dot_x2(
+                            [self.row_bytes(r), self.row_bytes(r + 1)],
+                            xps,
+                        )
+                    };
+                    pair.copy_from_slice(&ys);
+                    (r, rest) = (r + 2, tail);
+                } else {
+                    let (one, tail) = rest.split_at_mut(t_rows);
+                    let (packed, scales) = self.row_bytes(r);
+                    // SAFETY: as above, with `t_rows` inputs of `xp_len` values.
+                    unsafe {
+                        crate::simd::avx512::mxfp4_row_multi(packed, scales, xps, xp_len, one)
+                    };
+                    (r, rest) = (r + 1, tail);
+                }
+            }
+            return;
+        }
+        for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
+            let (packed, scales) = self.row_bytes(r0 + i);
+            for (t, o) in row_out.iter_mut().enumerate() {
+                let xp = &xps[t * xp_len..(t + 1) * xp_len];
+                #[cfg(target_arch = "x86_64")]
+                if crate::simd::has_avx2_fma() {
+                    // SAFETY: AVX2 and FMA present; one whole row and one permuted input of the right length.
+                    *o = unsafe { crate::simd::x86::mxfp4_dot(packed, scales, xp) };
+                    continue;
+                }
+                *o = mxfp4_contract::dot_row_ref(packed, scales, xp);
+            }
+        }
     }
 
     fn row_bytes(&self, row: usize) -> (&[u8], &[u8]) {
@@ -175,15 +206,17 @@ impl<'a> Mxfp4Matrix<'a> {
     /// `y = W · x` with the scalar reference kernel.
     pub fn gemv_ref(&self, x: &[f32], y: &mut [f32]) -> Result<()> {
         self.check_input(x)?;
+        let xp = mxfp4_contract::permute_input(x);
         for (r, out) in y.iter_mut().enumerate().take(self.rows) {
-            *out = self.dot_row_ref(r, x);
+            let (packed, scales) = self.row_bytes(r);
+            *out = mxfp4_contract::dot_row_ref(packed, scales, &xp);
         }
         Ok(())
     }
 
     /// `y[t] = W · x[t]` for `t_rows` rows of activations (`x` is `[t_rows, cols]`, `y` is `[t_rows, rows]`), on
-    /// the fastest path, threaded over output rows. Each output is computed exactly as [`Self::dot_row`], so the
-    /// result does not depend on `t_rows` or the thread count.
+    /// the fastest path, threaded over output rows. Each output is computed exactly as [`Self::dot_row_ref`], so
+    /// the result does not depend on `t_rows`, the thread count or the SIMD path.
     pub fn gemm(&self, x: &[f32], t_rows: usize, y: &mut [f32]) -> Result<()> {
         if x.len() != t_rows * self.cols || y.len() != t_rows * self.rows {
             return Err(QuantError::BadInput {
@@ -191,19 +224,17 @@ impl<'a> Mxfp4Matrix<'a> {
                 actual: x.len(),
             });
         }
-        if t_rows == 1 {
-            crate::dense::par_rows(self.rows, 1, y, |r, _| self.dot_row(r, x));
-        } else {
-            // Several rows of activations: decode each weight row once, then the f32 dot for every activation row.
-            // The decoded values are exactly those the fused kernel uses, so the bits are the same.
-            crate::dense::par_rows_batched(self.rows, t_rows, y, |r, out| {
-                let mut w = vec![0.0f32; self.cols];
-                self.decode_row_for_dot(r, &mut w);
-                for (t, o) in out.iter_mut().enumerate() {
-                    *o = crate::dot::dot_f32(&w, &x[t * self.cols..(t + 1) * self.cols]);
-                }
-            });
+        if t_rows == 0 || self.rows == 0 {
+            return Ok(());
         }
+        let xps: Vec<f32> = x
+            .chunks_exact(self.cols)
+            .flat_map(mxfp4_contract::permute_input)
+            .collect();
+        let xp_len = xps.len() / t_rows;
+        crate::dense::par_row_blocks(self.rows, t_rows, y, |r0, out| {
+            self.rows_permuted(r0, &xps, xp_len, out)
+        });
         Ok(())
     }
 
@@ -215,20 +246,6 @@ impl<'a> Mxfp4Matrix<'a> {
             });
         }
         Ok(())
-    }
-}
-
-/// Doubled E2M1 values: exact small integers, so `DOUBLED[c] · 2^(e-128)` is exactly `E2M1[c] · 2^(e-127)`.
-const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-
-/// Half the multiplier of an E8M0 byte, `2^(e - 128)` (exact for every byte but 255, which `new` rejects).
-#[inline]
-pub fn half_scale(e: u8) -> f32 {
-    // 2^(e-128): biased exponent e-1 for e >= 2; subnormals 2^-127 (e = 1) and 2^-128 (e = 0).
-    match e {
-        0 => f32::from_bits(1 << 21),
-        1 => f32::from_bits(1 << 22),
-        _ => f32::from_bits(((e as u32) - 1) << 23),
     }
 }
 

@@ -139,31 +139,171 @@ fn mxfp4_dot_matches_twin_including_extreme_scales() {
     }
 }
 
+/// Column counts: whole 128-chunks, a partial last chunk, and a single group.
+const MXFP4_COLS: &[usize] = &[32, 96, 128, 160, 384, 3072, 3584, 3616];
+
 #[test]
-fn mxfp4_fused_dot_equals_dequantise_then_dot() {
+fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
     let mut r = rng();
-    let (rows, cols) = (16, 256);
+    for &cols in MXFP4_COLS {
+        let rows = 37; // odd: the last row of a pair runs alone
+        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 254]);
+        let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
+        for t_rows in [1, 2, 5] {
+            let xs = randn(&mut r, t_rows * cols);
+            let mut y = vec![0.0; t_rows * rows];
+            m.gemm(&xs, t_rows, &mut y).expect("gemm");
+            for t in 0..t_rows {
+                let x = &xs[t * cols..(t + 1) * cols];
+                for row in 0..rows {
+                    let (a, b) = (y[t * rows + row], m.dot_row_ref(row, x));
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mxfp4_each_simd_level_matches_twin() {
+    use deltafin_quant::mxfp4_contract::{dot_row_ref, permute_input};
+    let mut r = rng();
+    for &cols in MXFP4_COLS {
+        let (packed, s) = random_mxfp4(&mut r, 2, cols, &[0, 3, 127, 131, 254]);
+        let mut x = randn(&mut r, cols);
+        // Edge inputs: signed zeros, a subnormal, huge values.
+        x[0] = -0.0;
+        x[cols / 2] = 1e-40;
+        x[cols - 1] = 3.0e38;
+        let xp = permute_input(&x);
+        let row = |i: usize| {
+            (
+                &packed[i * cols / 2..(i + 1) * cols / 2],
+                &s[i * cols / 32..(i + 1) * cols / 32],
+            )
+        };
+        let want = [
+            dot_row_ref(row(0).0, row(0).1, &xp),
+            dot_row_ref(row(1).0, row(1).1, &xp),
+        ];
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                for (i, w) in want.iter().enumerate() {
+                    // SAFETY: AVX2 and FMA detected; one row and its permuted input.
+                    let got =
+                        unsafe { deltafin_quant::simd::x86::mxfp4_dot(row(i).0, row(i).1, &xp) };
+                    assert!(same(got, *w), "avx2 cols {cols} row {i}: {got} vs {w}");
+                }
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: AVX-512F, AVX2 and FMA detected; two rows and their permuted input.
+                let got =
+                    unsafe { deltafin_quant::simd::avx512::mxfp4_dot_x2([row(0), row(1)], &xp) };
+                let mut multi = [0.0f32; 2];
+                let xps: Vec<f32> = xp.iter().chain(xp.iter()).copied().collect();
+                // SAFETY: as above, two copies of the input.
+                unsafe {
+                    deltafin_quant::simd::avx512::mxfp4_row_multi(
+                        row(1).0,
+                        row(1).1,
+                        &xps,
+                        xp.len(),
+                        &mut multi,
+                    )
+                };
+                for i in 0..2 {
+                    assert!(same(got[i], want[i]), "avx512 x2 cols {cols} row {i}");
+                    assert!(
+                        same(multi[i], want[1]),
+                        "avx512 multi cols {cols} input {i}"
+                    );
+                }
+            }
+        }
+        assert!(same(want[0], want[0]));
+    }
+}
+
+#[test]
+fn mxfp4_dot_is_close_to_the_exact_sum() {
+    let mut r = rng();
+    let (rows, cols) = (16, 3584);
     let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
     let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
     let w = m.dequantize_ref();
     let x = randn(&mut r, cols);
     for row in 0..rows {
-        same_bits(
-            m.dot_row(row, &x),
-            dot_f32_ref(&w[row * cols..(row + 1) * cols], &x),
-            "fused vs dequantised",
+        let exact: f64 = w[row * cols..(row + 1) * cols]
+            .iter()
+            .zip(&x)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum();
+        let scale: f64 = w[row * cols..(row + 1) * cols]
+            .iter()
+            .zip(&x)
+            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+            .sum();
+        let got = m.dot_row(row, &x) as f64;
+        assert!(
+            (got - exact).abs() <= 1e-6 * scale,
+            "row {row}: {got} vs {exact} (Σ|w·x| {scale})"
         );
     }
-    let mut y = vec![0.0; 3 * rows];
-    let xs = randn(&mut r, 3 * cols);
-    m.gemm(&xs, 3, &mut y).expect("gemm");
-    for t in 0..3 {
-        for row in 0..rows {
-            same_bits(
-                y[t * rows + row],
-                m.dot_row_ref(row, &xs[t * cols..(t + 1) * cols]),
-                "gemm",
-            );
+}
+
+#[test]
+fn dense_row_pairs_match_twins() {
+    use deltafin_quant::dot::{dot_bf16_x2, dot_f32_x2, dot_i8_x2};
+    let mut r = rng();
+    for &n in LENGTHS {
+        let x = randn(&mut r, n);
+        let (w0, w1) = (randn(&mut r, n), randn(&mut r, n));
+        let b = |w: &[f32]| -> Vec<u16> { w.iter().map(|v| (v.to_bits() >> 16) as u16).collect() };
+        let q = |r: &mut ChaCha8Rng| -> Vec<i8> {
+            (0..n).map(|_| r.random_range(-127i8..=127)).collect()
+        };
+        let (q0, q1) = (q(&mut r), q(&mut r));
+        let (b0, b1) = (b(&w0), b(&w1));
+        let pairs = [
+            (
+                dot_f32_x2(&w0, &w1, &x),
+                [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
+                "f32",
+            ),
+            (
+                dot_bf16_x2(&b0, &b1, &x),
+                [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
+                "bf16",
+            ),
+            (
+                dot_i8_x2(&q0, &q1, &x),
+                [dot_i8_ref(&q0, &x), dot_i8_ref(&q1, &x)],
+                "i8",
+            ),
+        ];
+        for (got, want, what) in pairs {
+            same_bits(got[0], want[0], &format!("{what} x2 row 0 n={n}"));
+            same_bits(got[1], want[1], &format!("{what} x2 row 1 n={n}"));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            use deltafin_quant::simd::x86;
+            // SAFETY: AVX2 and FMA detected; equal lengths.
+            unsafe {
+                same_bits(x86::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
+                same_bits(x86::dot_bf16(&b0, &x), dot_bf16_ref(&b0, &x), "avx2 bf16");
+                same_bits(x86::dot_i8(&q0, &x), dot_i8_ref(&q0, &x), "avx2 i8");
+            }
         }
     }
 }

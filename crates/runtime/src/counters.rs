@@ -92,4 +92,13 @@ impl<S: ExpertSource> ExpertSource for CountingExperts<S> {
         self.count(layer, experts);
         self.inner.for_each_expert(layer, experts, on_expert)
     }
+
+    fn begin<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+    ) -> deltafin_model::Result<Box<dyn deltafin_model::ExpertFetch + 's>> {
+        self.count(layer, experts);
+        self.inner.begin(layer, experts)
+    }
 }

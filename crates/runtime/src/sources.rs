@@ -5,7 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use deltafin_model::weights::OnExpert;
-use deltafin_model::{ExpertSource, ExpertWeights, ModelError, PackedExpert};
+use deltafin_model::{ExpertFetch, ExpertSource, ExpertWeights, ModelError, PackedExpert};
 use deltafin_storage::{
     ExpertFormat, ExpertMap, ExpertSpan, Missing, ReaderStats, SpanBytes, SpanKey, SpanReader,
     SpanRequest, StorageError,
@@ -99,14 +99,9 @@ impl ExpertStore {
         self.reader.stream().map(|s| s.missing_experts(None))
     }
 
-    /// Calls `on_expert(i, weights)` for each of `experts`: cache hits first, then disk (or network) reads in
-    /// the order they complete, while the remaining reads are still in flight.
-    fn stream(
-        &self,
-        layer: usize,
-        experts: &[usize],
-        on_expert: &mut OnExpert<'_>,
-    ) -> Result<(), StreamError> {
+    /// Starts the reads of `experts` missing from the cache (the first two windows go out now); the returned
+    /// fetch hands over cache hits first, then the reads in the order they complete.
+    fn start(&self, layer: usize, experts: &[usize]) -> Result<StoreFetch<'_>, RuntimeError> {
         let mut requests = Vec::new();
         let mut hits = Vec::new();
         {
@@ -128,30 +123,73 @@ impl ExpertStore {
                 }
             }
         }
-        // Reads go out before the hits are multiplied, so disk and compute overlap from the start. At most two
-        // windows of reads are outstanding, which bounds the buffers waiting for the multiplier (a prefill chunk
-        // can need every expert of a layer) while the disk always has the next window queued.
-        let mut windows = requests.chunks(READ_WINDOW);
-        let mut in_flight = std::collections::VecDeque::with_capacity(2);
-        for w in windows.by_ref().take(2) {
-            in_flight.push_back(self.reader.read(w));
+        // At most two windows of reads are outstanding, which bounds the buffers waiting for the multiplier (a
+        // prefill chunk can need every expert of a layer) while the disk always has the next window queued.
+        let mut fetch = StoreFetch {
+            store: self,
+            layer,
+            experts: experts.to_vec(),
+            hits,
+            requests,
+            next_window: 0,
+            in_flight: std::collections::VecDeque::with_capacity(2),
+        };
+        fetch.submit_next();
+        fetch.submit_next();
+        Ok(fetch)
+    }
+}
+
+/// Reads started by [`ExpertStore::start`].
+struct StoreFetch<'s> {
+    store: &'s ExpertStore,
+    layer: usize,
+    experts: Vec<usize>,
+    hits: Vec<(usize, Arc<ExpertWeights>)>,
+    requests: Vec<SpanRequest>,
+    /// Index in `requests` of the next window to submit.
+    next_window: usize,
+    in_flight: std::collections::VecDeque<deltafin_storage::SpanBatch<'s>>,
+}
+
+impl StoreFetch<'_> {
+    fn submit_next(&mut self) {
+        if self.next_window < self.requests.len() {
+            let end = (self.next_window + READ_WINDOW).min(self.requests.len());
+            let batch = self
+                .store
+                .reader
+                .read(&self.requests[self.next_window..end]);
+            self.in_flight.push_back(batch);
+            self.next_window = end;
         }
-        for (i, w) in hits {
+    }
+
+    /// Calls `on_expert(i, weights)` for the hits, then for each read as it completes, keeping the next
+    /// window queued.
+    fn run(mut self, on_expert: &mut OnExpert<'_>) -> Result<(), StreamError> {
+        for (i, w) in std::mem::take(&mut self.hits) {
             on_expert(i, w).map_err(StreamError::Model)?;
         }
-        while let Some(batch) = in_flight.pop_front() {
-            if let Some(w) = windows.next() {
-                in_flight.push_back(self.reader.read(w));
-            }
+        while let Some(batch) = self.in_flight.pop_front() {
+            self.submit_next();
             for done in batch {
                 let bytes = done.result?;
-                let e = experts[done.tag];
-                let weights = Arc::new(decode(self.map.span(layer, e)?, bytes)?);
-                self.cache().insert(layer, e, Arc::clone(&weights));
+                let e = self.experts[done.tag];
+                let weights = Arc::new(decode(self.store.map.span(self.layer, e)?, bytes)?);
+                self.store
+                    .cache()
+                    .insert(self.layer, e, Arc::clone(&weights));
                 on_expert(done.tag, weights).map_err(StreamError::Model)?;
             }
         }
         Ok(())
+    }
+}
+
+impl ExpertFetch for StoreFetch<'_> {
+    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> deltafin_model::Result<()> {
+        self.run(on_expert).map_err(StreamError::into_model)
     }
 }
 
@@ -236,7 +274,17 @@ impl ExpertSource for ExpertStore {
         experts: &[usize],
         on_expert: &mut OnExpert<'_>,
     ) -> deltafin_model::Result<()> {
-        self.stream(layer, experts, on_expert)
-            .map_err(StreamError::into_model)
+        self.begin(layer, experts)?.finish(on_expert)
+    }
+
+    fn begin<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[usize],
+    ) -> deltafin_model::Result<Box<dyn ExpertFetch + 's>> {
+        match self.start(layer, experts) {
+            Ok(fetch) => Ok(Box::new(fetch)),
+            Err(e) => Err(ModelError::Source(Box::new(e))),
+        }
     }
 }

@@ -4,6 +4,8 @@
 //! scalar twin. The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 uses the
 //! scalar path on aarch64.
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 #[cfg(target_arch = "x86_64")]
@@ -22,8 +24,25 @@ pub fn has_avx2_fma() -> bool {
     })
 }
 
+/// Whether AVX-512F (with AVX2 and FMA) is available and allowed; detected once. `DELTAFIN_NO_AVX512=1` keeps the
+/// AVX2 paths (for comparisons); `DELTAFIN_NO_SIMD=1` turns both off.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        has_avx2_fma()
+            && std::env::var_os("DELTAFIN_NO_AVX512").is_none()
+            && std::arch::is_x86_feature_detected!("avx512f")
+    })
+}
+
 /// The name of the kernel path in use (for logs and benchmarks).
 pub fn path_name() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        return "avx512";
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         return "avx2+fma";

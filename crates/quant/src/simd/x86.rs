@@ -7,7 +7,7 @@ use crate::dot::{BLOCK, LANES};
 /// Reduces four accumulators in the contract's order.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
+pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
     let v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     // lanes l and l+4
     let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -120,42 +120,62 @@ pub unsafe fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
     dot_body!(q, x, load_i8, |v: i8| v as f32)
 }
 
-/// AVX2 twin of the MXFP4 row dot (see [`crate::mxfp4`]): decodes each 32-group to exact f32 weights and follows
-/// the dot contract (a 32-group is one full block).
+/// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves. The
+/// 16-entry table does not fit one AVX2 permute, so each code's magnitude comes from an 8-entry permute and its sign
+/// bit is moved into place.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `packed.len() * 2 == x.len()`, `scales.len() * 32 == x.len()`, no scale
-/// byte is 255.
+/// The CPU must support AVX2 and FMA; `xp.len() == chunks(cols) * 128` and `packed`, `scales` are one row's
+/// bytes (no scale byte 255).
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    // Doubled E2M1 values as int8; multiplied by half the scale this is exact.
-    let table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    let low = _mm_set1_epi8(0x0f);
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let xp = x.as_ptr();
-    for (g, &e) in scales.iter().enumerate() {
-        let hs = _mm256_set1_ps(crate::mxfp4::half_scale(e));
-        // SAFETY: group g's 16 bytes lie in `packed` (lengths checked by the caller).
-        let bytes = unsafe { _mm_loadu_si128(packed.as_ptr().add(g * 16) as *const __m128i) };
-        let lo = _mm_and_si128(bytes, low);
-        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        // Element order: byte j gives elements 2j (low nibble) and 2j+1 (high nibble).
-        let codes_a = _mm_unpacklo_epi8(lo, hi); // elements 0..16
-        let codes_b = _mm_unpackhi_epi8(lo, hi); // elements 16..32
-        let vals_a = _mm_shuffle_epi8(table, codes_a);
-        let vals_b = _mm_shuffle_epi8(table, codes_b);
-        let parts = [
-            vals_a,
-            _mm_srli_si128(vals_a, 8),
-            vals_b,
-            _mm_srli_si128(vals_b, 8),
-        ];
-        for (a, (acc_a, v)) in acc.iter_mut().zip(parts).enumerate() {
-            let w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), hs);
-            // SAFETY: group g covers x[g*32 .. g*32 + 32].
-            let xv = unsafe { _mm256_loadu_ps(xp.add(g * 32 + a * LANES)) };
-            *acc_a = _mm256_fmadd_ps(w, xv, *acc_a);
+pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
+    use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK, group_scale};
+    let mags = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+    let sign = _mm256_set1_epi32(i32::MIN);
+    // acc[c % 2][half]
+    let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+    for c in 0..xp.len() / CHUNK {
+        for (half, a) in acc[c % 2].iter_mut().enumerate() {
+            let at = c * CHUNK_BYTES + 32 * half;
+            let mut buf = [0u8; 32];
+            let have = packed.len().saturating_sub(at).min(32);
+            if have > 0 {
+                buf[..have].copy_from_slice(&packed[at..at + have]);
+            }
+            // SAFETY: `buf` holds 32 bytes.
+            let words = unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) };
+            let w = |s: i32| {
+                let codes = _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s));
+                let mag = _mm256_permutevar8x32_ps(mags, codes);
+                let bit = _mm256_and_si256(_mm256_slli_epi32::<28>(codes), sign);
+                _mm256_xor_ps(mag, _mm256_castsi256_ps(bit))
+            };
+            // SAFETY: chunk c of `xp` is whole; lanes 8·half .. 8·half + 8 of each code vector.
+            let x = |s: usize| unsafe {
+                _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + s * CHUNK_LANES + 8 * half))
+            };
+            let mut te = _mm256_mul_ps(w(0), x(0));
+            let mut to = _mm256_mul_ps(w(1), x(1));
+            te = _mm256_fmadd_ps(w(2), x(2), te);
+            to = _mm256_fmadd_ps(w(3), x(3), to);
+            te = _mm256_fmadd_ps(w(4), x(4), te);
+            to = _mm256_fmadd_ps(w(5), x(5), to);
+            te = _mm256_fmadd_ps(w(6), x(6), te);
+            to = _mm256_fmadd_ps(w(7), x(7), to);
+            let g = c * GROUPS_PER_CHUNK + 2 * half;
+            let scale = _mm256_set_m128(
+                _mm_set1_ps(group_scale(scales, g + 1)),
+                _mm_set1_ps(group_scale(scales, g)),
+            );
+            *a = _mm256_fmadd_ps(_mm256_add_ps(te, to), scale, *a);
         }
     }
-    reduce(acc[0], acc[1], acc[2], acc[3])
+    // v[k] = acc0[k] + acc1[k]; then lanes k and k + 8 (the two halves), k + 4, k + 2, k + 1.
+    let v8 = _mm256_add_ps(
+        _mm256_add_ps(acc[0][0], acc[1][0]),
+        _mm256_add_ps(acc[0][1], acc[1][1]),
+    );
+    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
 }

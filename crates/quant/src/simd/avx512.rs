@@ -1,0 +1,396 @@
+//! AVX-512 kernels (x86-64-v4: AVX-512F, with AVX2/FMA for tails). Each follows its scalar twin's contract exactly:
+//! [`crate::dot`] for dense rows (one 16-lane register holds two of the contract's 8-lane accumulators) and
+//! [`crate::mxfp4_contract`] for MXFP4 rows. Two rows are computed per call so they share the input's loads.
+
+use std::arch::x86_64::*;
+
+use crate::dot::{BLOCK, LANES};
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES};
+
+/// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn split(a01: __m512, a23: __m512) -> [__m256; 4] {
+    let hi = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    [
+        _mm512_castps512_ps256(a01),
+        hi(a01),
+        _mm512_castps512_ps256(a23),
+        hi(a23),
+    ]
+}
+
+/// 16 weights as f32 (exact), for each dense element type.
+trait Load16: Copy {
+    /// Loads 16 values at `p` as f32.
+    ///
+    /// # Safety
+    /// 16 values must be readable at `p`; the CPU must support AVX-512F.
+    unsafe fn load16(p: *const Self) -> __m512;
+    /// The value as f32 (for the tail).
+    fn to_f32(self) -> f32;
+}
+
+impl Load16 for f32 {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable values.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Load16 for u16 {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable values (32 bytes). bf16 → f32 is a shift into the high half.
+        unsafe {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+    }
+    fn to_f32(self) -> f32 {
+        crate::dot::bf16_to_f32(self)
+    }
+}
+
+impl Load16 for i8 {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        // SAFETY: the caller guarantees 16 readable bytes.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+}
+
+/// Finishes one row of the dense contract: the zero-padded tail into accumulator 0, then the reduction.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) -> f32 {
+    let [mut a0, a1, a2, a3] = split(a01, a23);
+    let n = w.len().min(x.len());
+    let mut c = full;
+    while c < n {
+        let mut wb = [0.0f32; LANES];
+        let mut xb = [0.0f32; LANES];
+        for l in 0..LANES.min(n - c) {
+            wb[l] = w[c + l].to_f32();
+            xb[l] = x[c + l];
+        }
+        // SAFETY: both buffers hold 8 f32.
+        a0 = unsafe {
+            _mm256_fmadd_ps(
+                _mm256_loadu_ps(wb.as_ptr()),
+                _mm256_loadu_ps(xb.as_ptr()),
+                a0,
+            )
+        };
+        c += LANES;
+    }
+    super::x86::reduce(a0, a1, a2, a3)
+}
+
+/// Two rows of the dense contract against one input.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
+    let n = x.len().min(w0.len()).min(w1.len());
+    let full = n / BLOCK * BLOCK;
+    let (p0, p1, xp) = (w0.as_ptr(), w1.as_ptr(), x.as_ptr());
+    let z = _mm512_setzero_ps();
+    let (mut r0a, mut r0b, mut r1a, mut r1b) = (z, z, z, z);
+    let mut b = 0;
+    while b < full {
+        // SAFETY: b + 32 <= full <= n for all three slices.
+        unsafe {
+            let xa = _mm512_loadu_ps(xp.add(b));
+            let xb = _mm512_loadu_ps(xp.add(b + 16));
+            r0a = _mm512_fmadd_ps(W::load16(p0.add(b)), xa, r0a);
+            r0b = _mm512_fmadd_ps(W::load16(p0.add(b + 16)), xb, r0b);
+            r1a = _mm512_fmadd_ps(W::load16(p1.add(b)), xa, r1a);
+            r1b = _mm512_fmadd_ps(W::load16(p1.add(b + 16)), xb, r1b);
+        }
+        b += BLOCK;
+    }
+    [finish(r0a, r0b, w0, x, full), finish(r1a, r1b, w1, x, full)]
+}
+
+/// One row of the dense contract.
+///
+/// # Safety
+/// As [`dot_x2`].
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
+    let n = x.len().min(w.len());
+    let full = n / BLOCK * BLOCK;
+    let (p, xp) = (w.as_ptr(), x.as_ptr());
+    let (mut a, mut b2) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut b = 0;
+    while b < full {
+        // SAFETY: b + 32 <= full <= n.
+        unsafe {
+            a = _mm512_fmadd_ps(W::load16(p.add(b)), _mm512_loadu_ps(xp.add(b)), a);
+            b2 = _mm512_fmadd_ps(
+                W::load16(p.add(b + 16)),
+                _mm512_loadu_ps(xp.add(b + 16)),
+                b2,
+            );
+        }
+        b += BLOCK;
+    }
+    finish(a, b2, w, x, full)
+}
+
+macro_rules! dense_entry {
+    ($one:ident, $two:ident, $t:ty, $twin:literal) => {
+        #[doc = concat!("AVX-512 twin of [`", $twin, "`].")]
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F, AVX2 and FMA; `w.len() == x.len()`.
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        pub unsafe fn $one(w: &[$t], x: &[f32]) -> f32 {
+            // SAFETY: forwarded from the caller.
+            unsafe { dot_x1(w, x) }
+        }
+
+        #[doc = concat!("Two rows at once, each bit-identical to [`", $twin, "`].")]
+        ///
+        /// # Safety
+        /// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        pub unsafe fn $two(w0: &[$t], w1: &[$t], x: &[f32]) -> [f32; 2] {
+            // SAFETY: forwarded from the caller.
+            unsafe { dot_x2(w0, w1, x) }
+        }
+    };
+}
+
+dense_entry!(dot_f32, dot_f32_x2, f32, "crate::dot::dot_f32_ref");
+dense_entry!(dot_bf16, dot_bf16_x2, u16, "crate::dot::dot_bf16_ref");
+dense_entry!(dot_i8, dot_i8_x2, i8, "crate::dot::dot_i8_ref");
+
+/// The sixteen E2M1 values as a permute table.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn e2m1_table() -> __m512 {
+    _mm512_setr_ps(
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    )
+}
+
+/// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn scales16(scales: &[u8], g0: usize) -> __m512 {
+    let mut padded = [127u8; 16];
+    let bytes = match scales.get(g0..g0 + 16) {
+        Some(b) => b,
+        None => {
+            let have = scales.get(g0..).unwrap_or(&[]);
+            padded[..have.len()].copy_from_slice(have);
+            &padded[..]
+        }
+    };
+    // SAFETY: `bytes` holds 16 bytes.
+    let e = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(bytes.as_ptr() as *const __m128i) });
+    // 2^(e-127): biased exponent e, or the subnormal 2^-127 for e = 0.
+    let bits = _mm512_slli_epi32::<23>(e);
+    let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+        bits,
+        zero,
+        _mm512_set1_epi32(1 << 22),
+    ))
+}
+
+/// Lane `k` of chunk `j` of four uses group `4j + k / 4` of the 16 loaded by [`scales16`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn chunk_scale(s16: __m512, j: usize) -> __m512 {
+    let base = (4 * j) as i32;
+    let idx = _mm512_add_epi32(
+        _mm512_set1_epi32(base),
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+    );
+    _mm512_permutexvar_ps(idx, s16)
+}
+
+/// The sixteen code words of chunk `c` of a row (zero past its end).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_words(packed: &[u8], c: usize) -> __m512i {
+    let at = c * CHUNK_BYTES;
+    let have = packed.len().saturating_sub(at).min(CHUNK_BYTES) / 4;
+    if have == CHUNK_LANES {
+        // SAFETY: 64 bytes from `at` lie in `packed`.
+        unsafe { _mm512_loadu_si512(packed.as_ptr().add(at) as *const _) }
+    } else {
+        let mask: __mmask16 = ((1u32 << have) - 1) as u16;
+        // SAFETY: only the `have` lanes in the mask are read, all inside `packed`.
+        unsafe { _mm512_maskz_loadu_epi32(mask, packed.as_ptr().add(at) as *const i32) }
+    }
+}
+
+/// The eight decoded weight vectors of one chunk (code `s` of every lane in vector `s`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn decode(words: __m512i, table: __m512) -> [__m512; 8] {
+    let p = |v: __m512i| _mm512_permutexvar_ps(v, table);
+    [
+        p(words),
+        p(_mm512_srli_epi32::<4>(words)),
+        p(_mm512_srli_epi32::<8>(words)),
+        p(_mm512_srli_epi32::<12>(words)),
+        p(_mm512_srli_epi32::<16>(words)),
+        p(_mm512_srli_epi32::<20>(words)),
+        p(_mm512_srli_epi32::<24>(words)),
+        p(_mm512_srli_epi32::<28>(words)),
+    ]
+}
+
+/// `te + to` of one chunk: decoded weights `w` against the permuted input chunk at `xp`.
+///
+/// # Safety
+/// 128 f32 must be readable at `xp`; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_sum(w: &[__m512; 8], xp: *const f32) -> __m512 {
+    // SAFETY: the caller guarantees the 128 values.
+    unsafe {
+        let x = |s: usize| _mm512_loadu_ps(xp.add(s * CHUNK_LANES));
+        let mut te = _mm512_mul_ps(w[0], x(0));
+        let mut to = _mm512_mul_ps(w[1], x(1));
+        te = _mm512_fmadd_ps(w[2], x(2), te);
+        to = _mm512_fmadd_ps(w[3], x(3), to);
+        te = _mm512_fmadd_ps(w[4], x(4), te);
+        to = _mm512_fmadd_ps(w[5], x(5), to);
+        te = _mm512_fmadd_ps(w[6], x(6), te);
+        to = _mm512_fmadd_ps(w[7], x(7), to);
+        _mm512_add_ps(te, to)
+    }
+}
+
+/// [`chunk_sum`] for two rows' decoded weights, loading the input once.
+///
+/// # Safety
+/// As [`chunk_sum`].
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn chunk_sum_x2(w0: &[__m512; 8], w1: &[__m512; 8], xp: *const f32) -> (__m512, __m512) {
+    // SAFETY: the caller guarantees the 128 values.
+    let x: [__m512; 8] =
+        std::array::from_fn(|s| unsafe { _mm512_loadu_ps(xp.add(s * CHUNK_LANES)) });
+    let half = |w: &[__m512; 8], first: usize| {
+        let mut t = _mm512_mul_ps(w[first], x[first]);
+        for s in (first + 2..8).step_by(2) {
+            t = _mm512_fmadd_ps(w[s], x[s], t);
+        }
+        t
+    };
+    (
+        _mm512_add_ps(half(w0, 0), half(w0, 1)),
+        _mm512_add_ps(half(w1, 0), half(w1, 1)),
+    )
+}
+
+/// The contract's reduction of two 16-lane accumulators.
+#[inline]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn reduce16(acc0: __m512, acc1: __m512) -> f32 {
+    let v = _mm512_add_ps(acc0, acc1);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let v8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
+}
+
+/// One MXFP4 row (`packed`, `scales`) against rows of the permuted input: `out[t] = row · x_t`, where `x_t` is
+/// `xps[t * xp_len ..][.. xp_len]`. Bit-identical to [`crate::mxfp4_contract::dot_row_ref`] for each `t`; each
+/// chunk is decoded once for all `t`.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `xp_len == chunks(cols) * 128`, `xps.len() >= out.len() * xp_len`,
+/// `packed` and `scales` are one row's bytes (no scale byte 255).
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn mxfp4_row_multi(
+    packed: &[u8],
+    scales: &[u8],
+    xps: &[f32],
+    xp_len: usize,
+    out: &mut [f32],
+) {
+    let table = e2m1_table();
+    let n_chunks = xp_len / CHUNK;
+    let t_rows = out.len();
+    let mut acc = vec![[_mm512_setzero_ps(); 2]; t_rows];
+    let mut s16 = _mm512_setzero_ps();
+    for c in 0..n_chunks {
+        if c % 4 == 0 {
+            s16 = scales16(scales, c * 4);
+        }
+        let scale = chunk_scale(s16, c % 4);
+        // SAFETY: chunk c of the row (masked at its end).
+        let w = decode(unsafe { chunk_words(packed, c) }, table);
+        for (t, a) in acc.iter_mut().enumerate() {
+            // SAFETY: x_t's chunk c lies inside `xps` (checked by the caller's lengths).
+            let sum = unsafe { chunk_sum(&w, xps.as_ptr().add(t * xp_len + c * CHUNK)) };
+            a[c % 2] = _mm512_fmadd_ps(sum, scale, a[c % 2]);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = reduce16(a[0], a[1]);
+    }
+}
+
+/// Two MXFP4 rows against one permuted input `xp`, each bit-identical to
+/// [`crate::mxfp4_contract::dot_row_ref`].
+///
+/// # Safety
+/// As [`mxfp4_row_multi`] with one input row, for both rows.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
+    let table = e2m1_table();
+    let n_chunks = xp.len() / CHUNK;
+    let z = _mm512_setzero_ps();
+    // (row 0, row 1) × (even chunks, odd chunks), kept in registers.
+    let (mut a0e, mut a0o, mut a1e, mut a1o) = (z, z, z, z);
+    let (mut s0, mut s1) = (z, z);
+    // One chunk of both rows into the given accumulators.
+    let step = |c: usize, s0: __m512, s1: __m512, a0: &mut __m512, a1: &mut __m512| {
+        // SAFETY: chunk c of each row (masked at its end) and of `xp` (whole chunks).
+        unsafe {
+            let xc = xp.as_ptr().add(c * CHUNK);
+            let w0 = decode(chunk_words(rows[0].0, c), table);
+            let w1 = decode(chunk_words(rows[1].0, c), table);
+            let (sum0, sum1) = chunk_sum_x2(&w0, &w1, xc);
+            *a0 = _mm512_fmadd_ps(sum0, chunk_scale(s0, c % 4), *a0);
+            *a1 = _mm512_fmadd_ps(sum1, chunk_scale(s1, c % 4), *a1);
+        }
+    };
+    let mut c = 0;
+    while c < n_chunks {
+        if c % 4 == 0 {
+            s0 = scales16(rows[0].1, c * 4);
+            s1 = scales16(rows[1].1, c * 4);
+        }
+        step(c, s0, s1, &mut a0e, &mut a1e);
+        if c + 1 < n_chunks {
+            step(c + 1, s0, s1, &mut a0o, &mut a1o);
+        }
+        c += 2;
+    }
+    [reduce16(a0e, a0o), reduce16(a1e, a1o)]
+}
