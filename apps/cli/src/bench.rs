@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use deltafin_model::ProfileSnapshot;
-use deltafin_runtime::{Engine, EngineOptions, GenerateOptions};
+use deltafin_runtime::{Engine, EngineOptions, GenerateOptions, PinLayers, SpineReadStats};
 use serde::Serialize;
 
 /// Arguments of `deltafin bench-decode`.
@@ -20,9 +20,12 @@ pub struct BenchArgs {
     /// Tokens to decode.
     #[arg(long, default_value_t = 8)]
     tokens: usize,
-    /// RAM for the expert cache, in GiB.
+    /// RAM for weights (resident spine, then the expert cache), in GiB.
     #[arg(long)]
     ram_gb: Option<f64>,
+    /// Decoder layers kept in RAM (auto, all, none, N, or ranges); the rest are streamed.
+    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
+    pin_layers: String,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -33,8 +36,12 @@ struct Report {
     tokens: usize,
     /// Seconds for each decoded token (after the prefill and its first token).
     token_s: Vec<f64>,
+    /// Expert bytes read from the device plus streamed spine bytes.
     engine_disk_bytes: u64,
     engine_disk_reads: u64,
+    /// Streamed spine bytes (zero when the spine is resident).
+    spine_read_bytes: u64,
+    streamed_layers: usize,
     proc_read_bytes: u64,
     cache_hits: u64,
     cache_misses: u64,
@@ -46,6 +53,7 @@ struct Report {
     expert_compute_s: f64,
     attention_s: f64,
     spine_compute_s: f64,
+    spine_wait_s: f64,
 }
 
 /// `read_bytes` of `/proc/self/io` (0 where unavailable).
@@ -78,7 +86,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let options = EngineOptions {
         ram_gb: args.ram_gb,
         ..EngineOptions::default()
-    };
+    }
+    .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
@@ -86,7 +95,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut token_s = Vec::with_capacity(args.tokens);
     let mut last = Instant::now();
     // Counters start after the first token (prefill + its first token), so every number is per decoded token.
-    let mut start: Option<(u64, deltafin_runtime::ExpertStats, ProfileSnapshot)> = None;
+    type Start = (
+        u64,
+        deltafin_runtime::ExpertStats,
+        ProfileSnapshot,
+        SpineReadStats,
+    );
+    let mut start: Option<Start> = None;
     session.generate(
         &prompt,
         &GenerateOptions {
@@ -96,7 +111,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
         |_| {
             if start.is_none() {
-                start = Some((proc_read_bytes(), engine.expert_stats(), engine.profile()));
+                start = Some((
+                    proc_read_bytes(),
+                    engine.expert_stats(),
+                    engine.profile(),
+                    engine.spine_reads(),
+                ));
             } else {
                 token_s.push(last.elapsed().as_secs_f64());
             }
@@ -104,17 +124,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             true
         },
     )?;
-    let (io0, stats0, p0) = start.context("no token was generated")?;
+    let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
     let stats = engine.expert_stats();
-    let p1 = engine.profile();
-    let p = ProfileSnapshot {
-        attention: p1.attention - p0.attention,
-        dense_ffn: p1.dense_ffn - p0.dense_ffn,
-        moe_trunk: p1.moe_trunk - p0.moe_trunk,
-        expert_wait: p1.expert_wait - p0.expert_wait,
-        expert_compute: p1.expert_compute - p0.expert_compute,
-        head: p1.head - p0.head,
-    };
+    let p = engine.profile().since(&p0);
+    let spine = engine.spine_reads();
+    let spine_read_bytes = spine.bytes - spine0.bytes;
     let cfg = engine.config();
     let expert_bytes = {
         let (w, i) = (cfg.expert_width() as u64, cfg.moe.inter as u64);
@@ -123,8 +137,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let report = Report {
         tokens: token_s.len(),
         token_s,
-        engine_disk_bytes: stats.reader.disk.device_bytes - stats0.reader.disk.device_bytes,
-        engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads,
+        engine_disk_bytes: stats.reader.disk.device_bytes - stats0.reader.disk.device_bytes
+            + spine_read_bytes,
+        engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads + spine.reads
+            - spine0.reads,
+        spine_read_bytes,
+        streamed_layers: engine.streamed_layers().len(),
         proc_read_bytes: proc_read_bytes() - io0,
         cache_hits: stats.cache.hits - stats0.cache.hits,
         cache_misses: stats.cache.misses - stats0.cache.misses,
@@ -136,6 +154,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         expert_compute_s: p.expert_compute.as_secs_f64(),
         attention_s: p.attention.as_secs_f64(),
         spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
+        spine_wait_s: p.spine_wait.as_secs_f64(),
     };
     crate::out::emit(&serde_json::to_string(&report)?)?;
     Ok(())

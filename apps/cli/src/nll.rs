@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use deltafin_runtime::{Engine, EngineOptions, SpineMode};
+use deltafin_runtime::{Engine, EngineOptions, PinLayers, SpineMode};
 use serde::Serialize;
 
 use crate::ids::parse_ids;
@@ -36,6 +36,9 @@ pub struct NllArgs {
     /// Spine precision: bf16, int8 or auto.
     #[arg(long, env = "K3_SPINE", default_value = "auto")]
     spine: String,
+    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92.
+    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
+    pin_layers: String,
 }
 
 #[derive(Serialize)]
@@ -53,7 +56,9 @@ pub fn run(args: NllArgs) -> anyhow::Result<()> {
         bail!("nll prints JSON only: pass --json");
     }
     let ids = parse_ids(&args.ids)?;
-    let options = EngineOptions::default().with_spine(SpineMode::parse(&args.spine)?);
+    let options = EngineOptions::default()
+        .with_spine(SpineMode::parse(&args.spine)?)
+        .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let mut session = engine.session();

@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use deltafin_runtime::{Engine, EngineOptions, GenerateOptions, SamplingParams, Session};
+use deltafin_runtime::{
+    Engine, EngineOptions, GenerateOptions, PinLayers, SamplingParams, Session,
+};
 
 use crate::text::{TextMode, TextPrinter};
 use serde::Serialize;
@@ -72,9 +74,14 @@ pub struct RunArgs {
     /// Print per-run counters to stderr.
     #[arg(long)]
     stats: bool,
-    /// RAM for the expert cache, in GiB (default: half of physical memory).
+    /// RAM for weights, in GiB: the resident spine first, the expert cache gets the rest (default: half of
+    /// physical memory).
     #[arg(long, env = "K3_RAM_GB")]
     ram_gb: Option<f64>,
+    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92; the rest are
+    /// streamed from disk at every forward pass.
+    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
+    pin_layers: String,
 }
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
@@ -102,7 +109,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         ram_gb: args.ram_gb,
         ..EngineOptions::default()
     }
-    .with_prefill_chunk(args.prefill_chunk);
+    .with_prefill_chunk(args.prefill_chunk)
+    .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     if let Some(missing) = engine.missing_experts() {
@@ -207,7 +215,18 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() / tokens
     );
-    eprintln!("spine read wait      0 (spine resident: read once at open)");
+    let streamed = engine.streamed_layers();
+    if streamed.is_empty() {
+        eprintln!("spine read wait      0 (spine resident: read once at open)");
+    } else {
+        eprintln!(
+            "spine read wait      {:.4} s ({} of {} layers streamed, {:.1} MB/token of spine read)",
+            per_token(p.spine_wait),
+            streamed.len(),
+            engine.config().n_layers,
+            engine.spine_reads().bytes as f64 / 1e6 / tokens
+        );
+    }
     eprintln!("expert read wait     {:.4} s", per_token(p.expert_wait));
     eprintln!(
         "spine compute        {:.4} s (dense FFN {:.4}, MoE router/latent/shared {:.4}, mixes+head {:.4})",
@@ -219,9 +238,10 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     eprintln!("attention            {:.4} s", per_token(p.attention));
     eprintln!("MoE compute          {:.4} s", per_token(p.expert_compute));
     eprintln!(
-        "bytes read           {:.1} MB/token from disk ({} reads), {:.1}% expert cache hit rate",
-        x.reader.disk.bytes as f64 / 1e6 / tokens,
-        x.reader.disk.reads,
+        "bytes read           {:.1} MB/token from disk ({} reads; spine {:.1} MB/token), {:.1}% expert cache hit rate",
+        (x.reader.disk.bytes + engine.spine_reads().bytes) as f64 / 1e6 / tokens,
+        x.reader.disk.reads + engine.spine_reads().reads,
+        engine.spine_reads().bytes as f64 / 1e6 / tokens,
         100.0 * x.cache.hit_rate()
     );
     eprintln!(

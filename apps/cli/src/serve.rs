@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use deltafin_runtime::{Engine, EngineOptions};
+use deltafin_runtime::{Engine, EngineOptions, PinLayers};
 use deltafin_server::{AppState, ServerConfig};
 
 use crate::demo;
@@ -45,6 +45,9 @@ pub struct ServeArgs {
     /// Tokens per prefill pass.
     #[arg(long, env = "K3_PREFILL_CHUNK", default_value_t = deltafin_runtime::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92.
+    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
+    pin_layers: String,
 }
 
 /// Runs `deltafin serve` until Ctrl-C or SIGTERM.
@@ -55,7 +58,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let options = EngineOptions::from_env()
         .context("reading K3_* settings")?
-        .with_prefill_chunk(args.prefill_chunk);
+        .with_prefill_chunk(args.prefill_chunk)
+        .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {

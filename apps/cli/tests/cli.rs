@@ -296,3 +296,48 @@ fn speculation_flag_takes_on_and_off() {
     let on = deltafin_json(&[&base[..], &["--spec", "on", "--spec-depth", "3"]].concat());
     assert_eq!(off["new_ids"], on["new_ids"]);
 }
+
+/// `--pin-layers none` streams every layer and still gives the reference greedy tokens; `--stats` reports the
+/// streamed spine; a bad `K3_PIN_LAYERS` is a clear error.
+#[test]
+fn pin_layers_streams_the_spine_and_rejects_bad_values() {
+    let g = golden("k3/k3-tiny-a");
+    let prompt = ids_of(&g["greedy_prompt"]);
+    let expect = ids_of(&g["greedy_new_tokens"]);
+    let dir = fixture("k3/k3-tiny-a");
+    let model = dir.to_str().expect("utf-8 path");
+    let (ids, max_new) = (join(&prompt), expect.len().to_string());
+    let args = [
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        &ids,
+        "--max-new",
+        &max_new,
+        "--ignore-eos",
+        "--json",
+        "--stats",
+        "--pin-layers",
+        "none",
+    ];
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(args)
+        .output()
+        .expect("run deltafin");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stderr: {stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(ids_of(&r["new_ids"]), expect);
+    assert!(stderr.contains("layers streamed"), "stderr: {stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(["nll", "--model", model, "--ids", "1,2,3", "--json"])
+        .env("K3_PIN_LAYERS", "0-2,x")
+        .output()
+        .expect("run deltafin");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("K3_PIN_LAYERS"), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}

@@ -56,6 +56,14 @@ pub enum ModelError {
     /// The requested device cannot be used (CUDA unavailable or not built in), or a device call failed.
     #[error("{0}")]
     Device(String),
+    /// The background reader of the streamed spine did not deliver a layer.
+    #[error("streamed spine, layer {layer}: {msg}")]
+    SpineStream {
+        /// The layer the forward pass was waiting for.
+        layer: usize,
+        /// What went wrong.
+        msg: String,
+    },
     /// The weight or expert source failed (I/O, format).
     #[error(transparent)]
     Source(SourceError),

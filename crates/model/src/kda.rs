@@ -69,8 +69,7 @@ impl Kda {
             .map(f32::exp)
             .collect();
         let f_rank = ld
-            .host(&name("f_a_proj.weight"))?
-            .shape
+            .shape(&name("f_a_proj.weight"))?
             .first()
             .copied()
             .unwrap_or(0);
@@ -78,7 +77,7 @@ impl Kda {
             OutGate::Full(ld.matrix(&name("g_proj.weight"), c, hidden)?)
         } else {
             let g_name = name("g_a_proj.weight");
-            let rank = ld.host(&g_name)?.shape.first().copied().unwrap_or(0);
+            let rank = ld.shape(&g_name)?.first().copied().unwrap_or(0);
             OutGate::LowRank {
                 down: ld.matrix(&g_name, rank, hidden)?,
                 up: ld.matrix(&name("g_b_proj.weight"), c, rank)?,
@@ -98,10 +97,15 @@ impl Kda {
             f_b: ld.matrix(&name("f_b_proj.weight"), c, f_rank)?,
             b_proj: ld.matrix(&name("b_proj.weight"), h, hidden)?,
             a_exp,
-            dt_bias: ld.vec(&name("dt_bias"), &[c]).or_else(|_| {
-                // Kimi Linear stores dt_bias as [C] too; some exports use [H, D].
-                ld.vec(&name("dt_bias"), &[h, d])
-            })?,
+            dt_bias: {
+                // Kimi Linear stores dt_bias as [C] too; some exports use [H, D]. One read either way.
+                let dt_name = name("dt_bias");
+                let dt = ld.host(&dt_name)?;
+                if dt.shape != [h, d] {
+                    crate::weights::check_shape(&dt_name, &dt.shape, &[c])?;
+                }
+                dt.to_f32()
+            },
             gate,
             o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
             o_proj: ld.matrix(&name("o_proj.weight"), hidden, c)?,

@@ -107,6 +107,11 @@ impl Layer {
         })
     }
 
+    /// The layer's index in the model.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
     /// Runs the layer on `p` (`[T, hidden]`: the previous layer's output, or the embeddings), returning this
     /// layer's output.
     pub fn forward(

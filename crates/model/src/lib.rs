@@ -24,6 +24,7 @@ pub mod moe;
 pub mod ops;
 pub mod profile;
 pub mod state;
+pub mod stream;
 pub mod tokenizer;
 pub mod weights;
 
@@ -34,5 +35,6 @@ pub use model::{LogitRows, Model};
 pub use profile::{Phase, Profile, ProfileSnapshot};
 pub use state::SessionState;
 pub use weights::{
-    ExpertBytes, ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert, WeightSource,
+    ExpertBytes, ExpertFetch, ExpertSource, ExpertWeights, HostTensor, PackedExpert,
+    SharedWeightSource, WeightSource,
 };

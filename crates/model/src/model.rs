@@ -11,7 +11,8 @@ use crate::layer::{Layer, ResidualBank};
 use crate::ops::{linear, rms_norm, tensor};
 use crate::profile::{Phase, Profile};
 use crate::state::SessionState;
-use crate::weights::{ExpertSource, Loader, WeightSource};
+use crate::stream::with_streamed_layers;
+use crate::weights::{ExpertSource, Loader, SharedWeightSource, WeightSource};
 
 /// Which rows of logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,12 +25,17 @@ pub enum LogitRows {
     Tail(usize),
 }
 
-/// A loaded model (spine weights in memory; routed experts come from an [`ExpertSource`] per call).
-#[derive(Debug)]
+/// A loaded model: the spine's resident part in memory (every layer, unless some are streamed: see
+/// [`Model::load_streamed`]); routed experts come from an [`ExpertSource`] per call.
 pub struct Model {
     cfg: ModelConfig,
     embed: DenseMatrix,
-    layers: Vec<Layer>,
+    /// Resident layers; `None` for a layer streamed from `stream` at every forward call.
+    layers: Vec<Option<Layer>>,
+    /// Indices of the streamed layers, ascending.
+    streamed: Vec<usize>,
+    /// Where streamed layers are read from (`None` when every layer is resident).
+    stream: Option<SharedWeightSource>,
     output_mix: Option<ResMix>,
     norm: Vec<f32>,
     head: DenseMatrix,
@@ -38,6 +44,16 @@ pub struct Model {
     device: String,
     #[cfg(feature = "cuda")]
     gpu: Option<crate::gpu::GpuHandles>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("cfg", &self.cfg)
+            .field("streamed", &self.streamed)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Model {
@@ -49,6 +65,44 @@ impl Model {
     /// Loads the model onto the device `opts` asks for: on CUDA every spine matrix is uploaded as it is read and
     /// attention and the routed experts run there. Asking for `cuda` where it cannot run fails with the reason.
     pub fn load_on(cfg: ModelConfig, src: &dyn WeightSource, opts: &DeviceOptions) -> Result<Self> {
+        Self::load_planned(cfg, src, opts, None)
+    }
+
+    /// Like [`Self::load_on`], but only the layers with `resident[layer] == true` stay in memory; the others are
+    /// read from `src` again at every forward call, by a background thread one layer ahead of the compute (at
+    /// most two streamed layers in memory at once). Every layer is still read once here, so a bad or missing
+    /// weight fails at load. The embedding, the final mix and norm and the head stay resident. On CUDA every
+    /// layer stays resident (streaming is CPU-only). `resident` must have one entry per layer.
+    pub fn load_streamed(
+        cfg: ModelConfig,
+        src: SharedWeightSource,
+        opts: &DeviceOptions,
+        resident: &[bool],
+    ) -> Result<Self> {
+        if resident.len() != cfg.n_layers {
+            return Err(ModelError::SpineStream {
+                layer: resident.len(),
+                msg: format!(
+                    "a residency plan for {} layers, the model has {}",
+                    resident.len(),
+                    cfg.n_layers
+                ),
+            });
+        }
+        let mut model = Self::load_planned(cfg, &*src, opts, Some(resident))?;
+        if !model.streamed.is_empty() {
+            model.stream = Some(src);
+        }
+        Ok(model)
+    }
+
+    /// The loader behind [`Self::load_on`] and [`Self::load_streamed`]; `resident: None` keeps every layer.
+    fn load_planned(
+        cfg: ModelConfig,
+        src: &dyn WeightSource,
+        opts: &DeviceOptions,
+        resident: Option<&[bool]>,
+    ) -> Result<Self> {
         #[cfg(not(feature = "cuda"))]
         let (ld, device) = match opts.pref {
             crate::device::DevicePref::Cuda => {
@@ -96,9 +150,17 @@ impl Model {
             (ld, device)
         };
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        #[cfg(feature = "cuda")]
+        let resident = resident.filter(|_| ld.gpu.is_none());
+        let keep = |l: usize| resident.is_none_or(|r| r[l]);
         let layers = (0..cfg.n_layers)
-            .map(|l| Layer::load(&ld, &cfg, l))
+            .map(|l| {
+                // A streamed layer is read once here too, so its shapes are checked at open.
+                let layer = Layer::load(&ld, &cfg, l)?;
+                Ok(keep(l).then_some(layer))
+            })
             .collect::<Result<Vec<_>>>()?;
+        let streamed = (0..cfg.n_layers).filter(|&l| !keep(l)).collect();
         let output_mix = match cfg.attn_res_block {
             Some(_) => Some(ResMix::load(
                 &ld,
@@ -113,6 +175,8 @@ impl Model {
             norm: ld.vec(&cfg.model_tensor("model.norm.weight"), &[h])?,
             head: ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?,
             layers,
+            streamed,
+            stream: None,
             output_mix,
             cfg,
             profile: Profile::default(),
@@ -125,6 +189,11 @@ impl Model {
     /// The configuration the model was built from.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// Indices of the layers read from the weight source at every forward call (empty: the spine is resident).
+    pub fn streamed_layers(&self) -> &[usize] {
+        &self.streamed
     }
 
     /// Time spent per phase by every forward call so far.
@@ -176,9 +245,26 @@ impl Model {
         let mut bank = ResidualBank::default();
         // Work on a copy so a failed call leaves `state` untouched.
         let mut next = state.clone();
-        for (layer, layer_state) in self.layers.iter().zip(next.layers.iter_mut()) {
-            p = layer.forward(p, &mut bank, layer_state, experts, &self.profile)?;
-        }
+        let src = self.stream.as_deref();
+        p = with_streamed_layers(src, &self.cfg, &self.streamed, |streamed| {
+            for (l, (slot, layer_state)) in
+                self.layers.iter().zip(next.layers.iter_mut()).enumerate()
+            {
+                p = match slot {
+                    Some(layer) => {
+                        layer.forward(p, &mut bank, layer_state, experts, &self.profile)?
+                    }
+                    None => streamed.take(l, &self.profile)?.forward(
+                        p,
+                        &mut bank,
+                        layer_state,
+                        experts,
+                        &self.profile,
+                    )?,
+                };
+            }
+            Ok(p)
+        })?;
         next.n_tokens += ids.len();
         *state = next;
         let head_from = std::time::Instant::now();

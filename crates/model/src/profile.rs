@@ -1,5 +1,6 @@
 //! Where a forward pass spends its time, accumulated across calls: attention, dense FFN, the MoE's router and
-//! shared experts, waiting for routed experts to arrive, and multiplying them. Printed by `--stats`.
+//! shared experts, waiting for routed experts to arrive, multiplying them, and waiting for a streamed spine layer.
+//! Printed by `--stats`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ pub struct Profile {
     expert_wait: AtomicU64,
     expert_compute: AtomicU64,
     head: AtomicU64,
+    spine_wait: AtomicU64,
 }
 
 /// A copy of the counters.
@@ -30,6 +32,23 @@ pub struct ProfileSnapshot {
     pub expert_compute: Duration,
     /// Embedding, AttnRes mixes, final norm and the head.
     pub head: Duration,
+    /// Blocked waiting for a streamed spine layer to be read (zero when the whole spine is resident).
+    pub spine_wait: Duration,
+}
+
+impl ProfileSnapshot {
+    /// The time spent in each phase between `earlier` and `self`.
+    pub fn since(&self, earlier: &ProfileSnapshot) -> ProfileSnapshot {
+        ProfileSnapshot {
+            attention: self.attention.saturating_sub(earlier.attention),
+            dense_ffn: self.dense_ffn.saturating_sub(earlier.dense_ffn),
+            moe_trunk: self.moe_trunk.saturating_sub(earlier.moe_trunk),
+            expert_wait: self.expert_wait.saturating_sub(earlier.expert_wait),
+            expert_compute: self.expert_compute.saturating_sub(earlier.expert_compute),
+            head: self.head.saturating_sub(earlier.head),
+            spine_wait: self.spine_wait.saturating_sub(earlier.spine_wait),
+        }
+    }
 }
 
 /// The phases [`Profile`] tracks.
@@ -47,7 +66,20 @@ pub enum Phase {
     ExpertCompute,
     /// Everything else (embedding, mixes, head).
     Head,
+    /// Waiting for the background read of a streamed spine layer.
+    SpineWait,
 }
+
+/// Every phase, in report order.
+const PHASES: [Phase; 7] = [
+    Phase::Attention,
+    Phase::DenseFfn,
+    Phase::MoeTrunk,
+    Phase::ExpertWait,
+    Phase::ExpertCompute,
+    Phase::Head,
+    Phase::SpineWait,
+];
 
 impl Profile {
     fn counter(&self, phase: Phase) -> &AtomicU64 {
@@ -58,6 +90,7 @@ impl Profile {
             Phase::ExpertWait => &self.expert_wait,
             Phase::ExpertCompute => &self.expert_compute,
             Phase::Head => &self.head,
+            Phase::SpineWait => &self.spine_wait,
         }
     }
 
@@ -85,19 +118,13 @@ impl Profile {
             expert_wait: d(Phase::ExpertWait),
             expert_compute: d(Phase::ExpertCompute),
             head: d(Phase::Head),
+            spine_wait: d(Phase::SpineWait),
         }
     }
 
     /// Zeroes every counter.
     pub fn reset(&self) {
-        for p in [
-            Phase::Attention,
-            Phase::DenseFfn,
-            Phase::MoeTrunk,
-            Phase::ExpertWait,
-            Phase::ExpertCompute,
-            Phase::Head,
-        ] {
+        for p in PHASES {
             self.counter(p).store(0, Ordering::Relaxed);
         }
     }

@@ -48,9 +48,20 @@ impl HostTensor {
 
 /// Supplies dense (spine) weights by checkpoint name.
 pub trait WeightSource {
-    /// The tensor called `name` as f32, or `None` when the checkpoint has no such tensor.
+    /// The tensor called `name` in its stored precision, or `None` when the checkpoint has no such tensor.
     fn load(&self, name: &str) -> Result<Option<HostTensor>>;
+
+    /// The shape of `name` without reading its values, or `None` when the checkpoint has no such tensor. The
+    /// default loads the tensor; sources that know shapes from headers override it, so that probing a tensor
+    /// (optional weights, ranks) reads no bytes.
+    fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+        Ok(self.load(name)?.map(|t| t.shape))
+    }
 }
+
+/// A weight source a background thread can read from: how a streamed spine reaches the model (see
+/// [`crate::stream`]).
+pub type SharedWeightSource = Arc<dyn WeightSource + Send + Sync>;
 
 /// One routed expert, as read from the checkpoint.
 #[derive(Clone, Debug)]
@@ -221,9 +232,16 @@ impl<'a> Loader<'a> {
         })
     }
 
-    /// Whether the checkpoint has `name`.
+    /// Whether the checkpoint has `name` (reads no values where the source knows shapes).
     pub fn has(&self, name: &str) -> Result<bool> {
-        Ok(self.src.load(name)?.is_some())
+        Ok(self.src.shape(name)?.is_some())
+    }
+
+    /// The stored shape of `name`, or `MissingWeight` (reads no values where the source knows shapes).
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
+        self.src
+            .shape(name)?
+            .ok_or_else(|| ModelError::MissingWeight(name.to_string()))
     }
 }
 

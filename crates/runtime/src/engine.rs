@@ -12,9 +12,10 @@ use deltafin_storage::{
 
 use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
+use crate::pinning::PinLayers;
 use crate::session::Session;
 use crate::sources::{ExpertStats, ExpertStore};
-use crate::spine::{SpineMode, SpineSource};
+use crate::spine::{SpineMode, SpineReadStats, SpineSource};
 
 /// The tokenizer's rank file in a model directory.
 const TOKENIZER_FILE: &str = "tiktoken.model";
@@ -29,8 +30,11 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Spine precision (`K3_SPINE`: bf16, int8, auto).
     pub spine: SpineMode,
-    /// RAM for the expert cache, in GiB; `None` means `K3_RAM_GB`, else half of physical memory.
+    /// RAM for weights, in GiB: the resident spine first, the expert cache gets the rest. `None` means
+    /// `K3_RAM_GB`, else half of physical memory.
     pub ram_gb: Option<f64>,
+    /// Which decoder layers stay in RAM (`K3_PIN_LAYERS`, default `auto`); the others are streamed.
+    pub pin_layers: PinLayers,
     /// Reader threads (reads in flight) for expert spans; `None` means the read pool's default.
     pub read_threads: Option<usize>,
     /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
@@ -45,6 +49,7 @@ impl Default for EngineOptions {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             spine: SpineMode::Auto,
             ram_gb: None,
+            pin_layers: PinLayers::Auto,
             read_threads: None,
             hub: HubOptions::default(),
             device: DeviceOptions::from_env(),
@@ -71,10 +76,17 @@ impl EngineOptions {
         self
     }
 
-    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`).
+    /// These options with the layer pinning set to `pins`.
+    pub fn with_pin_layers(mut self, pins: PinLayers) -> Self {
+        self.pin_layers = pins;
+        self
+    }
+
+    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`, `K3_PIN_LAYERS`).
     pub fn from_env() -> Result<Self> {
         let mut o = Self {
             spine: SpineMode::from_env()?,
+            pin_layers: PinLayers::from_env()?,
             ..Self::default()
         };
         if let Some(n) = std::env::var("K3_PREFILL_CHUNK")
@@ -88,14 +100,15 @@ impl EngineOptions {
     }
 }
 
-/// Default expert-cache share of physical memory when no budget is given.
+/// Default share of physical memory for weights (resident spine + expert cache) when no budget is given.
 const DEFAULT_RAM_SHARE: f64 = 0.5;
 /// Budget when physical memory cannot be read.
 const FALLBACK_RAM_GB: f64 = 4.0;
 
 impl EngineOptions {
-    /// The expert cache budget in bytes: `ram_gb`, else `K3_RAM_GB`, else half of physical memory.
-    pub fn cache_budget_bytes(&self) -> Result<u64> {
+    /// The RAM budget for weights in bytes: `ram_gb`, else `K3_RAM_GB`, else half of physical memory. The
+    /// resident spine is charged to it first; the expert cache gets the rest.
+    pub fn ram_budget_bytes(&self) -> Result<u64> {
         let gb = match self.ram_gb {
             Some(gb) => gb,
             None => match std::env::var("K3_RAM_GB") {
@@ -108,7 +121,7 @@ impl EngineOptions {
         };
         if !gb.is_finite() || gb < 0.0 {
             return Err(RuntimeError::Usage(format!(
-                "expert cache budget {gb} GiB is not a non-negative number"
+                "RAM budget {gb} GiB is not a non-negative number"
             )));
         }
         Ok((gb * GIB) as u64)
@@ -134,6 +147,9 @@ pub struct Engine {
     options: EngineOptions,
     spine_int8: bool,
     spine_bytes: u64,
+    spine: Arc<SpineSource>,
+    /// Spine bytes per layer as served (int8 copy or shards).
+    layer_bytes: Vec<u64>,
     fingerprint: u32,
     model: Model,
     experts: CountingExperts<ExpertStore>,
@@ -159,7 +175,7 @@ impl Engine {
         }
         let cfg = ModelConfig::from_file(&config_path)?;
         let config_bytes = std::fs::read(&config_path).unwrap_or_default();
-        let budget = options.cache_budget_bytes()?;
+        let budget = options.ram_budget_bytes()?;
         let (files, map, stream) = if is_stream_install(dir)? {
             let s = StreamInstall::open(dir, &options.hub, &NoProgress)?;
             (Arc::clone(s.files()), Arc::clone(s.map()), Some(s))
@@ -170,11 +186,51 @@ impl Engine {
         };
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
-        let spine = SpineSource::open(&files, options.spine, meminfo_bytes("MemAvailable"))?;
+        let spine = Arc::new(SpineSource::open(
+            Arc::clone(&files),
+            options.spine,
+            meminfo_bytes("MemAvailable"),
+        )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
-        let model = Model::load_on(cfg, &spine, &options.device)?;
-        drop(spine);
+        let layer_bytes: Vec<u64> = (0..n_layers)
+            .map(|l| spine.served_bytes(&cfg.layer_tensor(l, "")))
+            .collect();
+        let fixed_bytes = spine
+            .served_bytes("")
+            .saturating_sub(layer_bytes.iter().sum());
+        let resident = options
+            .pin_layers
+            .resolve(&layer_bytes, fixed_bytes, budget)?;
+        let model = if resident.iter().all(|&r| r) {
+            Model::load_on(cfg, &*spine, &options.device)?
+        } else {
+            let src: deltafin_model::SharedWeightSource = spine.clone();
+            Model::load_streamed(cfg, src, &options.device, &resident)?
+        };
+        // Only reads made by forward passes count from here on.
+        spine.reset_reads();
+        let streamed = model.streamed_layers();
+        let resident_bytes = fixed_bytes
+            + (0..n_layers)
+                .filter(|l| !streamed.contains(l))
+                .map(|l| layer_bytes[l])
+                .sum::<u64>();
+        if resident_bytes > budget {
+            tracing::warn!(
+                "the resident spine ({:.2} GiB) exceeds the RAM budget ({:.2} GiB); the expert cache gets nothing",
+                resident_bytes as f64 / GIB,
+                budget as f64 / GIB
+            );
+        }
+        if !streamed.is_empty() {
+            tracing::info!(
+                "spine: {} of {n_layers} layers streamed, {:.2} GiB resident",
+                streamed.len(),
+                resident_bytes as f64 / GIB
+            );
+        }
+        let cache_budget = budget.saturating_sub(resident_bytes);
         let mut pool = ReadPoolOptions::default();
         if let Some(n) = options.read_threads {
             pool.threads = n;
@@ -201,7 +257,9 @@ impl Engine {
             spine_bytes,
             fingerprint: hasher.finalize(),
             model,
-            experts: CountingExperts::new(ExpertStore::new(map, reader, budget), n_layers),
+            spine,
+            layer_bytes,
+            experts: CountingExperts::new(ExpertStore::new(map, reader, cache_budget), n_layers),
         })
     }
 
@@ -279,6 +337,21 @@ impl Engine {
     /// Bytes of the spine (every non-expert tensor) as stored.
     pub fn spine_bytes(&self) -> u64 {
         self.spine_bytes
+    }
+
+    /// Layers read from disk at every forward pass (empty when the whole spine is resident).
+    pub fn streamed_layers(&self) -> &[usize] {
+        self.model.streamed_layers()
+    }
+
+    /// Spine bytes per layer, as served (from the int8 copy where it is in use).
+    pub fn layer_spine_bytes(&self) -> &[u64] {
+        &self.layer_bytes
+    }
+
+    /// Spine bytes read by forward passes since open (streamed layers; zero when the spine is resident).
+    pub fn spine_reads(&self) -> SpineReadStats {
+        self.spine.read_stats()
     }
 
     /// Time per phase of every forward pass so far.

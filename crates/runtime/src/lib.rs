@@ -10,6 +10,7 @@ pub mod engine;
 pub mod error;
 pub mod expert_cache;
 pub mod ngram;
+pub mod pinning;
 pub mod sampling;
 pub mod session;
 pub mod snapshot_file;
@@ -21,10 +22,13 @@ pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
+pub use pinning::PinLayers;
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
     Snapshot,
 };
 pub use sources::ExpertStats;
-pub use spine::{INT8_SPINE_FILE, Int8Report, SpineMode, convert_spine_int8, spine_bytes};
+pub use spine::{
+    INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
+};

@@ -2,10 +2,12 @@
 //! [`convert_spine_int8`] when `K3_SPINE` asks for it.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_model::{HostTensor, ModelError, WeightSource};
 use deltafin_quant::{DenseData, DenseMatrix};
-use deltafin_storage::{Dtype, ModelFiles, PlannedTensor, write_safetensors};
+use deltafin_storage::{Dtype, ModelFiles, PlannedTensor, TensorInfo, write_safetensors};
 
 use crate::convert::{dense_data, to_f32};
 use crate::error::{Result, RuntimeError};
@@ -131,10 +133,13 @@ pub fn convert_spine_int8(dir: &Path) -> Result<Int8Report> {
 }
 
 /// Dense weights for the model: from the int8 copy where it has the tensor (when enabled), else the shards.
-pub struct SpineSource<'a> {
-    files: &'a ModelFiles,
+/// Counts the bytes it reads, so a streamed spine shows up in the engine's byte counters.
+pub struct SpineSource {
+    files: Arc<ModelFiles>,
     int8: Option<ModelFiles>,
     stored_bytes: u64,
+    read_bytes: AtomicU64,
+    reads: AtomicU64,
 }
 
 /// Bytes of the spine (every non-expert tensor) as stored in the shards.
@@ -146,11 +151,24 @@ pub fn spine_bytes(files: &ModelFiles) -> u64 {
         .sum()
 }
 
-impl<'a> SpineSource<'a> {
+/// Bytes and reads of spine tensors served since open (or the last reset).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpineReadStats {
+    /// Bytes read from the shards or the int8 copy.
+    pub bytes: u64,
+    /// Tensors read (an int8 weight counts its values and its scales as two).
+    pub reads: u64,
+}
+
+impl SpineSource {
     /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`).
-    pub fn open(files: &'a ModelFiles, mode: SpineMode, budget_bytes: Option<u64>) -> Result<Self> {
+    pub fn open(
+        files: Arc<ModelFiles>,
+        mode: SpineMode,
+        budget_bytes: Option<u64>,
+    ) -> Result<Self> {
         let path = files.dir().join(INT8_SPINE_FILE);
-        let stored_bytes = spine_bytes(files);
+        let stored_bytes = spine_bytes(&files);
         let use_int8 = match mode {
             SpineMode::Bf16 => false,
             SpineMode::Int8 => {
@@ -174,6 +192,8 @@ impl<'a> SpineSource<'a> {
             files,
             int8,
             stored_bytes,
+            read_bytes: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
         })
     }
 
@@ -186,22 +206,60 @@ impl<'a> SpineSource<'a> {
     pub fn is_int8(&self) -> bool {
         self.int8.is_some()
     }
+
+    /// Bytes a [`WeightSource::load`] of every spine tensor whose name starts with `prefix` reads (from the int8
+    /// copy where it serves the tensor). `prefix` `""` gives the whole spine as served.
+    pub fn served_bytes(&self, prefix: &str) -> u64 {
+        self.files
+            .tensors()
+            .filter(|t| t.name.starts_with(prefix) && !t.name.contains(".experts."))
+            .map(|t| {
+                self.int8_parts(&t.name)
+                    .map_or(t.len, |(q, s)| q.len + s.len)
+            })
+            .sum()
+    }
+
+    /// Bytes and reads since open or the last [`Self::reset_reads`].
+    pub fn read_stats(&self) -> SpineReadStats {
+        SpineReadStats {
+            bytes: self.read_bytes.load(Ordering::Relaxed),
+            reads: self.reads.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Zeroes the read counters.
+    pub fn reset_reads(&self) {
+        self.read_bytes.store(0, Ordering::Relaxed);
+        self.reads.store(0, Ordering::Relaxed);
+    }
+
+    /// The int8 copy's values and scales of `name`, when the int8 copy is in use and has it.
+    fn int8_parts(&self, name: &str) -> Option<(&TensorInfo, &TensorInfo)> {
+        let int8 = self.int8.as_ref()?;
+        Some((
+            int8.get(&format!("{name}{QWEIGHT}"))?,
+            int8.get(&format!("{name}{ROW_SCALE}"))?,
+        ))
+    }
+
+    fn count(&self, bytes: usize) {
+        self.read_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        self.reads.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 fn source_err(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
     ModelError::Source(Box::new(e))
 }
 
-impl WeightSource for SpineSource<'_> {
+impl WeightSource for SpineSource {
     fn load(&self, name: &str) -> deltafin_model::Result<Option<HostTensor>> {
-        if let Some(int8) = &self.int8
-            && let (Some(q), Some(s)) = (
-                int8.get(&format!("{name}{QWEIGHT}")),
-                int8.get(&format!("{name}{ROW_SCALE}")),
-            )
-        {
+        if let (Some(int8), Some((q, s))) = (&self.int8, self.int8_parts(name)) {
             let qb = int8.read_tensor(q).map_err(source_err)?;
+            self.count(qb.len());
             let sb = int8.read_tensor(s).map_err(source_err)?;
+            self.count(sb.len());
             let scales = to_f32(&sb, Dtype::F32).unwrap_or_default();
             return Ok(Some(HostTensor {
                 shape: q.shape.clone(),
@@ -215,6 +273,7 @@ impl WeightSource for SpineSource<'_> {
             return Ok(None);
         };
         let bytes = self.files.read_tensor(info).map_err(source_err)?;
+        self.count(bytes.len());
         let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
             source_err(RuntimeError::UnsupportedDtype {
                 name: name.to_string(),
@@ -225,5 +284,10 @@ impl WeightSource for SpineSource<'_> {
             shape: info.shape.clone(),
             data,
         }))
+    }
+
+    /// From the shard headers: the int8 copy keeps every shape.
+    fn shape(&self, name: &str) -> deltafin_model::Result<Option<Vec<usize>>> {
+        Ok(self.files.get(name).map(|t| t.shape.clone()))
     }
 }

@@ -1,0 +1,216 @@
+//! The streamed spine: with decoder layers read from disk at every forward pass (a budget too small for the
+//! spine, or `K3_PIN_LAYERS`), logits and greedy tokens are bit-identical to the resident spine, the bytes read per
+//! forward pass are exactly the streamed layers' spine tensors, and bad pin lists are errors.
+
+use std::path::Path;
+
+use deltafin_runtime::{
+    Engine, EngineOptions, GenerateOptions, PinLayers, SpineMode, convert_spine_int8,
+};
+use deltafin_storage::ModelFiles;
+use deltafin_tests::corrupt::ScratchModel;
+use deltafin_tests::{Golden, fixture};
+
+const FIXTURES: [&str; 4] = [
+    "k3/k3-tiny-a",
+    "k3/k3-tiny-b",
+    "kimi-linear/qlora",
+    "kimi-linear/noqlora",
+];
+
+fn open(dir: &Path, pins: PinLayers, ram_gb: Option<f64>, spine: SpineMode) -> Engine {
+    let options = EngineOptions {
+        ram_gb,
+        ..EngineOptions::default()
+    }
+    .with_spine(spine)
+    .with_pin_layers(pins);
+    Engine::open(dir, options).expect("open")
+}
+
+/// Everything a run produces that must not depend on where the spine lives: prefill logits, step-by-step
+/// decode logits, and greedy tokens with speculation (verification passes of several rows).
+#[derive(Debug, PartialEq)]
+struct Outputs {
+    prefill: Vec<f32>,
+    steps: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+}
+
+fn outputs(engine: &Engine, ids: &[u32]) -> Outputs {
+    let prefill = engine.session().prefill(ids).expect("prefill").data;
+    let mut s = engine.session();
+    let steps = ids.iter().map(|&id| s.step(id).expect("step")).collect();
+    let greedy = engine
+        .session()
+        .generate(
+            &ids[..ids.len().min(6)],
+            &GenerateOptions {
+                max_new: 10,
+                ignore_eos: true,
+                speculation_depth: 2,
+                ..Default::default()
+            },
+            |_| true,
+        )
+        .expect("generate")
+        .tokens;
+    Outputs {
+        prefill,
+        steps,
+        greedy,
+    }
+}
+
+fn ids_of(dir: &Path) -> Vec<u32> {
+    Golden::load(dir)
+        .expect("golden")
+        .ids("input_ids")
+        .expect("ids")
+}
+
+/// Opens `dir` resident and streamed as `pins` asks, expecting `streamed` layers, and compares the outputs bit
+/// for bit.
+fn check(dir: &Path, spine: SpineMode, pins: PinLayers, ram_gb: Option<f64>, streamed: &[usize]) {
+    let ids = ids_of(dir);
+    let resident = open(dir, PinLayers::All, None, spine);
+    assert!(resident.streamed_layers().is_empty());
+    let expected = outputs(&resident, &ids);
+    let engine = open(dir, pins.clone(), ram_gb, spine);
+    assert_eq!(
+        engine.streamed_layers(),
+        streamed,
+        "{}: {pins:?}",
+        dir.display()
+    );
+    assert_eq!(
+        outputs(&engine, &ids),
+        expected,
+        "{}: {pins:?} is not bit-identical to the resident spine",
+        dir.display()
+    );
+    assert_eq!(
+        resident.spine_reads().bytes,
+        0,
+        "a resident spine reads nothing"
+    );
+}
+
+#[test]
+fn streamed_spine_is_bit_identical_to_the_resident_one() {
+    for name in FIXTURES {
+        let dir = fixture(name);
+        let n = Engine::open(&dir, EngineOptions::default())
+            .expect("open")
+            .config()
+            .n_layers;
+        let all: Vec<usize> = (0..n).collect();
+        // Everything streamed: by the pin list, and by a budget of zero under `auto`.
+        check(&dir, SpineMode::Bf16, PinLayers::None, None, &all);
+        check(&dir, SpineMode::Bf16, PinLayers::Auto, Some(0.0), &all);
+        // Some layers pinned (first, last, one in the middle), the rest streamed.
+        let pins = PinLayers::Ranges(vec![0..=0, 2..=2, n - 1..=n - 1]);
+        let rest: Vec<usize> = (0..n).filter(|l| ![0, 2, n - 1].contains(l)).collect();
+        check(&dir, SpineMode::Bf16, pins, Some(0.0), &rest);
+        check(&dir, SpineMode::Bf16, PinLayers::First(3), None, &all[3..]);
+    }
+}
+
+#[test]
+fn auto_keeps_the_spine_resident_when_it_fits_and_pins_a_prefix_otherwise() {
+    let dir = fixture("k3/k3-tiny-b");
+    let roomy = open(&dir, PinLayers::Auto, None, SpineMode::Bf16);
+    assert!(roomy.streamed_layers().is_empty());
+    let layer_bytes = roomy.layer_spine_bytes().to_vec();
+    let fixed = roomy.spine_bytes() - layer_bytes.iter().sum::<u64>();
+    // Room for the fixed part and the first two layers only.
+    let budget = fixed + layer_bytes[0] + layer_bytes[1];
+    let gib = budget as f64 / (1u64 << 30) as f64;
+    let tight = open(&dir, PinLayers::Auto, Some(gib), SpineMode::Bf16);
+    let streamed: Vec<usize> = (2..layer_bytes.len()).collect();
+    assert_eq!(tight.streamed_layers(), streamed);
+    let ids = ids_of(&dir);
+    assert_eq!(outputs(&tight, &ids), outputs(&roomy, &ids));
+}
+
+#[test]
+fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
+    for name in ["k3/k3-tiny-a", "k3/k3-tiny-b"] {
+        let dir = fixture(name);
+        let pins = PinLayers::Ranges(vec![1..=1, 4..=4]);
+        let engine = open(&dir, pins, Some(0.0), SpineMode::Bf16);
+        let files = ModelFiles::open(&dir).expect("files");
+        let cfg = engine.config();
+        // Every non-expert tensor of every layer that is not pinned, as stored in the shards.
+        let expected: u64 = engine
+            .streamed_layers()
+            .iter()
+            .map(|&l| {
+                let prefix = cfg.layer_tensor(l, "");
+                files
+                    .tensors()
+                    .filter(|t| t.name.starts_with(&prefix) && !t.name.contains(".experts."))
+                    .map(|t| t.len)
+                    .sum::<u64>()
+            })
+            .sum();
+        assert!(expected > 0);
+        assert_eq!(engine.spine_reads().bytes, 0, "counters start after open");
+        let ids = ids_of(&dir);
+        let mut s = engine.session();
+        for (t, &id) in ids.iter().take(4).enumerate() {
+            let before = engine.spine_reads().bytes;
+            s.step(id).expect("step");
+            assert_eq!(
+                engine.spine_reads().bytes - before,
+                expected,
+                "{name}: spine bytes read by decode step {t}"
+            );
+        }
+        // A prefill chunk reads each streamed layer once, however many tokens it holds.
+        let chunks = ids.len().div_ceil(engine.options().prefill_chunk) as u64;
+        let before = engine.spine_reads().bytes;
+        engine.session().prefill(&ids).expect("prefill");
+        assert_eq!(engine.spine_reads().bytes - before, chunks * expected);
+        assert!(engine.profile().spine_wait > std::time::Duration::ZERO);
+    }
+}
+
+#[test]
+fn streamed_int8_spine_is_bit_identical_to_the_resident_int8_spine() {
+    let m = ScratchModel::copy_of(&fixture("k3/k3-tiny-a")).expect("copy");
+    convert_spine_int8(&m.dir).expect("convert");
+    let engine = open(&m.dir, PinLayers::None, Some(0.0), SpineMode::Int8);
+    assert!(engine.spine_is_int8());
+    let n = engine.config().n_layers;
+    let all: Vec<usize> = (0..n).collect();
+    check(&m.dir, SpineMode::Int8, PinLayers::None, Some(0.0), &all);
+    check(
+        &m.dir,
+        SpineMode::Int8,
+        PinLayers::First(2),
+        Some(0.0),
+        &all[2..],
+    );
+    // The bytes served come from the int8 copy: fewer than the shards' bf16 bytes.
+    let before = engine.spine_reads().bytes;
+    engine.session().step(1).expect("step");
+    let read = engine.spine_reads().bytes - before;
+    assert_eq!(read, engine.layer_spine_bytes().iter().sum::<u64>());
+    let bf16 = open(&m.dir, PinLayers::None, Some(0.0), SpineMode::Bf16);
+    assert!(read < bf16.layer_spine_bytes().iter().sum::<u64>());
+}
+
+#[test]
+fn bad_pin_lists_are_clear_errors() {
+    for bad in ["some", "3-1", "1,,2", "-4", "2.5"] {
+        let err = PinLayers::parse(bad).expect_err(bad);
+        assert!(err.to_string().contains("K3_PIN_LAYERS"), "{bad}: {err}");
+    }
+    let err = Engine::open(
+        &fixture("k3/k3-tiny-a"),
+        EngineOptions::default().with_pin_layers(PinLayers::Ranges(vec![0..=99])),
+    )
+    .expect_err("layer 99 does not exist");
+    assert!(err.to_string().contains("layer 99 does not exist"), "{err}");
+}
