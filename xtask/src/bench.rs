@@ -37,6 +37,9 @@ pub struct BenchArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Look-ahead expert prefetch in the engine (`on` or `off`).
+    #[arg(long, default_value = "off")]
+    prefetch: String,
 }
 
 const CGROUP: &str = "/sys/fs/cgroup/memory/deltafin-bench";
@@ -169,6 +172,8 @@ fn capped_run(bin: &Path, args: &BenchArgs, ram_gb: f64) -> anyhow::Result<Value
             &args.tokens.to_string(),
             "--ram-gb",
             &format!("{ram_gb:.3}"),
+            "--prefetch",
+            &args.prefetch,
         ])
         .output()
         .context("running deltafin bench-decode")?;
@@ -233,8 +238,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         median(t)
     };
     let tokens = |v: &Value| num(v, "tokens").max(1.0);
+    // Experts missed by the cache, plus those a prefetch had already brought in when asked for (the cache counts
+    // them as hits, but the token read them), plus the streamed spine.
     let needed = |v: &Value| {
-        (num(v, "cache_misses") * num(v, "expert_bytes") + num(v, "spine_read_bytes")) / tokens(v)
+        ((num(v, "cache_misses") + num(v, "prefetch_used_landed")) * num(v, "expert_bytes")
+            + num(v, "spine_read_bytes"))
+            / tokens(v)
     };
     let engine_bytes = |v: &Value| num(v, "engine_disk_bytes") / tokens(v);
     let proc_bytes = |v: &Value| num(v, "proc_read_bytes") / tokens(v);
@@ -242,6 +251,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let s_tok = median(all_token_s.clone());
     let need = per_run(&needed);
     let bound = need / bandwidth;
+    let prefetch_recall = {
+        let wanted: f64 = runs.iter().map(|v| num(v, "prefetch_wanted")).sum();
+        let recalled: f64 = runs.iter().map(|v| num(v, "prefetch_recalled")).sum();
+        if wanted > 0.0 { recalled / wanted } else { 0.0 }
+    };
     // Each run against the bound measured just before it.
     let run_ratios: Vec<f64> = runs
         .iter()
@@ -258,6 +272,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "disk_pool_gbs": bounds.iter().map(|b| b.pool_bps / 1e9).collect::<Vec<_>>(),
         "disk_fio_gbs": bounds.iter().map(|b| b.fio_bps.map(|v| v / 1e9)).collect::<Vec<_>>(),
         "run_ratios_to_own_bound": run_ratios,
+        "prefetch": args.prefetch,
+        "prefetch_recall": prefetch_recall,
+        "prefetch_wasted_reads_per_token": per_run(&|v| num(v, "prefetch_wasted") / tokens(v)),
         "ratio_median_of_runs": median(run_ratios.clone()),
         "runs": args.runs,
         "tokens_per_run": args.tokens,
@@ -317,6 +334,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             report["disk_pool_gbs"],
             report["disk_fio_gbs"]
         );
+        if args.prefetch == "on" {
+            println!(
+                "prefetch: recall {:.1}%, {:.1} wasted reads per token",
+                100.0 * report["prefetch_recall"].as_f64().unwrap_or(0.0),
+                report["prefetch_wasted_reads_per_token"]
+                    .as_f64()
+                    .unwrap_or(0.0)
+            );
+        }
         println!("breakdown (s/token): {}", report["breakdown_s_per_token"]);
     }
     Ok(())

@@ -26,6 +26,9 @@ pub struct BenchArgs {
     /// Decoder layers kept in RAM (auto, all, none, N, or ranges); the rest are streamed.
     #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
     pin_layers: String,
+    /// Look-ahead expert prefetch.
+    #[arg(long, default_value = "off", value_parser = crate::run::parse_on_off, action = clap::ArgAction::Set)]
+    prefetch: bool,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -54,6 +57,13 @@ struct Report {
     attention_s: f64,
     spine_compute_s: f64,
     spine_wait_s: f64,
+    /// Prefetch reads whose expert was then asked for but had already landed (counted by the cache as hits).
+    prefetch_used_landed: u64,
+    prefetch_reads: u64,
+    prefetch_wasted: u64,
+    /// Experts asked for by guessed layers, and how many were guessed.
+    prefetch_wanted: u64,
+    prefetch_recalled: u64,
 }
 
 /// `read_bytes` of `/proc/self/io` (0 where unavailable).
@@ -81,13 +91,19 @@ fn peak_rss() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// The prefetch counters (zero when prefetch is off).
+fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
+    s.prefetch.unwrap_or_default()
+}
+
 /// Runs `deltafin bench-decode`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let options = EngineOptions {
         ram_gb: args.ram_gb,
         ..EngineOptions::default()
     }
-    .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
+    .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
+    .with_prefetch(args.prefetch);
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
@@ -155,6 +171,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         attention_s: p.attention.as_secs_f64(),
         spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
         spine_wait_s: p.spine_wait.as_secs_f64(),
+        prefetch_used_landed: pf(&stats).used_landed - pf(&stats0).used_landed,
+        prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
+        prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
+        prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,
+        prefetch_recalled: pf(&stats).recalled - pf(&stats0).recalled,
     };
     crate::out::emit(&serde_json::to_string(&report)?)?;
     Ok(())

@@ -82,6 +82,10 @@ pub struct RunArgs {
     /// streamed from disk at every forward pass.
     #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
     pin_layers: String,
+    /// Look-ahead prefetch: guess the next MoE layer's experts from the current layer's input and start reading
+    /// them early (a wrong guess costs a read; the recall is printed with --stats).
+    #[arg(long, env = "K3_PREFETCH", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    prefetch: bool,
 }
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
@@ -110,7 +114,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         ..EngineOptions::default()
     }
     .with_prefill_chunk(args.prefill_chunk)
-    .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
+    .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
+    .with_prefetch(args.prefetch);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     if let Some(missing) = engine.missing_experts() {

@@ -48,6 +48,9 @@ pub struct ServeArgs {
     /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92.
     #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
     pin_layers: String,
+    /// Look-ahead expert prefetch (off by default: a wrong guess costs a read).
+    #[arg(long, env = "K3_PREFETCH", default_value = "off", value_parser = crate::run::parse_on_off, action = clap::ArgAction::Set)]
+    prefetch: bool,
 }
 
 /// Runs `deltafin serve` until Ctrl-C or SIGTERM.
@@ -59,7 +62,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let options = EngineOptions::from_env()
         .context("reading K3_* settings")?
         .with_prefill_chunk(args.prefill_chunk)
-        .with_pin_layers(PinLayers::parse(&args.pin_layers)?);
+        .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
+        .with_prefetch(args.prefetch);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {

@@ -112,8 +112,16 @@ impl Layer {
         self.index
     }
 
+    /// The routed MoE of this layer, if it has one.
+    pub fn moe(&self) -> Option<&Moe> {
+        match &self.ffn {
+            Ffn::Moe(m) => Some(m),
+            Ffn::Dense(_) => None,
+        }
+    }
+
     /// Runs the layer on `p` (`[T, hidden]`: the previous layer's output, or the embeddings), returning this
-    /// layer's output.
+    /// layer's output. `next` is the next MoE layer, if it is loaded (for expert prefetch guesses).
     pub fn forward(
         &self,
         p: Tensor,
@@ -121,6 +129,7 @@ impl Layer {
         state: &mut LayerState,
         experts: &dyn ExpertSource,
         profile: &Profile,
+        next: Option<&Layer>,
     ) -> Result<Tensor> {
         match (&self.res, self.block_size) {
             (Some((attn_mix, mlp_mix)), Some(block)) => {
@@ -147,6 +156,7 @@ impl Layer {
                     &rms_norm(&h2, &self.post_norm, self.eps)?,
                     experts,
                     profile,
+                    next,
                 )?;
                 Ok((p + f)?)
             }
@@ -155,8 +165,12 @@ impl Layer {
                     self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
                 })?;
                 let p = (p + a)?;
-                let f =
-                    self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, experts, profile)?;
+                let f = self.feed_forward(
+                    &rms_norm(&p, &self.post_norm, self.eps)?,
+                    experts,
+                    profile,
+                    next,
+                )?;
                 Ok((p + f)?)
             }
         }
@@ -178,10 +192,11 @@ impl Layer {
         x: &Tensor,
         experts: &dyn ExpertSource,
         profile: &Profile,
+        next: Option<&Layer>,
     ) -> Result<Tensor> {
         match &self.ffn {
             Ffn::Dense(m) => profile.time(Phase::DenseFfn, || m.forward(x)),
-            Ffn::Moe(m) => m.forward(x, experts, profile),
+            Ffn::Moe(m) => m.forward(x, experts, profile, next.and_then(Layer::moe)),
         }
     }
 }

@@ -250,16 +250,28 @@ impl Model {
             for (l, (slot, layer_state)) in
                 self.layers.iter().zip(next.layers.iter_mut()).enumerate()
             {
+                // The next MoE layer, when it and the layers before it are resident (a streamed one is still
+                // being read), for expert prefetch guesses.
+                let following = self.layers[l + 1..]
+                    .iter()
+                    .map_while(Option::as_ref)
+                    .find(|layer| layer.moe().is_some());
                 p = match slot {
-                    Some(layer) => {
-                        layer.forward(p, &mut bank, layer_state, experts, &self.profile)?
-                    }
+                    Some(layer) => layer.forward(
+                        p,
+                        &mut bank,
+                        layer_state,
+                        experts,
+                        &self.profile,
+                        following,
+                    )?,
                     None => streamed.take(l, &self.profile)?.forward(
                         p,
                         &mut bank,
                         layer_state,
                         experts,
                         &self.profile,
+                        following,
                     )?,
                 };
             }

@@ -134,12 +134,28 @@ impl Moe {
         }
     }
 
-    /// `[T, hidden] -> [T, hidden]`.
+    /// The experts this layer's router would pick for the rows of `x` (`[T, hidden]`, normed), as distinct ids.
+    pub fn guess(&self, x: &Tensor) -> Result<Vec<usize>> {
+        let mut ids: Vec<usize> = self.route(x)?.into_iter().flat_map(|r| r.experts).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    /// This layer's index.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// `[T, hidden] -> [T, hidden]`. `next`, the next MoE layer, is asked to guess its experts from this layer's
+    /// input when the source wants prefetch guesses; the guess is handed to the source before this layer's own
+    /// experts are requested, so its reads queue behind them and keep the disk busy across the layer boundary.
     pub fn forward(
         &self,
         x: &Tensor,
         experts: &dyn ExpertSource,
         profile: &Profile,
+        next: Option<&Moe>,
     ) -> Result<Tensor> {
         let routing_from = Instant::now();
         #[cfg(feature = "cuda")]
@@ -160,6 +176,11 @@ impl Moe {
         let ids: Vec<usize> = users.keys().copied().collect();
         // The reads go out now; the latent projection and the shared experts are computed while they run.
         let fetch = experts.begin(self.layer, &ids)?;
+        if let Some(next) = next
+            && experts.wants_prefetch()
+        {
+            experts.prefetch(next.layer, &next.guess(x)?)?;
+        }
         let z = match &self.latent {
             Some(l) => linear(x, &l.down)?,
             None => x.clone(),

@@ -161,6 +161,19 @@ pub trait ExpertSource: Send + Sync {
         Ok(())
     }
 
+    /// Whether this source wants guesses of upcoming layers' experts ([`Self::prefetch`]); the model only
+    /// computes them when asked, since a guess costs a router product.
+    fn wants_prefetch(&self) -> bool {
+        false
+    }
+
+    /// A guess that `experts` of `layer` will be asked for soon: a source may start reading them now, behind the
+    /// reads already asked for. The default ignores it.
+    fn prefetch(&self, layer: usize, experts: &[usize]) -> Result<()> {
+        let _ = (layer, experts);
+        Ok(())
+    }
+
     /// Starts fetching `experts` (distinct ids) of `layer` now, so the reads run while the caller does other
     /// work (the shared experts, the latent projection); [`ExpertFetch::finish`] then hands them over as
     /// [`Self::for_each_expert`] would. The default starts nothing early.

@@ -101,4 +101,12 @@ impl<S: ExpertSource> ExpertSource for CountingExperts<S> {
         self.count(layer, experts);
         self.inner.begin(layer, experts)
     }
+
+    fn wants_prefetch(&self) -> bool {
+        self.inner.wants_prefetch()
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) -> deltafin_model::Result<()> {
+        self.inner.prefetch(layer, experts)
+    }
 }

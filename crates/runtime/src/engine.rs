@@ -37,6 +37,8 @@ pub struct EngineOptions {
     pub pin_layers: PinLayers,
     /// Reader threads (reads in flight) for expert spans; `None` means the read pool's default.
     pub read_threads: Option<usize>,
+    /// Look-ahead prefetch of the next MoE layer's guessed experts (`K3_PREFETCH`, default off).
+    pub prefetch: bool,
     /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
     pub hub: HubOptions,
     /// Where the model runs (`K3_DEV`, default cpu) and the GPU expert cache size (`K3_GPU_CACHE_GB`).
@@ -51,6 +53,7 @@ impl Default for EngineOptions {
             ram_gb: None,
             pin_layers: PinLayers::Auto,
             read_threads: None,
+            prefetch: false,
             hub: HubOptions::default(),
             device: DeviceOptions::from_env(),
         }
@@ -82,11 +85,18 @@ impl EngineOptions {
         self
     }
 
-    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`, `K3_PIN_LAYERS`).
+    /// These options with look-ahead expert prefetch on or off.
+    pub fn with_prefetch(mut self, on: bool) -> Self {
+        self.prefetch = on;
+        self
+    }
+
+    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`, `K3_PIN_LAYERS`, `K3_PREFETCH`).
     pub fn from_env() -> Result<Self> {
         let mut o = Self {
             spine: SpineMode::from_env()?,
             pin_layers: PinLayers::from_env()?,
+            prefetch: crate::prefetch::prefetch_from_env()?,
             ..Self::default()
         };
         if let Some(n) = std::env::var("K3_PREFILL_CHUNK")
@@ -249,6 +259,10 @@ impl Engine {
         } else {
             None
         };
+        let experts = CountingExperts::new(
+            ExpertStore::new(map, reader, cache_budget, options.prefetch)?,
+            n_layers,
+        );
         Ok(Self {
             dir: dir.to_path_buf(),
             tokenizer,
@@ -259,7 +273,7 @@ impl Engine {
             model,
             spine,
             layer_bytes,
-            experts: CountingExperts::new(ExpertStore::new(map, reader, cache_budget), n_layers),
+            experts,
         })
     }
 

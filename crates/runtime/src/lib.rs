@@ -11,6 +11,7 @@ pub mod error;
 pub mod expert_cache;
 pub mod ngram;
 pub mod pinning;
+pub mod prefetch;
 pub mod sampling;
 pub mod session;
 pub mod snapshot_file;
@@ -23,6 +24,7 @@ pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
 pub use pinning::PinLayers;
+pub use prefetch::PrefetchStats;
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,

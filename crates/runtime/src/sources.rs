@@ -16,6 +16,7 @@ use deltafin_storage::{
 use crate::convert::to_f32;
 use crate::error::RuntimeError;
 use crate::expert_cache::{CacheStats, ExpertCache};
+use crate::prefetch::{PrefetchState, PrefetchStats};
 
 /// Everything the expert store counts, for the end-of-run report.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -24,6 +25,8 @@ pub struct ExpertStats {
     pub cache: CacheStats,
     /// Disk reads (read pool) and network fetches.
     pub reader: ReaderStats,
+    /// Look-ahead prefetch, when it is on.
+    pub prefetch: Option<PrefetchStats>,
 }
 
 impl std::fmt::Display for ExpertStats {
@@ -44,6 +47,17 @@ impl std::fmt::Display for ExpertStats {
             d.bytes as f64 / MIB,
             d.wait_ns as f64 / 1e9,
         )?;
+        if let Some(p) = &self.prefetch {
+            write!(
+                f,
+                "; prefetch: {} guesses, recall {:.1}%, {} reads ({} used, {} wasted)",
+                p.guesses,
+                100.0 * p.recall(),
+                p.reads,
+                p.used,
+                p.wasted
+            )?;
+        }
         if self.reader.fetched_spans > 0 || self.reader.corrupt_spans > 0 {
             write!(
                 f,
@@ -58,70 +72,168 @@ impl std::fmt::Display for ExpertStats {
 const MIB: f64 = (1u64 << 20) as f64;
 
 /// Routed experts: RAM cache first, then one read (local disk) or one range request (streaming install)
-/// per missing expert, a layer's misses submitted as one batch and decoded as each arrives.
+/// per missing expert, a layer's misses submitted as one batch and decoded as each arrives. With prefetch on, a
+/// background thread reads guessed experts of the next layer into the cache ([`crate::prefetch`]).
 pub struct ExpertStore {
+    core: Arc<StoreCore>,
+    prefetcher: Option<Prefetcher>,
+}
+
+/// What the store and its prefetch thread share.
+struct StoreCore {
     map: Arc<ExpertMap>,
     reader: SpanReader,
     cache: Mutex<ExpertCache>,
+    prefetch: PrefetchState,
+}
+
+/// The prefetch thread and the queue of guesses it reads.
+struct Prefetcher {
+    jobs: Option<std::sync::mpsc::Sender<(usize, Vec<usize>)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread after the reads it started.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            // A prefetch thread that panicked has nothing left to clean up.
+            let _ = t.join();
+        }
+    }
 }
 
 impl std::fmt::Debug for ExpertStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExpertStore")
-            .field("reader", &self.reader)
+            .field("reader", &self.core.reader)
+            .field("prefetch", &self.prefetcher.is_some())
             .finish()
     }
 }
 
 impl ExpertStore {
-    /// A store over `reader` for the experts in `map`, with a RAM cache of `cache_budget` bytes.
-    pub fn new(map: Arc<ExpertMap>, reader: SpanReader, cache_budget: u64) -> Self {
-        Self {
+    /// A store over `reader` for the experts in `map`, with a RAM cache of `cache_budget` bytes and look-ahead
+    /// prefetch when `prefetch` is true.
+    pub fn new(
+        map: Arc<ExpertMap>,
+        reader: SpanReader,
+        cache_budget: u64,
+        prefetch: bool,
+    ) -> Result<Self, RuntimeError> {
+        let core = Arc::new(StoreCore {
             map,
             reader,
             cache: Mutex::new(ExpertCache::new(cache_budget)),
-        }
-    }
-
-    fn cache(&self) -> std::sync::MutexGuard<'_, ExpertCache> {
-        // The cache's maps stay consistent between statements; a panic elsewhere does not poison them.
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+            prefetch: PrefetchState::default(),
+        });
+        let prefetcher = if prefetch {
+            let (tx, rx) = std::sync::mpsc::channel::<(usize, Vec<usize>)>();
+            let worker = Arc::clone(&core);
+            let thread = std::thread::Builder::new()
+                .name("deltafin-prefetch".to_string())
+                .spawn(move || {
+                    for (layer, experts) in rx {
+                        worker.read_guessed(layer, &experts);
+                    }
+                })
+                .map_err(|e| {
+                    RuntimeError::Usage(format!("cannot start the prefetch thread: {e}"))
+                })?;
+            Some(Prefetcher {
+                jobs: Some(tx),
+                thread: Some(thread),
+            })
+        } else {
+            None
+        };
+        Ok(Self { core, prefetcher })
     }
 
     /// Counters so far.
     pub fn stats(&self) -> ExpertStats {
         ExpertStats {
-            cache: self.cache().stats(),
-            reader: self.reader.stats(),
+            cache: self.core.cache().stats(),
+            reader: self.core.reader.stats(),
+            prefetch: self.prefetcher.as_ref().map(|_| self.core.prefetch.stats()),
         }
     }
 
     /// Experts not yet local (streaming installs only).
     pub fn missing(&self) -> Option<Missing> {
-        self.reader.stream().map(|s| s.missing_experts(None))
+        self.core.reader.stream().map(|s| s.missing_experts(None))
+    }
+}
+
+impl StoreCore {
+    fn cache(&self) -> std::sync::MutexGuard<'_, ExpertCache> {
+        // The cache's maps stay consistent between statements; a panic elsewhere does not poison them.
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn request(
+        &self,
+        layer: usize,
+        expert: usize,
+        tag: usize,
+    ) -> Result<SpanRequest, RuntimeError> {
+        let span = self.map.span(layer, expert)?;
+        Ok(SpanRequest {
+            tag,
+            key: SpanKey {
+                shard: span.shard,
+                offset: span.offset,
+                len: span.len,
+            },
+        })
+    }
+
+    /// The prefetch thread's job: reads `experts` of `layer` (already marked in flight) into the cache.
+    fn read_guessed(&self, layer: usize, experts: &[usize]) {
+        let mut requests = Vec::with_capacity(experts.len());
+        for (i, &e) in experts.iter().enumerate() {
+            match self.request(layer, e, i) {
+                Ok(r) => requests.push(r),
+                Err(_) => self.prefetch.finish(layer, e),
+            }
+        }
+        for done in self.reader.read(&requests) {
+            let e = experts[done.tag];
+            let weights = done
+                .result
+                .map_err(RuntimeError::from)
+                .and_then(|bytes| decode(self.map.span(layer, e)?, bytes));
+            match weights {
+                Ok(w) => self.cache().insert(layer, e, Arc::new(w)),
+                // The layer will read it itself when it asks.
+                Err(err) => {
+                    tracing::debug!(layer, expert = e, error = %err, "prefetch read failed")
+                }
+            }
+            self.prefetch.finish(layer, e);
+        }
     }
 
     /// Starts the reads of `experts` missing from the cache (the first two windows go out now); the returned
-    /// fetch hands over cache hits first, then the reads in the order they complete.
+    /// fetch hands over cache hits first, then experts the prefetcher is still reading, then the reads in the
+    /// order they complete.
     fn start(&self, layer: usize, experts: &[usize]) -> Result<StoreFetch<'_>, RuntimeError> {
+        {
+            let cache = self.cache();
+            self.prefetch
+                .score(layer, experts, |e| cache.contains(layer, e));
+        }
         let mut requests = Vec::new();
         let mut hits = Vec::new();
+        let mut awaited = Vec::new();
         {
             let mut cache = self.cache();
             for (i, &e) in experts.iter().enumerate() {
                 match cache.get(layer, e) {
                     Some(w) => hits.push((i, w)),
-                    None => {
-                        let span = self.map.span(layer, e)?;
-                        requests.push(SpanRequest {
-                            tag: i,
-                            key: SpanKey {
-                                shard: span.shard,
-                                offset: span.offset,
-                                len: span.len,
-                            },
-                        });
-                    }
+                    None if self.prefetch.is_pending(layer, e) => awaited.push(i),
+                    None => requests.push(self.request(layer, e, i)?),
                 }
             }
         }
@@ -132,6 +244,7 @@ impl ExpertStore {
             layer,
             experts: experts.to_vec(),
             hits,
+            awaited,
             requests,
             next_window: 0,
             in_flight: std::collections::VecDeque::with_capacity(2),
@@ -144,10 +257,12 @@ impl ExpertStore {
 
 /// Reads started by [`ExpertStore::start`].
 struct StoreFetch<'s> {
-    store: &'s ExpertStore,
+    store: &'s StoreCore,
     layer: usize,
     experts: Vec<usize>,
     hits: Vec<(usize, Arc<ExpertWeights>)>,
+    /// Positions of experts the prefetcher is reading (queued before this layer's own reads).
+    awaited: Vec<usize>,
     requests: Vec<SpanRequest>,
     /// Index in `requests` of the next window to submit.
     next_window: usize,
@@ -172,6 +287,23 @@ impl StoreFetch<'_> {
     fn run(mut self, on_expert: &mut OnExpert<'_>) -> Result<(), StreamError> {
         for (i, w) in std::mem::take(&mut self.hits) {
             on_expert(i, w).map_err(StreamError::Model)?;
+        }
+        let mut unfilled = Vec::new();
+        for i in std::mem::take(&mut self.awaited) {
+            let e = self.experts[i];
+            self.store.prefetch.wait(self.layer, e);
+            let landed = self.store.cache().peek(self.layer, e);
+            match landed {
+                Some(w) => on_expert(i, w).map_err(StreamError::Model)?,
+                None => unfilled.push(self.store.request(self.layer, e, i)?),
+            }
+        }
+        // A prefetch that failed (or was evicted at once) is read here like any miss.
+        if !unfilled.is_empty() {
+            self.requests.extend(unfilled);
+            if self.in_flight.len() < 2 {
+                self.submit_next();
+            }
         }
         while let Some(batch) = self.in_flight.pop_front() {
             self.submit_next();
@@ -285,9 +417,35 @@ impl ExpertSource for ExpertStore {
         layer: usize,
         experts: &[usize],
     ) -> deltafin_model::Result<Box<dyn ExpertFetch + 's>> {
-        match self.start(layer, experts) {
+        match self.core.start(layer, experts) {
             Ok(fetch) => Ok(Box::new(fetch)),
             Err(e) => Err(ModelError::Source(Box::new(e))),
         }
+    }
+
+    fn wants_prefetch(&self) -> bool {
+        self.prefetcher.is_some()
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[usize]) -> deltafin_model::Result<()> {
+        let Some(jobs) = self.prefetcher.as_ref().and_then(|p| p.jobs.as_ref()) else {
+            return Ok(());
+        };
+        let to_read: Vec<usize> = {
+            let cache = self.core.cache();
+            experts
+                .iter()
+                .copied()
+                .filter(|&e| !cache.contains(layer, e) && !self.core.prefetch.is_pending(layer, e))
+                .collect()
+        };
+        self.core.prefetch.record_guess(layer, experts, &to_read);
+        if !to_read.is_empty() && jobs.send((layer, to_read.clone())).is_err() {
+            // The thread is gone: nothing will land, so nobody may wait for these.
+            for e in to_read {
+                self.core.prefetch.finish(layer, e);
+            }
+        }
+        Ok(())
     }
 }
