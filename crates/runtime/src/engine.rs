@@ -110,6 +110,9 @@ impl EngineOptions {
     }
 }
 
+/// Copies of a streamed layer's bytes in memory at once, charged to the RAM budget when layers are streamed.
+const STREAM_LAYER_COPIES: u64 = 4;
+
 /// Default share of physical memory for weights (resident spine + expert cache) when no budget is given.
 const DEFAULT_RAM_SHARE: f64 = 0.5;
 /// Budget when physical memory cannot be read.
@@ -240,7 +243,11 @@ impl Engine {
                 resident_bytes as f64 / GIB
             );
         }
-        let cache_budget = budget.saturating_sub(resident_bytes);
+        // Streaming holds up to four copies of a layer at once: the one computing, the next one built, and that
+        // one's raw bytes while it is built (read buffers and their copies). They come out of the budget too.
+        let stream_bytes =
+            STREAM_LAYER_COPIES * streamed.iter().map(|&l| layer_bytes[l]).max().unwrap_or(0);
+        let cache_budget = budget.saturating_sub(resident_bytes + stream_bytes);
         let mut pool = ReadPoolOptions::default();
         if let Some(n) = options.read_threads {
             pool.threads = n;

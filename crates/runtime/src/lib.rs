@@ -17,6 +17,7 @@ pub mod session;
 pub mod snapshot_file;
 pub mod sources;
 pub mod spine;
+mod spine_batch;
 
 pub use deltafin_model::{DeviceOptions, DevicePref};
 pub use deltafin_storage::{HubOptions, Missing, Secret};

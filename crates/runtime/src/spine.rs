@@ -1,6 +1,7 @@
 //! The spine (every dense weight): read from the shards, or from the row-wise int8 copy written by
 //! [`convert_spine_int8`] when `K3_SPINE` asks for it.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +12,7 @@ use deltafin_storage::{Dtype, ModelFiles, PlannedTensor, TensorInfo, write_safet
 
 use crate::convert::{dense_data, to_f32};
 use crate::error::{Result, RuntimeError};
+use crate::spine_batch::{LayerReader, Origin, Stored, layer_prefix};
 
 /// File name of the int8 spine copy, next to the model's shards.
 pub const INT8_SPINE_FILE: &str = "spine-int8.safetensors";
@@ -140,6 +142,8 @@ pub struct SpineSource {
     stored_bytes: u64,
     read_bytes: AtomicU64,
     reads: AtomicU64,
+    /// Reads a decoder layer's tensors in one direct-I/O batch (for the streamed spine and the load at open).
+    layers: LayerReader,
 }
 
 /// Bytes of the spine (every non-expert tensor) as stored in the shards.
@@ -188,12 +192,35 @@ impl SpineSource {
         } else {
             None
         };
+        let mut by_layer: HashMap<String, Vec<Stored>> = HashMap::new();
+        for t in files.tensors().filter(|t| !t.name.contains(".experts.")) {
+            let Some(prefix) = layer_prefix(&t.name) else {
+                continue;
+            };
+            let stored = by_layer.entry(prefix.to_string()).or_default();
+            match int8.as_ref().and_then(|f| int8_parts_of(f, &t.name)) {
+                Some((q, sc)) => {
+                    for info in [q, sc] {
+                        stored.push(Stored {
+                            origin: Origin::Int8,
+                            info: info.clone(),
+                        });
+                    }
+                }
+                None => stored.push(Stored {
+                    origin: Origin::Shards,
+                    info: t.clone(),
+                }),
+            }
+        }
+        let layers = LayerReader::new(&files, int8.as_ref(), by_layer)?;
         Ok(Self {
             files,
             int8,
             stored_bytes,
             read_bytes: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            layers,
         })
     }
 
@@ -236,11 +263,32 @@ impl SpineSource {
 
     /// The int8 copy's values and scales of `name`, when the int8 copy is in use and has it.
     fn int8_parts(&self, name: &str) -> Option<(&TensorInfo, &TensorInfo)> {
-        let int8 = self.int8.as_ref()?;
-        Some((
-            int8.get(&format!("{name}{QWEIGHT}"))?,
-            int8.get(&format!("{name}{ROW_SCALE}"))?,
-        ))
+        int8_parts_of(self.int8.as_ref()?, name)
+    }
+
+    /// The bytes of a stored tensor: with its whole layer in one batch when it belongs to a decoder layer, else
+    /// alone.
+    fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<Vec<u8>> {
+        let files = match (origin, &self.int8) {
+            (Origin::Int8, Some(f)) => f,
+            _ => &*self.files,
+        };
+        let bytes = match layer_prefix(&info.name) {
+            Some(prefix) => {
+                // int8 names carry a suffix; the layer prefix is the same.
+                let stored = Stored {
+                    origin,
+                    info: info.clone(),
+                };
+                match self.layers.take(prefix, &stored).map_err(source_err)? {
+                    Some(b) => b.to_vec(),
+                    None => files.read_tensor(info).map_err(source_err)?,
+                }
+            }
+            None => files.read_tensor(info).map_err(source_err)?,
+        };
+        self.count(bytes.len());
+        Ok(bytes)
     }
 
     fn count(&self, bytes: usize) {
@@ -249,17 +297,23 @@ impl SpineSource {
     }
 }
 
+/// The int8 copy's values and scales of `name` in `int8`.
+fn int8_parts_of<'f>(int8: &'f ModelFiles, name: &str) -> Option<(&'f TensorInfo, &'f TensorInfo)> {
+    Some((
+        int8.get(&format!("{name}{QWEIGHT}"))?,
+        int8.get(&format!("{name}{ROW_SCALE}"))?,
+    ))
+}
+
 fn source_err(e: impl std::error::Error + Send + Sync + 'static) -> ModelError {
     ModelError::Source(Box::new(e))
 }
 
 impl WeightSource for SpineSource {
     fn load(&self, name: &str) -> deltafin_model::Result<Option<HostTensor>> {
-        if let (Some(int8), Some((q, s))) = (&self.int8, self.int8_parts(name)) {
-            let qb = int8.read_tensor(q).map_err(source_err)?;
-            self.count(qb.len());
-            let sb = int8.read_tensor(s).map_err(source_err)?;
-            self.count(sb.len());
+        if let Some((q, s)) = self.int8_parts(name) {
+            let qb = self.read_stored(Origin::Int8, q)?;
+            let sb = self.read_stored(Origin::Int8, s)?;
             let scales = to_f32(&sb, Dtype::F32).unwrap_or_default();
             return Ok(Some(HostTensor {
                 shape: q.shape.clone(),
@@ -272,8 +326,7 @@ impl WeightSource for SpineSource {
         let Some(info) = self.files.get(name) else {
             return Ok(None);
         };
-        let bytes = self.files.read_tensor(info).map_err(source_err)?;
-        self.count(bytes.len());
+        let bytes = self.read_stored(Origin::Shards, info)?;
         let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
             source_err(RuntimeError::UnsupportedDtype {
                 name: name.to_string(),
