@@ -111,7 +111,7 @@ impl EngineOptions {
 }
 
 /// Copies of a streamed layer's bytes in memory at once, charged to the RAM budget when layers are streamed.
-const STREAM_LAYER_COPIES: u64 = 4;
+const STREAM_LAYER_COPIES: u64 = 5;
 
 /// Default share of physical memory for weights (resident spine + expert cache) when no budget is given.
 const DEFAULT_RAM_SHARE: f64 = 0.5;
@@ -206,8 +206,10 @@ impl Engine {
         )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
-        let layer_bytes: Vec<u64> = (0..n_layers)
-            .map(|l| spine.served_bytes(&cfg.layer_tensor(l, "")))
+        let layer_prefixes: Vec<String> = (0..n_layers).map(|l| cfg.layer_tensor(l, "")).collect();
+        let layer_bytes: Vec<u64> = layer_prefixes
+            .iter()
+            .map(|p| spine.served_bytes(p))
             .collect();
         let fixed_bytes = spine
             .served_bytes("")
@@ -224,6 +226,12 @@ impl Engine {
         // Only reads made by forward passes count from here on.
         spine.reset_reads();
         let streamed = model.streamed_layers();
+        spine.set_streamed(
+            streamed
+                .iter()
+                .map(|&l| layer_prefixes[l].clone())
+                .collect(),
+        );
         let resident_bytes = fixed_bytes
             + (0..n_layers)
                 .filter(|l| !streamed.contains(l))
@@ -243,8 +251,9 @@ impl Engine {
                 resident_bytes as f64 / GIB
             );
         }
-        // Streaming holds up to four copies of a layer at once: the one computing, the next one built, and that
-        // one's raw bytes while it is built (read buffers and their copies). They come out of the budget too.
+        // Streaming holds up to five copies of a layer at once: the one computing, the next one built, that one's
+        // raw bytes while it is built (read buffers and their copies), and the read ahead of the layer after it.
+        // They come out of the budget too.
         let stream_bytes =
             STREAM_LAYER_COPIES * streamed.iter().map(|&l| layer_bytes[l]).max().unwrap_or(0);
         let cache_budget = budget.saturating_sub(resident_bytes + stream_bytes);

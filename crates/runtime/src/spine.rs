@@ -247,6 +247,12 @@ impl SpineSource {
             .sum()
     }
 
+    /// Tells the batch reader which decoder layers forward passes stream (by their tensor prefixes, in order), so
+    /// each one's read starts while the one before it is built.
+    pub fn set_streamed(&self, prefixes: Vec<String>) {
+        self.layers.set_streamed(prefixes);
+    }
+
     /// Bytes and reads since open or the last [`Self::reset_reads`].
     pub fn read_stats(&self) -> SpineReadStats {
         SpineReadStats {

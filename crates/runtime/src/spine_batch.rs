@@ -1,14 +1,16 @@
 //! Reads a whole decoder layer's spine tensors at once: one submission to a direct-I/O read pool, several reads in
 //! flight, instead of one buffered read per tensor as the model asks for them. The streamed spine loader builds
 //! a layer tensor by tensor; the first request of a layer brings in all of it, and the rest are served from
-//! memory.
+//! memory. Meanwhile the next streamed layer's batch is already being read (after the last streamed layer, the
+//! first one, for the next forward pass), so the disk does not wait for a pass to start.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::mpsc::{Receiver, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use deltafin_storage::{
-    ModelFiles, PoolFile, ReadPool, ReadPoolOptions, ReadRequest, SpanBytes, StorageError,
-    TensorInfo,
+    ModelFiles, PoolFile, ReadPool, ReadPoolOptions, ReadRequest, SpanBytes, SpanRead,
+    StorageError, TensorInfo,
 };
 
 /// Reads in flight for spine layers (beside the expert reads).
@@ -48,6 +50,10 @@ struct ReadAhead {
     ready: HashMap<(Origin, String), SpanBytes>,
     prefix: Option<String>,
     served: HashSet<(Origin, String)>,
+    /// The streamed layers' prefixes in the order forward passes ask for them (set by the engine).
+    order: Vec<String>,
+    /// The next streamed layer's batch, in flight: its prefix and where its completions arrive.
+    next: Option<(String, Receiver<SpanRead>)>,
 }
 
 /// The layer prefix of a tensor name (`model.layers.12.self_attn.q_proj.weight` → `model.layers.12.`).
@@ -88,33 +94,16 @@ impl LayerReader {
         })
     }
 
-    fn state(&self) -> MutexGuard<'_, ReadAhead> {
-        // Plain maps, consistent between statements even if a holder panicked.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The layers that forward passes stream, in order: while one is built, the next one's batch is already
+    /// being read (and after the last, the first, for the next pass).
+    pub fn set_streamed(&self, prefixes: Vec<String>) {
+        let mut st = self.state();
+        st.order = prefixes;
+        st.next = None;
     }
 
-    /// The bytes of `t` (a tensor of layer `prefix`): from the read-ahead when its layer was read in one batch,
-    /// else by reading the whole layer now. `None` when the tensor is not one this reader batches (the caller
-    /// then reads it alone), or when it was already served once for this layer.
-    pub fn take(&self, prefix: &str, t: &Stored) -> Result<Option<SpanBytes>, StorageError> {
-        let key = (t.origin, t.info.name.clone());
-        let mut st = self.state();
-        if let Some(b) = st.ready.remove(&key) {
-            st.served.insert(key);
-            return Ok(Some(b));
-        }
-        let Some(tensors) = self.layers.get(prefix) else {
-            return Ok(None);
-        };
-        if st.prefix.as_deref() == Some(prefix) && st.served.contains(&key) {
-            // Asked for twice while building one layer: read alone rather than the whole layer again.
-            return Ok(None);
-        }
-        // A new layer: drop what is left of the previous one and read this one whole.
-        st.ready.clear();
-        st.served.clear();
-        st.prefix = Some(prefix.to_string());
-        drop(st);
+    /// The read requests of a layer's tensors.
+    fn requests(&self, tensors: &[Stored]) -> Result<Vec<ReadRequest>, StorageError> {
         let mut requests = Vec::with_capacity(tensors.len());
         for (tag, s) in tensors.iter().enumerate() {
             let files = match s.origin {
@@ -140,11 +129,80 @@ impl LayerReader {
                 expect_crc: None,
             });
         }
+        Ok(requests)
+    }
+
+    /// Starts reading the streamed layer after `prefix` (in `order`, wrapping around) unless it is in flight.
+    fn read_ahead(&self, st: &mut ReadAhead, prefix: &str) -> Result<(), StorageError> {
+        let Some(pos) = st.order.iter().position(|p| p == prefix) else {
+            return Ok(());
+        };
+        let next = st.order[(pos + 1) % st.order.len()].clone();
+        if next == prefix || st.next.as_ref().is_some_and(|(p, _)| *p == next) {
+            return Ok(());
+        }
+        let Some(tensors) = self.layers.get(&next) else {
+            return Ok(());
+        };
+        let (tx, rx) = channel();
+        self.pool.submit_to(self.requests(tensors)?, &tx);
+        st.next = Some((next, rx));
+        Ok(())
+    }
+
+    fn state(&self) -> MutexGuard<'_, ReadAhead> {
+        // Plain maps, consistent between statements even if a holder panicked.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The bytes of `t` (a tensor of layer `prefix`): from the read-ahead when its layer was read in one batch,
+    /// else by reading the whole layer now. `None` when the tensor is not one this reader batches (the caller
+    /// then reads it alone), or when it was already served once for this layer.
+    pub fn take(&self, prefix: &str, t: &Stored) -> Result<Option<SpanBytes>, StorageError> {
+        let key = (t.origin, t.info.name.clone());
+        let mut st = self.state();
+        if let Some(b) = st.ready.remove(&key) {
+            st.served.insert(key);
+            return Ok(Some(b));
+        }
+        let Some(tensors) = self.layers.get(prefix) else {
+            return Ok(None);
+        };
+        if st.prefix.as_deref() == Some(prefix) && st.served.contains(&key) {
+            // Asked for twice while building one layer: read alone rather than the whole layer again.
+            return Ok(None);
+        }
+        // A new layer: drop what is left of the previous one and read this one whole (or collect the read
+        // started while the previous layer was built), then start reading the layer after it.
+        st.ready.clear();
+        st.served.clear();
+        st.prefix = Some(prefix.to_string());
+        let in_flight = match st.next.take() {
+            Some((p, rx)) if p == prefix => Some(rx),
+            // A read ahead that was not needed: its buffers are dropped as they complete.
+            _ => None,
+        };
+        self.read_ahead(&mut st, prefix)?;
+        drop(st);
+        let rx = match in_flight {
+            Some(rx) => rx,
+            None => {
+                let (tx, rx) = channel();
+                self.pool.submit_to(self.requests(tensors)?, &tx);
+                rx
+            }
+        };
         let mut ready = HashMap::with_capacity(tensors.len());
-        for done in self.pool.submit(requests) {
+        let started = std::time::Instant::now();
+        for _ in 0..tensors.len() {
+            let done = rx.recv().map_err(|_| StorageError::Io {
+                path: std::path::PathBuf::from("<spine read pool>"),
+                source: std::io::Error::other("the read pool stopped"),
+            })?;
             let s = &tensors[done.tag];
             ready.insert((s.origin, s.info.name.clone()), done.result?);
         }
+        self.pool.add_wait(started.elapsed());
         let mut st = self.state();
         st.ready = ready;
         let got = st.ready.remove(&key);
