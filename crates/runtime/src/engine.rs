@@ -111,7 +111,7 @@ impl EngineOptions {
 }
 
 /// Copies of a streamed layer's bytes in memory at once, charged to the RAM budget when layers are streamed.
-const STREAM_LAYER_COPIES: u64 = 5;
+const STREAM_LAYER_COPIES: u64 = 6;
 
 /// Default share of physical memory for weights (resident spine + expert cache) when no budget is given.
 const DEFAULT_RAM_SHARE: f64 = 0.5;
@@ -251,9 +251,9 @@ impl Engine {
                 resident_bytes as f64 / GIB
             );
         }
-        // Streaming holds up to five copies of a layer at once: the one computing, the next one built, that one's
-        // raw bytes while it is built (read buffers and their copies), and the read ahead of the layer after it.
-        // They come out of the budget too.
+        // Streaming holds up to six copies of a layer at once: the one computing, the next one built, that one's
+        // raw bytes while it is built (read buffers and their copies), and the reads ahead of the two layers after
+        // it. They come out of the budget too.
         let stream_bytes =
             STREAM_LAYER_COPIES * streamed.iter().map(|&l| layer_bytes[l]).max().unwrap_or(0);
         let cache_budget = budget.saturating_sub(resident_bytes + stream_bytes);

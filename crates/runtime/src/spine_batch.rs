@@ -1,10 +1,10 @@
 //! Reads a whole decoder layer's spine tensors at once: one submission to a direct-I/O read pool, several reads in
 //! flight, instead of one buffered read per tensor as the model asks for them. The streamed spine loader builds
 //! a layer tensor by tensor; the first request of a layer brings in all of it, and the rest are served from
-//! memory. Meanwhile the next streamed layer's batch is already being read (after the last streamed layer, the
-//! first one, for the next forward pass), so the disk does not wait for a pass to start.
+//! memory. Meanwhile the next streamed layers' batches are already being read (after the last streamed layer, the
+//! first ones, for the next forward pass), so the disk does not wait for a pass to start.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{Receiver, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -15,6 +15,8 @@ use deltafin_storage::{
 
 /// Reads in flight for spine layers (beside the expert reads).
 const SPINE_READ_THREADS: usize = 4;
+/// Streamed layers whose batches are read ahead of the one being built.
+const READ_AHEAD_LAYERS: usize = 2;
 /// Idle I/O buffers kept for reuse (a layer has a few dozen tensors; most are small).
 const SPINE_IDLE_BUFFERS: usize = 8;
 
@@ -52,8 +54,8 @@ struct ReadAhead {
     served: HashSet<(Origin, String)>,
     /// The streamed layers' prefixes in the order forward passes ask for them (set by the engine).
     order: Vec<String>,
-    /// The next streamed layer's batch, in flight: its prefix and where its completions arrive.
-    next: Option<(String, Receiver<SpanRead>)>,
+    /// The next streamed layers' batches in flight, in order: prefix and where the completions arrive.
+    next: VecDeque<(String, Receiver<SpanRead>)>,
 }
 
 /// The layer prefix of a tensor name (`model.layers.12.self_attn.q_proj.weight` → `model.layers.12.`).
@@ -99,7 +101,7 @@ impl LayerReader {
     pub fn set_streamed(&self, prefixes: Vec<String>) {
         let mut st = self.state();
         st.order = prefixes;
-        st.next = None;
+        st.next.clear();
     }
 
     /// The read requests of a layer's tensors.
@@ -132,21 +134,27 @@ impl LayerReader {
         Ok(requests)
     }
 
-    /// Starts reading the streamed layer after `prefix` (in `order`, wrapping around) unless it is in flight.
+    /// Starts reading the [`READ_AHEAD_LAYERS`] streamed layers after `prefix` (in `order`, wrapping around) that
+    /// are not in flight yet.
     fn read_ahead(&self, st: &mut ReadAhead, prefix: &str) -> Result<(), StorageError> {
         let Some(pos) = st.order.iter().position(|p| p == prefix) else {
             return Ok(());
         };
-        let next = st.order[(pos + 1) % st.order.len()].clone();
-        if next == prefix || st.next.as_ref().is_some_and(|(p, _)| *p == next) {
-            return Ok(());
+        for ahead in 1..=READ_AHEAD_LAYERS {
+            let next = st.order[(pos + ahead) % st.order.len()].clone();
+            if next == prefix {
+                break;
+            }
+            if st.next.iter().any(|(p, _)| *p == next) {
+                continue;
+            }
+            let Some(tensors) = self.layers.get(&next) else {
+                continue;
+            };
+            let (tx, rx) = channel();
+            self.pool.submit_to(self.requests(tensors)?, &tx);
+            st.next.push_back((next, rx));
         }
-        let Some(tensors) = self.layers.get(&next) else {
-            return Ok(());
-        };
-        let (tx, rx) = channel();
-        self.pool.submit_to(self.requests(tensors)?, &tx);
-        st.next = Some((next, rx));
         Ok(())
     }
 
@@ -177,10 +185,13 @@ impl LayerReader {
         st.ready.clear();
         st.served.clear();
         st.prefix = Some(prefix.to_string());
-        let in_flight = match st.next.take() {
+        let in_flight = match st.next.pop_front() {
             Some((p, rx)) if p == prefix => Some(rx),
-            // A read ahead that was not needed: its buffers are dropped as they complete.
-            _ => None,
+            // Reads ahead that were not needed (the order changed): their buffers are dropped as they complete.
+            _ => {
+                st.next.clear();
+                None
+            }
         };
         self.read_ahead(&mut st, prefix)?;
         drop(st);
