@@ -238,12 +238,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         median(t)
     };
     let tokens = |v: &Value| num(v, "tokens").max(1.0);
-    // Experts missed by the cache, plus those a prefetch had already brought in when asked for (the cache counts
-    // them as hits, but the token read them), plus the streamed spine.
+    // Experts missed by the RAM cache (a prefetched expert counts as a miss: the token read it, only earlier),
+    // plus the streamed spine.
     let needed = |v: &Value| {
-        ((num(v, "cache_misses") + num(v, "prefetch_used_landed")) * num(v, "expert_bytes")
-            + num(v, "spine_read_bytes"))
-            / tokens(v)
+        (num(v, "cache_misses") * num(v, "expert_bytes") + num(v, "spine_read_bytes")) / tokens(v)
     };
     let engine_bytes = |v: &Value| num(v, "engine_disk_bytes") / tokens(v);
     let proc_bytes = |v: &Value| num(v, "proc_read_bytes") / tokens(v);

@@ -57,8 +57,6 @@ struct Report {
     attention_s: f64,
     spine_compute_s: f64,
     spine_wait_s: f64,
-    /// Prefetch reads whose expert was then asked for but had already landed (counted by the cache as hits).
-    prefetch_used_landed: u64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -171,7 +169,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         attention_s: p.attention.as_secs_f64(),
         spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
         spine_wait_s: p.spine_wait.as_secs_f64(),
-        prefetch_used_landed: pf(&stats).used_landed - pf(&stats0).used_landed,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

@@ -114,18 +114,6 @@ impl ExpertCache {
         self.entries.contains_key(&(layer, expert))
     }
 
-    /// The expert, if cached, marked as used, without counting a hit or a miss (for a second look after a miss
-    /// that a prefetch then filled).
-    pub fn peek(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
-        self.tick();
-        let now = self.clock;
-        self.entries.get_mut(&(layer, expert)).map(|e| {
-            e.uses += 1;
-            e.last_use = now;
-            Arc::clone(&e.weights)
-        })
-    }
-
     /// Adds an expert just loaded (after a miss), evicting others to stay within the budget. An expert
     /// larger than the whole budget is not kept.
     pub fn insert(&mut self, layer: usize, expert: usize, weights: Arc<ExpertWeights>) {

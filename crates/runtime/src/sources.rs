@@ -16,7 +16,7 @@ use deltafin_storage::{
 use crate::convert::to_f32;
 use crate::error::RuntimeError;
 use crate::expert_cache::{CacheStats, ExpertCache};
-use crate::prefetch::{PrefetchState, PrefetchStats};
+use crate::prefetch::{Claim, PrefetchState, PrefetchStats};
 
 /// Everything the expert store counts, for the end-of-run report.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -189,13 +189,13 @@ impl StoreCore {
         })
     }
 
-    /// The prefetch thread's job: reads `experts` of `layer` (already marked in flight) into the cache.
+    /// The prefetch thread's job: reads `experts` of `layer` (already marked in flight) for their layer.
     fn read_guessed(&self, layer: usize, experts: &[usize]) {
         let mut requests = Vec::with_capacity(experts.len());
         for (i, &e) in experts.iter().enumerate() {
             match self.request(layer, e, i) {
                 Ok(r) => requests.push(r),
-                Err(_) => self.prefetch.finish(layer, e),
+                Err(_) => self.prefetch.finish(layer, e, None),
             }
         }
         for done in self.reader.read(&requests) {
@@ -204,14 +204,15 @@ impl StoreCore {
                 .result
                 .map_err(RuntimeError::from)
                 .and_then(|bytes| decode(self.map.span(layer, e)?, bytes));
-            match weights {
-                Ok(w) => self.cache().insert(layer, e, Arc::new(w)),
+            let weights = match weights {
+                Ok(w) => Some(Arc::new(w)),
                 // The layer will read it itself when it asks.
                 Err(err) => {
-                    tracing::debug!(layer, expert = e, error = %err, "prefetch read failed")
+                    tracing::debug!(layer, expert = e, error = %err, "prefetch read failed");
+                    None
                 }
-            }
-            self.prefetch.finish(layer, e);
+            };
+            self.prefetch.finish(layer, e, weights);
         }
     }
 
@@ -219,11 +220,6 @@ impl StoreCore {
     /// fetch hands over cache hits first, then experts the prefetcher is still reading, then the reads in the
     /// order they complete.
     fn start(&self, layer: usize, experts: &[usize]) -> Result<StoreFetch<'_>, RuntimeError> {
-        {
-            let cache = self.cache();
-            self.prefetch
-                .score(layer, experts, |e| cache.contains(layer, e));
-        }
         let mut requests = Vec::new();
         let mut hits = Vec::new();
         let mut awaited = Vec::new();
@@ -232,11 +228,20 @@ impl StoreCore {
             for (i, &e) in experts.iter().enumerate() {
                 match cache.get(layer, e) {
                     Some(w) => hits.push((i, w)),
-                    None if self.prefetch.is_pending(layer, e) => awaited.push(i),
-                    None => requests.push(self.request(layer, e, i)?),
+                    // A miss the prefetcher already read (or is reading): it joins the cache like any miss.
+                    None => match self.prefetch.claim(layer, e) {
+                        Claim::Landed(w) => {
+                            cache.insert(layer, e, Arc::clone(&w));
+                            hits.push((i, w));
+                        }
+                        Claim::Pending => awaited.push(i),
+                        Claim::Nothing => requests.push(self.request(layer, e, i)?),
+                    },
                 }
             }
         }
+        // Scored after the claims: until then the guess is outstanding, so a read landing meanwhile is kept.
+        self.prefetch.score(layer, experts);
         // At most two windows of reads are outstanding, which bounds the buffers waiting for the multiplier (a
         // prefill chunk can need every expert of a layer) while the disk always has the next window queued.
         let mut fetch = StoreFetch {
@@ -292,13 +297,15 @@ impl StoreFetch<'_> {
         for i in std::mem::take(&mut self.awaited) {
             let e = self.experts[i];
             self.store.prefetch.wait(self.layer, e);
-            let landed = self.store.cache().peek(self.layer, e);
-            match landed {
-                Some(w) => on_expert(i, w).map_err(StreamError::Model)?,
+            match self.store.prefetch.take_landed(self.layer, e) {
+                Some(w) => {
+                    self.store.cache().insert(self.layer, e, Arc::clone(&w));
+                    on_expert(i, w).map_err(StreamError::Model)?
+                }
                 None => unfilled.push(self.store.request(self.layer, e, i)?),
             }
         }
-        // A prefetch that failed (or was evicted at once) is read here like any miss.
+        // A prefetch that failed is read here like any miss.
         if !unfilled.is_empty() {
             self.requests.extend(unfilled);
             if self.in_flight.len() < 2 {
@@ -443,7 +450,7 @@ impl ExpertSource for ExpertStore {
         if !to_read.is_empty() && jobs.send((layer, to_read.clone())).is_err() {
             // The thread is gone: nothing will land, so nobody may wait for these.
             for e in to_read {
-                self.core.prefetch.finish(layer, e);
+                self.core.prefetch.finish(layer, e, None);
             }
         }
         Ok(())
