@@ -90,11 +90,7 @@ pub struct RunArgs {
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
 pub fn parse_on_off(s: &str) -> Result<bool, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "on" | "1" | "true" | "yes" => Ok(true),
-        "off" | "0" | "false" | "no" => Ok(false),
-        other => Err(format!("expected on or off, got `{other}`")),
-    }
+    deltafin_runtime::parse_on_off(s).ok_or_else(|| format!("expected on or off, got `{s}`"))
 }
 
 #[derive(Serialize)]

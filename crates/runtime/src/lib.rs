@@ -25,7 +25,7 @@ pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
 pub use pinning::PinLayers;
-pub use prefetch::PrefetchStats;
+pub use prefetch::{PrefetchStats, parse_on_off};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,

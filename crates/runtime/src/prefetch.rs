@@ -9,17 +9,22 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use deltafin_model::ExpertWeights;
 
-/// `on`/`off` for `K3_PREFETCH` (default off: a wrong guess costs a read the token did not need).
+/// `on`/`off` (also `1`/`0`, `true`/`false`, `yes`/`no`, any case); `None` for anything else.
+pub fn parse_on_off(s: &str) -> Option<bool> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "1" | "true" | "yes" => Some(true),
+        "off" | "0" | "false" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// `K3_PREFETCH` (default off: a wrong guess costs a read the token did not need).
 pub fn prefetch_from_env() -> crate::error::Result<bool> {
     match std::env::var("K3_PREFETCH") {
         Err(_) => Ok(false),
-        Ok(v) => match v.to_ascii_lowercase().as_str() {
-            "on" | "1" | "true" | "yes" => Ok(true),
-            "off" | "0" | "false" | "no" => Ok(false),
-            other => Err(crate::error::RuntimeError::Usage(format!(
-                "K3_PREFETCH must be on or off, got `{other}`"
-            ))),
-        },
+        Ok(v) => parse_on_off(&v).ok_or_else(|| {
+            crate::error::RuntimeError::Usage(format!("K3_PREFETCH must be on or off, got `{v}`"))
+        }),
     }
 }
 

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_model::{HostTensor, ModelError, WeightSource};
 use deltafin_quant::{DenseData, DenseMatrix};
-use deltafin_storage::{Dtype, ModelFiles, PlannedTensor, TensorInfo, write_safetensors};
+use deltafin_storage::{
+    Dtype, ModelFiles, PlannedTensor, SpanBytes, TensorInfo, write_safetensors,
+};
 
 use crate::convert::{dense_data, to_f32};
 use crate::error::{Result, RuntimeError};
@@ -274,24 +276,22 @@ impl SpineSource {
 
     /// The bytes of a stored tensor: with its whole layer in one batch when it belongs to a decoder layer, else
     /// alone.
-    fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<Vec<u8>> {
+    fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<SpanBytes> {
         let files = match (origin, &self.int8) {
             (Origin::Int8, Some(f)) => f,
             _ => &*self.files,
         };
-        let bytes = match layer_prefix(&info.name) {
-            Some(prefix) => {
-                // int8 names carry a suffix; the layer prefix is the same.
-                let stored = Stored {
-                    origin,
-                    info: info.clone(),
-                };
-                match self.layers.take(prefix, &stored).map_err(source_err)? {
-                    Some(b) => b.to_vec(),
-                    None => files.read_tensor(info).map_err(source_err)?,
-                }
-            }
-            None => files.read_tensor(info).map_err(source_err)?,
+        // int8 names carry a suffix; the layer prefix is the same.
+        let batched = match layer_prefix(&info.name) {
+            Some(prefix) => self
+                .layers
+                .take(prefix, origin, &info.name)
+                .map_err(source_err)?,
+            None => None,
+        };
+        let bytes = match batched {
+            Some(b) => b,
+            None => SpanBytes::Owned(files.read_tensor(info).map_err(source_err)?),
         };
         self.count(bytes.len());
         Ok(bytes)
@@ -324,7 +324,7 @@ impl WeightSource for SpineSource {
             return Ok(Some(HostTensor {
                 shape: q.shape.clone(),
                 data: DenseData::Int8 {
-                    q: qb.into_iter().map(|b| b as i8).collect(),
+                    q: qb.iter().map(|&b| b as i8).collect(),
                     scales,
                 },
             }));

@@ -163,11 +163,16 @@ impl LayerReader {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The bytes of `t` (a tensor of layer `prefix`): from the read-ahead when its layer was read in one batch,
+    /// The bytes of tensor `name` in `origin` (a tensor of layer `prefix`): from the read-ahead when its layer was read in one batch,
     /// else by reading the whole layer now. `None` when the tensor is not one this reader batches (the caller
     /// then reads it alone), or when it was already served once for this layer.
-    pub fn take(&self, prefix: &str, t: &Stored) -> Result<Option<SpanBytes>, StorageError> {
-        let key = (t.origin, t.info.name.clone());
+    pub fn take(
+        &self,
+        prefix: &str,
+        origin: Origin,
+        name: &str,
+    ) -> Result<Option<SpanBytes>, StorageError> {
+        let key = (origin, name.to_string());
         let mut st = self.state();
         if let Some(b) = st.ready.remove(&key) {
             st.served.insert(key);
