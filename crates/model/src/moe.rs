@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::Tensor;
+use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch};
 use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
 
 use crate::config::{Activation, ModelConfig, MoeConfig};
@@ -194,14 +195,20 @@ impl Moe {
         // order the experts arrive in.
         let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
         let mut waited_from = Instant::now();
-        fetch.finish(&mut |i, weights| {
+        fetch.finish(&mut |ready| {
             profile.add(Phase::ExpertWait, waited_from.elapsed());
             let started = Instant::now();
-            let e = ids[i];
-            let rows: Vec<&[f32]> = users[&e].iter().map(|&(t, _)| z_rows[t]).collect();
-            let ys = self.expert_forward(e, &weights, &rows)?;
-            for (&(t, w), y) in users[&e].iter().zip(ys) {
-                outs[t].push((e, w, y));
+            let batch: Vec<(usize, Vec<&[f32]>, &ExpertWeights)> = ready
+                .iter()
+                .map(|(i, w)| {
+                    let e = ids[*i];
+                    (e, users[&e].iter().map(|&(t, _)| z_rows[t]).collect(), &**w)
+                })
+                .collect();
+            for ((e, _, _), ys) in batch.iter().zip(self.experts_forward(&batch)?) {
+                for (&(t, w), y) in users[e].iter().zip(ys) {
+                    outs[t].push((*e, w, y));
+                }
             }
             profile.add(Phase::ExpertCompute, started.elapsed());
             waited_from = Instant::now();
@@ -266,61 +273,136 @@ impl Moe {
         Ok(Some(y))
     }
 
-    /// Applies expert `e` to `rows` (each `width` long): `w2 · act(w1·x, w3·x)`.
-    fn expert_forward(
+    /// Applies each expert `(e, rows, weights)` of `batch` to its rows (each `width` long):
+    /// `w2 · act(w1·x, w3·x)`, one output per row. MXFP4 experts are multiplied together, the gate and up
+    /// projections of all of them in one threaded pass and the down projections in a second.
+    fn experts_forward(
+        &self,
+        batch: &[(usize, Vec<&[f32]>, &ExpertWeights)],
+    ) -> Result<Vec<Vec<Vec<f32>>>> {
+        let (inter, width) = (self.cfg.inter, self.width);
+        let quant_err = |e: usize| {
+            move |source| ModelError::Expert {
+                layer: self.layer,
+                expert: e,
+                source,
+            }
+        };
+        let inputs: Vec<Vec<f32>> = batch
+            .iter()
+            .map(|(_, rows, _)| rows.iter().flat_map(|r| r.iter().copied()).collect())
+            .collect();
+        // The three MXFP4 matrices of each MXFP4 expert (`None` for dense ones).
+        let mut mats = Vec::with_capacity(batch.len());
+        for &(e, _, weights) in batch {
+            mats.push(match weights {
+                ExpertWeights::Mxfp4(p) => {
+                    let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
+                    let m = |k: usize, rows, cols| {
+                        Mxfp4Matrix::new(part(2 * k), part(2 * k + 1), rows, cols)
+                            .map_err(quant_err(e))
+                    };
+                    Some([
+                        m(0, inter, width)?,
+                        m(1, width, inter)?,
+                        m(2, inter, width)?,
+                    ])
+                }
+                ExpertWeights::Dense { .. } => None,
+            });
+        }
+        let t_of = |k: usize| batch[k].1.len();
+        let mxfp4: Vec<usize> = (0..batch.len()).filter(|&k| mats[k].is_some()).collect();
+        // Gate and up of every MXFP4 expert in one pass.
+        let mut gates: Vec<Vec<f32>> = mxfp4.iter().map(|&k| vec![0.0; t_of(k) * inter]).collect();
+        let mut ups = gates.clone();
+        let mut products = Vec::with_capacity(2 * mxfp4.len());
+        for ((&k, gate), up) in mxfp4.iter().zip(gates.iter_mut()).zip(ups.iter_mut()) {
+            if let Some([w1, _, w3]) = mats[k] {
+                for (matrix, y) in [(w1, gate), (w3, up)] {
+                    products.push(Mxfp4Product {
+                        matrix,
+                        x: &inputs[k],
+                        t_rows: t_of(k),
+                        y,
+                    });
+                }
+            }
+        }
+        let first = |ks: &[usize]| ks.first().map_or(0, |&k| batch[k].0);
+        gemm_batch(&mut products).map_err(quant_err(first(&mxfp4)))?;
+        drop(products);
+        // Then every down projection in one pass.
+        let acts: Vec<Vec<f32>> = gates
+            .iter()
+            .zip(&ups)
+            .map(|(g, u)| {
+                g.iter()
+                    .zip(u)
+                    .map(|(&g, &u)| glu(self.act, g, u))
+                    .collect()
+            })
+            .collect();
+        let mut downs: Vec<Vec<f32>> = mxfp4.iter().map(|&k| vec![0.0; t_of(k) * width]).collect();
+        let mut products = Vec::with_capacity(mxfp4.len());
+        for ((&k, a), y) in mxfp4.iter().zip(&acts).zip(downs.iter_mut()) {
+            if let Some([_, w2, _]) = mats[k] {
+                products.push(Mxfp4Product {
+                    matrix: w2,
+                    x: a,
+                    t_rows: t_of(k),
+                    y,
+                });
+            }
+        }
+        gemm_batch(&mut products).map_err(quant_err(first(&mxfp4)))?;
+        drop(products);
+        let mut downs = downs.into_iter();
+        let mut out = Vec::with_capacity(batch.len());
+        for (k, &(e, _, weights)) in batch.iter().enumerate() {
+            let y = match weights {
+                ExpertWeights::Mxfp4(_) => downs.next().unwrap_or_default(),
+                ExpertWeights::Dense { w1, w2, w3 } => {
+                    self.dense_expert(e, [w1, w2, w3], &inputs[k], t_of(k))?
+                }
+            };
+            out.push(y.chunks_exact(width).map(<[f32]>::to_vec).collect());
+        }
+        Ok(out)
+    }
+
+    /// A dense (f32) expert `e` on `t` rows `x`: `w2 · act(w1·x, w3·x)`.
+    fn dense_expert(
         &self,
         e: usize,
-        weights: &ExpertWeights,
-        rows: &[&[f32]],
-    ) -> Result<Vec<Vec<f32>>> {
+        [w1, w2, w3]: [&Vec<f32>; 3],
+        x: &[f32],
+        t: usize,
+    ) -> Result<Vec<f32>> {
         let (inter, width) = (self.cfg.inter, self.width);
-        let t = rows.len();
-        let x: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
-        let bad = |msg: String| ModelError::BadWeight {
-            name: format!("layer {} expert {e}", self.layer),
-            msg,
+        let mat = |r, c, v: &Vec<f32>| {
+            DenseMatrix::new(r, c, DenseData::F32(v.clone())).map_err(|err| ModelError::BadWeight {
+                name: format!("layer {} expert {e}", self.layer),
+                msg: err.to_string(),
+            })
         };
         let quant_err = |source| ModelError::Expert {
             layer: self.layer,
             expert: e,
             source,
         };
-        let glu_rows = |gate: &[f32], up: &[f32]| -> Vec<f32> {
-            gate.iter()
-                .zip(up)
-                .map(|(&g, &u)| glu(self.act, g, u))
-                .collect()
-        };
-        let y = match weights {
-            ExpertWeights::Mxfp4(p) => {
-                let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
-                let w1 = Mxfp4Matrix::new(part(0), part(1), inter, width).map_err(quant_err)?;
-                let w2 = Mxfp4Matrix::new(part(2), part(3), width, inter).map_err(quant_err)?;
-                let w3 = Mxfp4Matrix::new(part(4), part(5), inter, width).map_err(quant_err)?;
-                let mut gate = vec![0.0f32; t * inter];
-                let mut up = vec![0.0f32; t * inter];
-                w1.gemm(&x, t, &mut gate).map_err(quant_err)?;
-                w3.gemm(&x, t, &mut up).map_err(quant_err)?;
-                let a = glu_rows(&gate, &up);
-                let mut y = vec![0.0f32; t * width];
-                w2.gemm(&a, t, &mut y).map_err(quant_err)?;
-                y
-            }
-            ExpertWeights::Dense { w1, w2, w3 } => {
-                let mat = |r, c, v: &Vec<f32>| {
-                    DenseMatrix::new(r, c, DenseData::F32(v.clone()))
-                        .map_err(|err| bad(err.to_string()))
-                };
-                let (w1, w2, w3) = (
-                    mat(inter, width, w1)?,
-                    mat(width, inter, w2)?,
-                    mat(inter, width, w3)?,
-                );
-                let gate = w1.gemm(&x, t).map_err(quant_err)?;
-                let up = w3.gemm(&x, t).map_err(quant_err)?;
-                w2.gemm(&glu_rows(&gate, &up), t).map_err(quant_err)?
-            }
-        };
-        Ok(y.chunks_exact(width).map(<[f32]>::to_vec).collect())
+        let (w1, w2, w3) = (
+            mat(inter, width, w1)?,
+            mat(width, inter, w2)?,
+            mat(inter, width, w3)?,
+        );
+        let gate = w1.gemm(x, t).map_err(quant_err)?;
+        let up = w3.gemm(x, t).map_err(quant_err)?;
+        let a: Vec<f32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(&g, &u)| glu(self.act, g, u))
+            .collect();
+        w2.gemm(&a, t).map_err(quant_err)
     }
 }

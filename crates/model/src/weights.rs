@@ -119,13 +119,14 @@ pub struct PackedExpert {
     pub parts: [Range<usize>; 6],
 }
 
-/// Called with `(position in the requested list, weights)` as each expert becomes available.
-pub type OnExpert<'a> = dyn FnMut(usize, Arc<ExpertWeights>) -> Result<()> + 'a;
+/// Called with `(position in the requested list, weights)` pairs as experts become available: several at once
+/// when they are ready together (RAM-cache hits), so the caller can multiply them in one threaded pass.
+pub type OnExperts<'a> = dyn FnMut(Vec<(usize, Arc<ExpertWeights>)>) -> Result<()> + 'a;
 
 /// Expert fetches started by [`ExpertSource::begin`], handed over by [`ExpertFetch::finish`].
 pub trait ExpertFetch {
-    /// Calls `on_expert` for each requested expert as soon as it is available (in any order).
-    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> Result<()>;
+    /// Hands every requested expert to `on_expert` as soon as it is available (in any order, some together).
+    fn finish(self: Box<Self>, on_expert: &mut OnExperts<'_>) -> Result<()>;
 }
 
 /// The default [`ExpertFetch`]: nothing starts early; `finish` runs [`ExpertSource::for_each_expert`].
@@ -136,7 +137,7 @@ struct Deferred<'s, S: ?Sized> {
 }
 
 impl<S: ExpertSource + ?Sized> ExpertFetch for Deferred<'_, S> {
-    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> Result<()> {
+    fn finish(self: Box<Self>, on_expert: &mut OnExperts<'_>) -> Result<()> {
         self.source
             .for_each_expert(self.layer, &self.experts, on_expert)
     }
@@ -147,18 +148,21 @@ pub trait ExpertSource: Send + Sync {
     /// The weights of `experts` (distinct ids) of layer `layer`, in the same order.
     fn load_experts(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertWeights>>>;
 
-    /// Calls `on_expert` for each of `experts` as soon as it is available (in any order), so the caller can
-    /// multiply one expert while the next is still being read. The default loads all, then calls in order.
+    /// Hands each of `experts` to `on_expert` as soon as it is available (in any order; those ready together in
+    /// one call), so the caller can multiply one expert while the next is still being read. The default loads
+    /// all, then hands them over in one call.
     fn for_each_expert(
         &self,
         layer: usize,
         experts: &[usize],
-        on_expert: &mut OnExpert<'_>,
+        on_expert: &mut OnExperts<'_>,
     ) -> Result<()> {
-        for (i, w) in self.load_experts(layer, experts)?.into_iter().enumerate() {
-            on_expert(i, w)?;
-        }
-        Ok(())
+        on_expert(
+            self.load_experts(layer, experts)?
+                .into_iter()
+                .enumerate()
+                .collect(),
+        )
     }
 
     /// Whether this source wants guesses of upcoming layers' experts ([`Self::prefetch`]); the model only

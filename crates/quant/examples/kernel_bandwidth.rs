@@ -3,7 +3,8 @@
 //! `cargo run --release -p deltafin-quant --example kernel_bandwidth [-- --json]`
 //!
 //! Memory bound: a multi-threaded sum over a buffer larger than the caches. Kernels: MXFP4 GEMV over 16 experts of
-//! K3's real shape (w1 `[3072, 3584]`, the largest of an expert's three matrices, for each expert), row-wise int8
+//! K3's real shape (w1 `[3072, 3584]`, the largest of an expert's three matrices, for each expert), all sixteen in
+//! one threaded call as the engine runs experts that are ready together, and again one call per matrix; row-wise int8
 //! GEMV and bf16 GEMV over `[7168, 7168]` (a K3 spine matrix). Throughput counts weight bytes read. Every buffer is
 //! an anonymous mapping advised to use transparent huge pages, as the engine's read buffers are. This machine's
 //! memory bandwidth moves by tens of per cent from minute to minute, so each round measures the memory bound and
@@ -12,7 +13,7 @@
 use std::time::Instant;
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::mxfp4::Mxfp4Matrix;
+use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
 use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
 
@@ -87,7 +88,24 @@ fn main() {
         .collect();
     let mx_bytes: usize = experts.iter().map(|(p, s)| p.len() + s.len()).sum();
     let mut y = vec![0.0f32; rows];
+    // As the engine multiplies experts that are ready together: all sixteen in one threaded call.
+    let mut ys = vec![vec![0.0f32; rows]; mats.len()];
     let mut run_mxfp4 = || {
+        let mut products: Vec<Mxfp4Product<'_, '_>> = mats
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(m, y)| Mxfp4Product {
+                matrix: *m,
+                x: &x,
+                t_rows: 1,
+                y,
+            })
+            .collect();
+        gemm_batch(&mut products).expect("gemm_batch");
+        std::hint::black_box(&products);
+    };
+    // One threaded call per matrix, as an expert read from disk is multiplied when it lands.
+    let mut run_mxfp4_each = || {
         for m in &mats {
             m.gemm(&x, 1, &mut y).expect("gemm");
         }
@@ -113,14 +131,15 @@ fn main() {
     };
 
     // Rounds: memory, then each kernel, back to back.
-    let mut rounds: Vec<[f64; 4]> = Vec::new();
+    let mut rounds: Vec<[f64; 5]> = Vec::new();
     for round in 0..=ROUNDS {
         let mem_gbs = mem_bytes / seconds(&mut read_memory) / 1e9;
         let mx = mx_bytes as f64 / seconds(&mut run_mxfp4) / 1e9;
         let i8g = int8.nbytes() as f64 / seconds(run_int8) / 1e9;
         let bfg = bf16.nbytes() as f64 / seconds(run_bf16) / 1e9;
+        let mx_each = mx_bytes as f64 / seconds(&mut run_mxfp4_each) / 1e9;
         if round > 0 {
-            rounds.push([mem_gbs, mx, i8g, bfg]);
+            rounds.push([mem_gbs, mx, i8g, bfg, mx_each]);
         }
     }
     let col = |k: usize| median(rounds.iter().map(|r| r[k]).collect());
@@ -130,21 +149,29 @@ fn main() {
         println!(
             "{{\"threads\":{threads},\"simd\":\"{path}\",\"rounds\":{ROUNDS},\"memory_read_gbs\":{:.3},\
              \"mxfp4_gemv_gbs\":{:.3},\"int8_gemv_gbs\":{:.3},\"bf16_gemv_gbs\":{:.3},\
-             \"mxfp4_ratio\":{:.3},\"int8_ratio\":{:.3},\"bf16_ratio\":{:.3}}}",
+             \"mxfp4_ratio\":{:.3},\"int8_ratio\":{:.3},\"bf16_ratio\":{:.3},\
+             \"mxfp4_each_gbs\":{:.3},\"mxfp4_each_ratio\":{:.3}}}",
             col(0),
             col(1),
             col(2),
             col(3),
             ratio(1),
             ratio(2),
-            ratio(3)
+            ratio(3),
+            col(4),
+            ratio(4)
         );
     } else {
         println!(
             "threads {threads}, kernels {path}, median of {ROUNDS} rounds (ratios taken within each round)"
         );
         println!("memory read       {:8.2} GB/s", col(0));
-        for (k, name) in [(1, "mxfp4 gemv"), (2, "int8 gemv"), (3, "bf16 gemv")] {
+        for (k, name) in [
+            (1, "mxfp4 gemv"),
+            (4, "mxfp4, per call"),
+            (2, "int8 gemv"),
+            (3, "bf16 gemv"),
+        ] {
             println!(
                 "{name:<17} {:8.2} GB/s  ({:.2} of memory bandwidth)",
                 col(k),

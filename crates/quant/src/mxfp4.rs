@@ -224,24 +224,12 @@ impl<'a> Mxfp4Matrix<'a> {
     /// the fastest path, threaded over output rows. Each output is computed exactly as [`Self::dot_row_ref`], so
     /// the result does not depend on `t_rows`, the thread count or the SIMD path.
     pub fn gemm(&self, x: &[f32], t_rows: usize, y: &mut [f32]) -> Result<()> {
-        if x.len() != t_rows * self.cols || y.len() != t_rows * self.rows {
-            return Err(QuantError::BadInput {
-                expected: t_rows * self.cols,
-                actual: x.len(),
-            });
-        }
-        if t_rows == 0 || self.rows == 0 {
-            return Ok(());
-        }
-        let xps: Vec<f32> = x
-            .chunks_exact(self.cols)
-            .flat_map(mxfp4_contract::permute_input)
-            .collect();
-        let xp_len = xps.len() / t_rows;
-        crate::dense::par_row_blocks(self.rows, t_rows, MXFP4_ROWS_PER_TASK, y, |r0, out| {
-            self.rows_permuted(r0, &xps, xp_len, out)
-        });
-        Ok(())
+        gemm_batch(&mut [Mxfp4Product {
+            matrix: *self,
+            x,
+            t_rows,
+            y,
+        }])
     }
 
     fn check_input(&self, x: &[f32]) -> Result<()> {
@@ -253,6 +241,77 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         Ok(())
     }
+}
+
+/// One product of a batch: `y = W · x` for `t_rows` rows of activations, shaped as in [`Mxfp4Matrix::gemm`].
+pub struct Mxfp4Product<'p, 'a> {
+    /// The weights.
+    pub matrix: Mxfp4Matrix<'a>,
+    /// `[t_rows, cols]` activations.
+    pub x: &'p [f32],
+    /// Activation rows.
+    pub t_rows: usize,
+    /// `[t_rows, rows]` outputs.
+    pub y: &'p mut [f32],
+}
+
+/// Runs several products as one threaded job: the row blocks of every product are spread over the threads
+/// together, so each thread streams through whole matrices instead of both threads meeting in each one, and the
+/// threads fork and join once rather than once per matrix. On this project's 2-core machine, sixteen expert
+/// matrices in one call read 1.6× faster than one call each (`examples/kernel_bandwidth.rs`). Every output is
+/// bit-identical to [`Mxfp4Matrix::gemm`] of its product alone.
+pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
+    let mut inputs = Vec::with_capacity(products.len());
+    for p in products.iter() {
+        let (m, t) = (&p.matrix, p.t_rows);
+        for (expected, actual) in [(t * m.cols, p.x.len()), (t * m.rows, p.y.len())] {
+            if expected != actual {
+                return Err(QuantError::BadInput { expected, actual });
+            }
+        }
+        let xps: Vec<f32> =
+            p.x.chunks_exact(m.cols.max(1))
+                .flat_map(mxfp4_contract::permute_input)
+                .collect();
+        inputs.push(xps);
+    }
+    // Outputs by weight row (`[rows, t_rows]`), so a task's rows are contiguous; transposed into `y` after.
+    let mut by_row: Vec<Vec<f32>> = products
+        .iter()
+        .map(|p| vec![0.0f32; p.matrix.rows * p.t_rows])
+        .collect();
+    let per_task = MXFP4_ROWS_PER_TASK;
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, (p, out)) in products.iter().zip(by_row.iter_mut()).enumerate() {
+        if p.t_rows == 0 {
+            continue;
+        }
+        for (k, block) in out.chunks_mut(per_task * p.t_rows).enumerate() {
+            tasks.push((i, k * per_task, block));
+        }
+    }
+    let run = |(i, r0, out): (usize, usize, &mut [f32])| {
+        let xps = &inputs[i];
+        let t_rows = products[i].t_rows;
+        products[i]
+            .matrix
+            .rows_permuted(r0, xps, xps.len() / t_rows, out);
+    };
+    if tasks.len() < 8 {
+        tasks.into_iter().for_each(run);
+    } else {
+        use rayon::prelude::*;
+        tasks.into_par_iter().for_each(run);
+    }
+    for (p, out) in products.iter_mut().zip(&by_row) {
+        let rows = p.matrix.rows;
+        for (r, row) in out.chunks_exact(p.t_rows.max(1)).enumerate() {
+            for (t, &v) in row.iter().enumerate() {
+                p.y[t * rows + r] = v;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

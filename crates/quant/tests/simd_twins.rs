@@ -2,7 +2,7 @@
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref, dot_i8, dot_i8_ref};
-use deltafin_quant::mxfp4::Mxfp4Matrix;
+use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -165,6 +165,84 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
             }
         }
     }
+}
+
+#[test]
+fn mxfp4_batch_matches_twin_for_mixed_shapes() {
+    // Products of different shapes and batch sizes in one threaded call (enough rows to take the threaded path),
+    // each output against the scalar twin of its own matrix.
+    let mut r = rng();
+    let shapes = [
+        (300, 3584, 1),
+        (37, 160, 2),
+        (256, 3072, 1),
+        (0, 96, 1),
+        (129, 384, 5),
+        (64, 32, 0),
+    ];
+    let data: Vec<_> = shapes
+        .iter()
+        .map(|&(rows, cols, t)| {
+            let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 126, 127, 131, 254]);
+            (packed, s, randn(&mut r, t * cols))
+        })
+        .collect();
+    let mut ys: Vec<Vec<f32>> = shapes
+        .iter()
+        .map(|&(rows, _, t)| vec![f32::NAN; rows * t])
+        .collect();
+    let mut products: Vec<Mxfp4Product<'_, '_>> = shapes
+        .iter()
+        .zip(&data)
+        .zip(ys.iter_mut())
+        .map(
+            |((&(rows, cols, t_rows), (packed, s, x)), y)| Mxfp4Product {
+                matrix: Mxfp4Matrix::new(packed, s, rows, cols).expect("valid"),
+                x,
+                t_rows,
+                y,
+            },
+        )
+        .collect();
+    gemm_batch(&mut products).expect("batch");
+    drop(products);
+    for ((&(rows, cols, t_rows), (packed, s, xs)), y) in shapes.iter().zip(&data).zip(&ys) {
+        let m = Mxfp4Matrix::new(packed, s, rows, cols).expect("valid");
+        for t in 0..t_rows {
+            for row in 0..rows {
+                let (a, b) = (
+                    y[t * rows + row],
+                    m.dot_row_ref(row, &xs[t * cols..(t + 1) * cols]),
+                );
+                assert!(
+                    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                    "shape {rows}x{cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mxfp4_batch_rejects_a_bad_product() {
+    let (packed, s) = random_mxfp4(&mut rng(), 4, 64, &[127]);
+    let m = Mxfp4Matrix::new(&packed, &s, 4, 64).expect("valid");
+    let (x, mut y_ok, mut y_bad) = (vec![1.0f32; 64], vec![0.0f32; 4], vec![0.0f32; 3]);
+    let mut products = [
+        Mxfp4Product {
+            matrix: m,
+            x: &x,
+            t_rows: 1,
+            y: &mut y_ok,
+        },
+        Mxfp4Product {
+            matrix: m,
+            x: &x,
+            t_rows: 1,
+            y: &mut y_bad,
+        },
+    ];
+    gemm_batch(&mut products).expect_err("a short output is refused");
 }
 
 #[test]

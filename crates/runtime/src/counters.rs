@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-use deltafin_model::weights::OnExpert;
+use deltafin_model::weights::OnExperts;
 use deltafin_model::{ExpertSource, ExpertWeights};
 
 /// Expert requests per layer since the last reset.
@@ -87,7 +87,7 @@ impl<S: ExpertSource> ExpertSource for CountingExperts<S> {
         &self,
         layer: usize,
         experts: &[usize],
-        on_expert: &mut OnExpert<'_>,
+        on_expert: &mut OnExperts<'_>,
     ) -> deltafin_model::Result<()> {
         self.count(layer, experts);
         self.inner.for_each_expert(layer, experts, on_expert)

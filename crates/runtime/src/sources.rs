@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use deltafin_model::weights::OnExpert;
+use deltafin_model::weights::OnExperts;
 use deltafin_model::{
     ExpertBytes, ExpertFetch, ExpertSource, ExpertWeights, ModelError, PackedExpert,
 };
@@ -287,11 +287,12 @@ impl StoreFetch<'_> {
         }
     }
 
-    /// Calls `on_expert(i, weights)` for the hits, then for each read as it completes, keeping the next
+    /// Calls `on_expert` with all the hits at once, then with each read as it completes, keeping the next
     /// window queued.
-    fn run(mut self, on_expert: &mut OnExpert<'_>) -> Result<(), StreamError> {
-        for (i, w) in std::mem::take(&mut self.hits) {
-            on_expert(i, w).map_err(StreamError::Model)?;
+    fn run(mut self, on_expert: &mut OnExperts<'_>) -> Result<(), StreamError> {
+        let hits = std::mem::take(&mut self.hits);
+        if !hits.is_empty() {
+            on_expert(hits).map_err(StreamError::Model)?;
         }
         let mut unfilled = Vec::new();
         for i in std::mem::take(&mut self.awaited) {
@@ -300,7 +301,7 @@ impl StoreFetch<'_> {
             match self.store.prefetch.take_landed(self.layer, e) {
                 Some(w) => {
                     self.store.cache().insert(self.layer, e, Arc::clone(&w));
-                    on_expert(i, w).map_err(StreamError::Model)?
+                    on_expert(vec![(i, w)]).map_err(StreamError::Model)?
                 }
                 None => unfilled.push(self.store.request(self.layer, e, i)?),
             }
@@ -321,7 +322,7 @@ impl StoreFetch<'_> {
                 self.store
                     .cache()
                     .insert(self.layer, e, Arc::clone(&weights));
-                on_expert(done.tag, weights).map_err(StreamError::Model)?;
+                on_expert(vec![(done.tag, weights)]).map_err(StreamError::Model)?;
             }
         }
         Ok(())
@@ -329,7 +330,7 @@ impl StoreFetch<'_> {
 }
 
 impl ExpertFetch for StoreFetch<'_> {
-    fn finish(self: Box<Self>, on_expert: &mut OnExpert<'_>) -> deltafin_model::Result<()> {
+    fn finish(self: Box<Self>, on_expert: &mut OnExperts<'_>) -> deltafin_model::Result<()> {
         self.run(on_expert).map_err(StreamError::into_model)
     }
 }
@@ -394,8 +395,10 @@ impl ExpertSource for ExpertStore {
         experts: &[usize],
     ) -> deltafin_model::Result<Vec<Arc<ExpertWeights>>> {
         let mut out: Vec<Option<Arc<ExpertWeights>>> = vec![None; experts.len()];
-        self.for_each_expert(layer, experts, &mut |i, w| {
-            out[i] = Some(w);
+        self.for_each_expert(layer, experts, &mut |ready| {
+            for (i, w) in ready {
+                out[i] = Some(w);
+            }
             Ok(())
         })?;
         out.into_iter()
@@ -414,7 +417,7 @@ impl ExpertSource for ExpertStore {
         &self,
         layer: usize,
         experts: &[usize],
-        on_expert: &mut OnExpert<'_>,
+        on_expert: &mut OnExperts<'_>,
     ) -> deltafin_model::Result<()> {
         self.begin(layer, experts)?.finish(on_expert)
     }
