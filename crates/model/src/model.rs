@@ -256,24 +256,15 @@ impl Model {
                     .iter()
                     .map_while(Option::as_ref)
                     .find(|layer| layer.moe().is_some());
-                p = match slot {
-                    Some(layer) => layer.forward(
-                        p,
-                        &mut bank,
-                        layer_state,
-                        experts,
-                        &self.profile,
-                        following,
-                    )?,
-                    None => streamed.take(l, &self.profile)?.forward(
-                        p,
-                        &mut bank,
-                        layer_state,
-                        experts,
-                        &self.profile,
-                        following,
-                    )?,
+                let taken;
+                let layer = match slot {
+                    Some(layer) => layer,
+                    None => {
+                        taken = streamed.take(l, &self.profile)?;
+                        &taken
+                    }
                 };
+                p = layer.forward(p, &mut bank, layer_state, experts, &self.profile, following)?;
             }
             Ok(p)
         })?;

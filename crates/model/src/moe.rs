@@ -292,45 +292,47 @@ impl Moe {
             .iter()
             .map(|(_, rows, _)| rows.iter().flat_map(|r| r.iter().copied()).collect())
             .collect();
-        // The three MXFP4 matrices of each MXFP4 expert (`None` for dense ones).
-        let mut mats = Vec::with_capacity(batch.len());
-        for &(e, _, weights) in batch {
-            mats.push(match weights {
-                ExpertWeights::Mxfp4(p) => {
-                    let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
-                    let m = |k: usize, rows, cols| {
-                        Mxfp4Matrix::new(part(2 * k), part(2 * k + 1), rows, cols)
-                            .map_err(quant_err(e))
-                    };
-                    Some([
+        // (position in `batch`, [w1, w2, w3]) of each MXFP4 expert.
+        let mut mxfp4 = Vec::with_capacity(batch.len());
+        for (k, &(e, _, weights)) in batch.iter().enumerate() {
+            if let ExpertWeights::Mxfp4(p) = weights {
+                let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
+                let m = |i: usize, rows, cols| {
+                    Mxfp4Matrix::new(part(2 * i), part(2 * i + 1), rows, cols).map_err(quant_err(e))
+                };
+                mxfp4.push((
+                    k,
+                    [
                         m(0, inter, width)?,
                         m(1, width, inter)?,
                         m(2, inter, width)?,
-                    ])
-                }
-                ExpertWeights::Dense { .. } => None,
-            });
-        }
-        let t_of = |k: usize| batch[k].1.len();
-        let mxfp4: Vec<usize> = (0..batch.len()).filter(|&k| mats[k].is_some()).collect();
-        // Gate and up of every MXFP4 expert in one pass.
-        let mut gates: Vec<Vec<f32>> = mxfp4.iter().map(|&k| vec![0.0; t_of(k) * inter]).collect();
-        let mut ups = gates.clone();
-        let mut products = Vec::with_capacity(2 * mxfp4.len());
-        for ((&k, gate), up) in mxfp4.iter().zip(gates.iter_mut()).zip(ups.iter_mut()) {
-            if let Some([w1, _, w3]) = mats[k] {
-                for (matrix, y) in [(w1, gate), (w3, up)] {
-                    products.push(Mxfp4Product {
-                        matrix,
-                        x: &inputs[k],
-                        t_rows: t_of(k),
-                        y,
-                    });
-                }
+                    ],
+                ));
             }
         }
-        let first = |ks: &[usize]| ks.first().map_or(0, |&k| batch[k].0);
-        gemm_batch(&mut products).map_err(quant_err(first(&mxfp4)))?;
+        let t_of = |k: usize| batch[k].1.len();
+        // A shape error names the first expert of the pass (shapes were checked above, so it cannot happen).
+        let pass_err = quant_err(mxfp4.first().map_or(0, |&(k, _)| batch[k].0));
+        // Gate and up of every MXFP4 expert in one pass.
+        let mut gates: Vec<Vec<f32>> = mxfp4
+            .iter()
+            .map(|&(k, _)| vec![0.0; t_of(k) * inter])
+            .collect();
+        let mut ups = gates.clone();
+        let mut products = Vec::with_capacity(2 * mxfp4.len());
+        for ((&(k, [w1, _, w3]), gate), up) in
+            mxfp4.iter().zip(gates.iter_mut()).zip(ups.iter_mut())
+        {
+            for (matrix, y) in [(w1, gate), (w3, up)] {
+                products.push(Mxfp4Product {
+                    matrix,
+                    x: &inputs[k],
+                    t_rows: t_of(k),
+                    y,
+                });
+            }
+        }
+        gemm_batch(&mut products).map_err(pass_err)?;
         drop(products);
         // Then every down projection in one pass.
         let acts: Vec<Vec<f32>> = gates
@@ -343,19 +345,22 @@ impl Moe {
                     .collect()
             })
             .collect();
-        let mut downs: Vec<Vec<f32>> = mxfp4.iter().map(|&k| vec![0.0; t_of(k) * width]).collect();
-        let mut products = Vec::with_capacity(mxfp4.len());
-        for ((&k, a), y) in mxfp4.iter().zip(&acts).zip(downs.iter_mut()) {
-            if let Some([_, w2, _]) = mats[k] {
-                products.push(Mxfp4Product {
-                    matrix: w2,
-                    x: a,
-                    t_rows: t_of(k),
-                    y,
-                });
-            }
-        }
-        gemm_batch(&mut products).map_err(quant_err(first(&mxfp4)))?;
+        let mut downs: Vec<Vec<f32>> = mxfp4
+            .iter()
+            .map(|&(k, _)| vec![0.0; t_of(k) * width])
+            .collect();
+        let mut products: Vec<Mxfp4Product<'_, '_>> = mxfp4
+            .iter()
+            .zip(&acts)
+            .zip(downs.iter_mut())
+            .map(|((&(k, [_, w2, _]), a), y)| Mxfp4Product {
+                matrix: w2,
+                x: a,
+                t_rows: t_of(k),
+                y,
+            })
+            .collect();
+        gemm_batch(&mut products).map_err(pass_err)?;
         drop(products);
         let mut downs = downs.into_iter();
         let mut out = Vec::with_capacity(batch.len());

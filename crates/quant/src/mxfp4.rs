@@ -261,19 +261,29 @@ pub struct Mxfp4Product<'p, 'a> {
 /// matrices in one call read 1.6× faster than one call each (`examples/kernel_bandwidth.rs`). Every output is
 /// bit-identical to [`Mxfp4Matrix::gemm`] of its product alone.
 pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
-    let mut inputs = Vec::with_capacity(products.len());
-    for p in products.iter() {
+    // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
+    // to each other (an expert's gate and up) share one permuted copy.
+    let mut inputs: Vec<Vec<f32>> = Vec::with_capacity(products.len());
+    let mut input_of = Vec::with_capacity(products.len());
+    for (i, p) in products.iter().enumerate() {
         let (m, t) = (&p.matrix, p.t_rows);
         for (expected, actual) in [(t * m.cols, p.x.len()), (t * m.rows, p.y.len())] {
             if expected != actual {
                 return Err(QuantError::BadInput { expected, actual });
             }
         }
-        let xps: Vec<f32> =
-            p.x.chunks_exact(m.cols.max(1))
-                .flat_map(mxfp4_contract::permute_input)
-                .collect();
-        inputs.push(xps);
+        let shares_last = i > 0 && {
+            let prev = &products[i - 1];
+            std::ptr::eq(prev.x, p.x) && prev.matrix.cols == m.cols
+        };
+        if !shares_last {
+            inputs.push(
+                p.x.chunks_exact(m.cols.max(1))
+                    .flat_map(mxfp4_contract::permute_input)
+                    .collect(),
+            );
+        }
+        input_of.push(inputs.len() - 1);
     }
     // Outputs by weight row (`[rows, t_rows]`), so a task's rows are contiguous; transposed into `y` after.
     let mut by_row: Vec<Vec<f32>> = products
@@ -291,7 +301,7 @@ pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
         }
     }
     let run = |(i, r0, out): (usize, usize, &mut [f32])| {
-        let xps = &inputs[i];
+        let xps = &inputs[input_of[i]];
         let t_rows = products[i].t_rows;
         products[i]
             .matrix

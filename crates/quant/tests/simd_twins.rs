@@ -224,6 +224,44 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
 }
 
 #[test]
+fn mxfp4_batch_products_sharing_an_input_match_twin() {
+    // Two matrices over one input (an expert's gate and up) share its permuted copy; then a third input.
+    let mut r = rng();
+    let (rows, cols) = (200, 3584);
+    let mats: Vec<_> = (0..3)
+        .map(|_| random_mxfp4(&mut r, rows, cols, &[120, 127, 133]))
+        .collect();
+    let (x, x2) = (randn(&mut r, 2 * cols), randn(&mut r, 2 * cols));
+    let mut ys = vec![vec![0.0f32; 2 * rows]; 3];
+    let matrix = |k: usize| Mxfp4Matrix::new(&mats[k].0, &mats[k].1, rows, cols).expect("valid");
+    let mut products: Vec<Mxfp4Product<'_, '_>> = ys
+        .iter_mut()
+        .enumerate()
+        .map(|(k, y)| Mxfp4Product {
+            matrix: matrix(k),
+            x: if k < 2 { &x } else { &x2 },
+            t_rows: 2,
+            y,
+        })
+        .collect();
+    gemm_batch(&mut products).expect("batch");
+    drop(products);
+    for (k, y) in ys.iter().enumerate() {
+        let xs = if k < 2 { &x } else { &x2 };
+        for t in 0..2 {
+            for row in 0..rows {
+                let want = matrix(k).dot_row_ref(row, &xs[t * cols..(t + 1) * cols]);
+                same_bits(
+                    y[t * rows + row],
+                    want,
+                    &format!("matrix {k} t {t} row {row}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn mxfp4_batch_rejects_a_bad_product() {
     let (packed, s) = random_mxfp4(&mut rng(), 4, 64, &[127]);
     let m = Mxfp4Matrix::new(&packed, &s, 4, 64).expect("valid");
