@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
+use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch_with};
 use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
 
@@ -90,7 +90,7 @@ fn main() {
     let mut y = vec![0.0f32; rows];
     // As the engine multiplies experts that are ready together: all sixteen in one threaded call.
     let mut ys = vec![vec![0.0f32; rows]; mats.len()];
-    let mut run_mxfp4 = || {
+    let mut run_mxfp4 = |input: Mxfp4Input| {
         let mut products: Vec<Mxfp4Product<'_, '_>> = mats
             .iter()
             .zip(ys.iter_mut())
@@ -101,7 +101,7 @@ fn main() {
                 y,
             })
             .collect();
-        gemm_batch(&mut products).expect("gemm_batch");
+        gemm_batch_with(&mut products, input).expect("gemm_batch");
         std::hint::black_box(&products);
     };
     // One threaded call per matrix, as an expert read from disk is multiplied when it lands.
@@ -131,15 +131,16 @@ fn main() {
     };
 
     // Rounds: memory, then each kernel, back to back.
-    let mut rounds: Vec<[f64; 5]> = Vec::new();
+    let mut rounds: Vec<[f64; 6]> = Vec::new();
     for round in 0..=ROUNDS {
         let mem_gbs = mem_bytes / seconds(&mut read_memory) / 1e9;
-        let mx = mx_bytes as f64 / seconds(&mut run_mxfp4) / 1e9;
+        let mx = mx_bytes as f64 / seconds(|| run_mxfp4(Mxfp4Input::F32)) / 1e9;
+        let mx_bf16 = mx_bytes as f64 / seconds(|| run_mxfp4(Mxfp4Input::Bf16)) / 1e9;
         let i8g = int8.nbytes() as f64 / seconds(run_int8) / 1e9;
         let bfg = bf16.nbytes() as f64 / seconds(run_bf16) / 1e9;
         let mx_each = mx_bytes as f64 / seconds(&mut run_mxfp4_each) / 1e9;
         if round > 0 {
-            rounds.push([mem_gbs, mx, i8g, bfg, mx_each]);
+            rounds.push([mem_gbs, mx, i8g, bfg, mx_each, mx_bf16]);
         }
     }
     let col = |k: usize| median(rounds.iter().map(|r| r[k]).collect());
@@ -150,7 +151,8 @@ fn main() {
             "{{\"threads\":{threads},\"simd\":\"{path}\",\"rounds\":{ROUNDS},\"memory_read_gbs\":{:.3},\
              \"mxfp4_gemv_gbs\":{:.3},\"int8_gemv_gbs\":{:.3},\"bf16_gemv_gbs\":{:.3},\
              \"mxfp4_ratio\":{:.3},\"int8_ratio\":{:.3},\"bf16_ratio\":{:.3},\
-             \"mxfp4_each_gbs\":{:.3},\"mxfp4_each_ratio\":{:.3}}}",
+             \"mxfp4_each_gbs\":{:.3},\"mxfp4_each_ratio\":{:.3},\
+             \"mxfp4_bf16_gbs\":{:.3},\"mxfp4_bf16_ratio\":{:.3}}}",
             col(0),
             col(1),
             col(2),
@@ -159,7 +161,9 @@ fn main() {
             ratio(2),
             ratio(3),
             col(4),
-            ratio(4)
+            ratio(4),
+            col(5),
+            ratio(5)
         );
     } else {
         println!(
@@ -169,6 +173,7 @@ fn main() {
         for (k, name) in [
             (1, "mxfp4 gemv"),
             (4, "mxfp4, per call"),
+            (5, "mxfp4, bf16 input"),
             (2, "int8 gemv"),
             (3, "bf16 gemv"),
         ] {

@@ -11,6 +11,7 @@ pub mod dense;
 pub mod dot;
 pub mod error;
 pub mod mxfp4;
+pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
 pub mod simd;
 

@@ -11,7 +11,7 @@
 //! [`crate::mxfp4_contract`].
 
 use crate::error::{QuantError, Result};
-use crate::mxfp4_contract;
+use crate::{mxfp4_bf16_contract, mxfp4_contract};
 
 /// Weight rows per task of a threaded product (small tasks balance the two cores on an expert's 3072 rows).
 const MXFP4_ROWS_PER_TASK: usize = 16;
@@ -142,19 +142,34 @@ impl<'a> Mxfp4Matrix<'a> {
         mxfp4_contract::dot_row_ref(packed, scales, &mxfp4_contract::permute_input(x))
     }
 
+    /// The dot product of row `row` with `x` rounded to bf16: scalar reference of the contract in
+    /// [`crate::mxfp4_bf16_contract`].
+    pub fn dot_row_bf16_ref(&self, row: usize, x: &[f32]) -> f32 {
+        let (packed, scales) = self.row_bytes(row);
+        mxfp4_bf16_contract::dot_row_ref(packed, scales, &mxfp4_bf16_contract::permute_input(x))
+    }
+
     /// The dot product of row `row` with `x` on the fastest path (bit-identical to [`Self::dot_row_ref`]).
     pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
         let mut y = [0.0f32];
         let xp = mxfp4_contract::permute_input(x);
-        self.rows_permuted(row, &xp, xp.len(), &mut y);
+        self.rows_f32(row, &xp, 1, &mut y);
         y[0]
     }
 
-    /// Rows `r0 ..` times the permuted inputs `xps` (`t_rows` of `xp_len` values each), into `out`
-    /// (`[rows_here, t_rows]`, row-major by weight row).
-    fn rows_permuted(&self, r0: usize, xps: &[f32], xp_len: usize, out: &mut [f32]) {
-        let t_rows = xps.len() / xp_len.max(1);
-        if t_rows == 0 || xp_len != mxfp4_contract::chunks(self.cols) * mxfp4_contract::CHUNK {
+    /// Rows `r0 ..` times the permuted inputs `xps` (`t_rows` of them), into `out` (`[rows_here, t_rows]`,
+    /// row-major by weight row).
+    fn rows_permuted(&self, r0: usize, xps: Permuted<'_>, t_rows: usize, out: &mut [f32]) {
+        match xps {
+            Permuted::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
+            Permuted::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
+        }
+    }
+
+    /// [`Self::rows_permuted`] for exact f32 inputs ([`mxfp4_contract`]).
+    fn rows_f32(&self, r0: usize, xps: &[f32], t_rows: usize, out: &mut [f32]) {
+        let xp_len = mxfp4_contract::chunks(self.cols) * mxfp4_contract::CHUNK;
+        if t_rows == 0 || xps.len() != t_rows * xp_len {
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -188,8 +203,7 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
             let (packed, scales) = self.row_bytes(r0 + i);
-            for (t, o) in row_out.iter_mut().enumerate() {
-                let xp = &xps[t * xp_len..(t + 1) * xp_len];
+            for (o, xp) in row_out.iter_mut().zip(xps.chunks_exact(xp_len)) {
                 #[cfg(target_arch = "x86_64")]
                 if crate::simd::has_avx2_fma() {
                     // SAFETY: AVX2 and FMA present; one whole row and one permuted input of the right length.
@@ -197,6 +211,49 @@ impl<'a> Mxfp4Matrix<'a> {
                     continue;
                 }
                 *o = mxfp4_contract::dot_row_ref(packed, scales, xp);
+            }
+        }
+    }
+
+    /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
+    fn rows_bf16(&self, r0: usize, xbs: &[u32], t_rows: usize, out: &mut [f32]) {
+        let xb_len = mxfp4_bf16_contract::chunks(self.cols) * mxfp4_bf16_contract::CHUNK_WORDS;
+        if t_rows == 0 || xbs.len() != t_rows * xb_len {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512_bf16() {
+            let mut r = r0;
+            let mut rest = out;
+            while !rest.is_empty() {
+                if t_rows == 1 && rest.len() >= 2 {
+                    let (pair, tail) = rest.split_at_mut(2);
+                    // SAFETY: AVX-512F/BW/BF16, AVX2 and FMA present; two whole rows (checked in `new`) and one
+                    // paired input of the right length.
+                    let ys = unsafe {
+                        crate::simd::avx512::mxfp4_bf16_dot_x2(
+                            [self.row_bytes(r), self.row_bytes(r + 1)],
+                            xbs,
+                        )
+                    };
+                    pair.copy_from_slice(&ys);
+                    (r, rest) = (r + 2, tail);
+                } else {
+                    let (one, tail) = rest.split_at_mut(t_rows);
+                    let (packed, scales) = self.row_bytes(r);
+                    for (o, xb) in one.iter_mut().zip(xbs.chunks_exact(xb_len)) {
+                        // SAFETY: as above, for one row and one input.
+                        *o = unsafe { crate::simd::avx512::mxfp4_bf16_dot(packed, scales, xb) };
+                    }
+                    (r, rest) = (r + 1, tail);
+                }
+            }
+            return;
+        }
+        for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
+            let (packed, scales) = self.row_bytes(r0 + i);
+            for (o, xb) in row_out.iter_mut().zip(xbs.chunks_exact(xb_len)) {
+                *o = mxfp4_bf16_contract::dot_row_ref(packed, scales, xb);
             }
         }
     }
@@ -255,15 +312,65 @@ pub struct Mxfp4Product<'p, 'a> {
     pub y: &'p mut [f32],
 }
 
+/// How the activations of an MXFP4 product are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mxfp4Input {
+    /// Exact f32 ([`crate::mxfp4_contract`]): the path that matches the f32 reference.
+    #[default]
+    F32,
+    /// Rounded to bf16 first ([`crate::mxfp4_bf16_contract`]), as the reference does in its native bf16 dtype;
+    /// about twice as fast on CPUs with AVX-512 BF16, and the scalar reference (slow) on others.
+    Bf16,
+}
+
+/// Permuted activation rows of one input, in the layout of the contract that reads them.
+enum PermutedInput {
+    F32(Vec<f32>),
+    Bf16(Vec<u32>),
+}
+
+/// A borrowed [`PermutedInput`].
+#[derive(Clone, Copy)]
+enum Permuted<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u32]),
+}
+
+impl PermutedInput {
+    /// `t_rows` rows of `cols` activations in `x`, permuted for `input`.
+    fn new(x: &[f32], cols: usize, input: Mxfp4Input) -> Self {
+        let rows = x.chunks_exact(cols.max(1));
+        match input {
+            Mxfp4Input::F32 => Self::F32(rows.flat_map(mxfp4_contract::permute_input).collect()),
+            Mxfp4Input::Bf16 => {
+                Self::Bf16(rows.flat_map(mxfp4_bf16_contract::permute_input).collect())
+            }
+        }
+    }
+
+    fn as_ref(&self) -> Permuted<'_> {
+        match self {
+            Self::F32(v) => Permuted::F32(v),
+            Self::Bf16(v) => Permuted::Bf16(v),
+        }
+    }
+}
+
+/// [`gemm_batch_with`] on exact f32 inputs.
+pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
+    gemm_batch_with(products, Mxfp4Input::F32)
+}
+
 /// Runs several products as one threaded job: the row blocks of every product are spread over the threads
 /// together, so each thread streams through whole matrices instead of both threads meeting in each one, and the
 /// threads fork and join once rather than once per matrix. On this project's 2-core machine, sixteen expert
 /// matrices in one call read 1.6× faster than one call each (`examples/kernel_bandwidth.rs`). Every output is
-/// bit-identical to [`Mxfp4Matrix::gemm`] of its product alone.
-pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
+/// bit-identical to the scalar reference of `input`'s contract ([`Mxfp4Matrix::dot_row_ref`] or
+/// [`Mxfp4Matrix::dot_row_bf16_ref`]), whatever the batch, thread count or SIMD path.
+pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Result<()> {
     // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
     // to each other (an expert's gate and up) share one permuted copy.
-    let mut inputs: Vec<Vec<f32>> = Vec::with_capacity(products.len());
+    let mut inputs: Vec<PermutedInput> = Vec::with_capacity(products.len());
     let mut input_of = Vec::with_capacity(products.len());
     for (i, p) in products.iter().enumerate() {
         let (m, t) = (&p.matrix, p.t_rows);
@@ -277,11 +384,7 @@ pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
             std::ptr::eq(prev.x, p.x) && prev.matrix.cols == m.cols
         };
         if !shares_last {
-            inputs.push(
-                p.x.chunks_exact(m.cols.max(1))
-                    .flat_map(mxfp4_contract::permute_input)
-                    .collect(),
-            );
+            inputs.push(PermutedInput::new(p.x, m.cols, input));
         }
         input_of.push(inputs.len() - 1);
     }
@@ -301,11 +404,9 @@ pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
         }
     }
     let run = |(i, r0, out): (usize, usize, &mut [f32])| {
-        let xps = &inputs[input_of[i]];
-        let t_rows = products[i].t_rows;
-        products[i]
-            .matrix
-            .rows_permuted(r0, xps, xps.len() / t_rows, out);
+        let p = &products[i];
+        p.matrix
+            .rows_permuted(r0, inputs[input_of[i]].as_ref(), p.t_rows, out);
     };
     if tasks.len() < 8 {
         tasks.into_iter().for_each(run);

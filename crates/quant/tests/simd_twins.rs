@@ -2,7 +2,7 @@
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref, dot_i8, dot_i8_ref};
-use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
+use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -346,8 +346,156 @@ fn mxfp4_each_simd_level_matches_twin() {
                 }
             }
         }
-        assert!(same(want[0], want[0]));
     }
+}
+
+/// Random inputs spread over 2^±24 (so that bf16 partial sums round, and the order of additions shows), with edge
+/// values: signed zeros, a denormal, values whose bf16 products with small weights are denormal (flushed), huge
+/// values, and ties of the bf16 rounding.
+fn edge_inputs(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = randn(r, n)
+        .into_iter()
+        .map(|v| v * 2f32.powi(r.random_range(-24..=24)))
+        .collect();
+    let edges = [
+        -0.0,
+        0.0,
+        1e-40,
+        f32::MIN_POSITIVE,
+        -f32::MIN_POSITIVE * 1.5,
+        3.0e38,
+        -1.0e38,
+        1.0 + 1.0 / 256.0,
+        -(1.0 + 3.0 / 256.0),
+    ];
+    for (i, &e) in edges.iter().enumerate() {
+        let at = (i * 97 + 5) % n;
+        x[at] = e;
+    }
+    x
+}
+
+#[test]
+fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
+    let mut r = rng();
+    for &cols in MXFP4_COLS {
+        let rows = 37; // odd: the last row of a pair runs alone
+        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 253, 254]);
+        for t_rows in [1, 2, 5] {
+            let xs = edge_inputs(&mut r, t_rows * cols);
+            let mut y = vec![f32::NAN; t_rows * rows];
+            let mut products = [Mxfp4Product {
+                matrix: Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid"),
+                x: &xs,
+                t_rows,
+                y: &mut y,
+            }];
+            gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+            let m = products[0].matrix;
+            for t in 0..t_rows {
+                let x = &xs[t * cols..(t + 1) * cols];
+                for row in 0..rows {
+                    let (a, b) = (y[t * rows + row], m.dot_row_bf16_ref(row, x));
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
+    use deltafin_quant::mxfp4_bf16_contract::{dot_row_ref, permute_input};
+    use deltafin_quant::simd::avx512::{mxfp4_bf16_dot, mxfp4_bf16_dot_x2};
+    if !deltafin_quant::simd::has_avx512_bf16() {
+        // The dispatch test above then compares the scalar path with itself; say so in the log.
+        eprintln!("no AVX-512 BF16 here: only the scalar contract was exercised");
+        return;
+    }
+    let mut r = rng();
+    for &cols in MXFP4_COLS {
+        let (packed, s) = random_mxfp4(&mut r, 2, cols, &[0, 3, 127, 131, 254]);
+        let xb = permute_input(&edge_inputs(&mut r, cols));
+        // Inputs at the bottom of the normal range, against the largest scale: many partial sums are denormal, and
+        // whether they are flushed shows in the result.
+        let tiny: Vec<f32> = (0..cols)
+            .map(|_| f32::MIN_POSITIVE * r.random_range(-2.0f32..2.0))
+            .collect();
+        let (tiny_packed, tiny_s) = random_mxfp4(&mut r, 2, cols, &[254]);
+        let xb_tiny = permute_input(&tiny);
+        let tiny_row = |i: usize| {
+            (
+                &tiny_packed[i * cols / 2..(i + 1) * cols / 2],
+                &tiny_s[i * cols / 32..(i + 1) * cols / 32],
+            )
+        };
+        let want_tiny = [0, 1].map(|i| dot_row_ref(tiny_row(i).0, tiny_row(i).1, &xb_tiny));
+        // SAFETY: AVX-512F/BW/BF16 with AVX2 and FMA detected; two whole rows and their paired input.
+        let got_tiny = unsafe { mxfp4_bf16_dot_x2([tiny_row(0), tiny_row(1)], &xb_tiny) };
+        for i in 0..2 {
+            same_bits(
+                got_tiny[i],
+                want_tiny[i],
+                &format!("tiny cols {cols} row {i}"),
+            );
+        }
+        let row = |i: usize| {
+            (
+                &packed[i * cols / 2..(i + 1) * cols / 2],
+                &s[i * cols / 32..(i + 1) * cols / 32],
+            )
+        };
+        let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xb));
+        // SAFETY: AVX-512F/BW/BF16 with AVX2 and FMA detected; two whole rows and their paired input.
+        let pair = unsafe { mxfp4_bf16_dot_x2([row(0), row(1)], &xb) };
+        for i in 0..2 {
+            // SAFETY: as above, one row.
+            let one = unsafe { mxfp4_bf16_dot(row(i).0, row(i).1, &xb) };
+            same_bits(pair[i], want[i], &format!("x2 cols {cols} row {i}"));
+            same_bits(one, want[i], &format!("x1 cols {cols} row {i}"));
+        }
+    }
+}
+
+#[test]
+fn mxfp4_bf16_input_is_close_to_the_f32_path() {
+    // Rounding each input to bf16 moves it by at most 2^-9 of itself, so the result moves by at most
+    // 2^-9 · Σ|w·x| plus the f32 path's own rounding.
+    let mut r = rng();
+    let (rows, cols) = (64, 3584);
+    let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
+    let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
+    let w = m.dequantize_ref();
+    let x = randn(&mut r, cols);
+    let (mut exact, mut bf16) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+    m.gemm(&x, 1, &mut exact).expect("gemm");
+    let mut products = [Mxfp4Product {
+        matrix: m,
+        x: &x,
+        t_rows: 1,
+        y: &mut bf16,
+    }];
+    gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+    let mut worst = 0.0f64;
+    for row in 0..rows {
+        let mag: f64 = (0..cols)
+            .map(|i| (w[row * cols + i] as f64 * x[i] as f64).abs())
+            .sum();
+        let err = (bf16[row] as f64 - exact[row] as f64).abs();
+        assert!(
+            err <= mag * (2f64.powi(-9) + 1e-6),
+            "row {row}: {} vs {} (Σ|w·x| {mag})",
+            bf16[row],
+            exact[row]
+        );
+        worst = worst.max(err / mag);
+    }
+    // And the rounding did change something (the two paths are not the same computation).
+    assert!(worst > 0.0);
 }
 
 #[test]

@@ -448,3 +448,112 @@ pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
     }
     [reduce16(a0e, a0o), reduce16(a1e, a1o)]
 }
+
+/// The four decoded weight-pair vectors of one chunk for the bf16-input contract: vector `j` holds, in lane `k`,
+/// weight `j` of the lane (low half) and weight `j + 4` (high half) as bf16, straight from the word permute.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn decode_pairs(words: __m512i, table: __m512i) -> [__m512bh; 4] {
+    let p = |v: __m512i| {
+        // SAFETY: both are 512-bit plain-data vectors; the lanes are bf16 bit patterns.
+        unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(v, table)) }
+    };
+    [
+        p(words),
+        p(_mm512_srli_epi16::<4>(words)),
+        p(_mm512_srli_epi16::<8>(words)),
+        p(_mm512_srli_epi16::<12>(words)),
+    ]
+}
+
+/// `t` of one chunk under the bf16-input contract: four pair products into one chain.
+///
+/// # Safety
+/// 64 words must be readable at `xb`; the CPU must support AVX-512F and AVX-512 BF16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pair_sum(w: &[__m512bh; 4], x: &[__m512bh; 4]) -> __m512 {
+    let mut t = _mm512_setzero_ps();
+    for j in 0..4 {
+        t = _mm512_dpbf16_ps(t, w[j], x[j]);
+    }
+    t
+}
+
+/// The four input vectors of chunk `c` of a paired bf16 input.
+///
+/// # Safety
+/// Words `64c .. 64c + 64` must lie in `xb`; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn input_pairs(xb: &[u32], c: usize) -> [__m512bh; 4] {
+    std::array::from_fn(|j| {
+        // SAFETY: the caller guarantees the chunk's 64 words; the vectors are plain data.
+        unsafe {
+            let v = _mm512_loadu_si512(xb.as_ptr().add(c * 64 + j * CHUNK_LANES) as *const _);
+            std::mem::transmute::<__m512i, __m512bh>(v)
+        }
+    })
+}
+
+/// Two MXFP4 rows against one paired bf16 input `xb`, each bit-identical to
+/// [`crate::mxfp4_bf16_contract::dot_row_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512 BF16, AVX2 and FMA; `xb.len() == chunks(cols) * 64`; each row
+/// is one row's `packed` and `scales` (no scale byte 255).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+pub unsafe fn mxfp4_bf16_dot_x2(rows: [(&[u8], &[u8]); 2], xb: &[u32]) -> [f32; 2] {
+    let table = e2m1_table();
+    let n_chunks = xb.len() / 64;
+    let z = _mm512_setzero_ps();
+    let mut acc = [[z; 2]; 2];
+    let mut s16 = [z; 2];
+    for c in 0..n_chunks {
+        if c % 4 == 0 {
+            s16 = [scales16(rows[0].1, c * 4), scales16(rows[1].1, c * 4)];
+        }
+        // SAFETY: chunk c of each row (masked at its end) and of `xb` (whole chunks).
+        let x = unsafe { input_pairs(xb, c) };
+        for (r, (packed, _)) in rows.iter().enumerate() {
+            prefetch(
+                packed.as_ptr().wrapping_add(c * CHUNK_BYTES),
+                CHUNK_BYTES,
+                PREFETCH_BYTES,
+            );
+            // SAFETY: as above.
+            let t = unsafe { pair_sum(&decode_pairs(chunk_words(packed, c), table), &x) };
+            acc[r][c % 2] = _mm512_fmadd_ps(t, chunk_scale(s16[r], c % 4), acc[r][c % 2]);
+        }
+    }
+    [
+        reduce16(acc[0][0], acc[0][1]),
+        reduce16(acc[1][0], acc[1][1]),
+    ]
+}
+
+/// One MXFP4 row against one paired bf16 input, bit-identical to [`crate::mxfp4_bf16_contract::dot_row_ref`].
+///
+/// # Safety
+/// As [`mxfp4_bf16_dot_x2`], for one row.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
+pub unsafe fn mxfp4_bf16_dot(packed: &[u8], scales: &[u8], xb: &[u32]) -> f32 {
+    let table = e2m1_table();
+    let z = _mm512_setzero_ps();
+    let mut acc = [z; 2];
+    let mut s16 = z;
+    for c in 0..xb.len() / 64 {
+        if c % 4 == 0 {
+            s16 = scales16(scales, c * 4);
+        }
+        // SAFETY: chunk c of the row (masked at its end) and of `xb` (whole chunks).
+        let t = unsafe {
+            pair_sum(
+                &decode_pairs(chunk_words(packed, c), table),
+                &input_pairs(xb, c),
+            )
+        };
+        acc[c % 2] = _mm512_fmadd_ps(t, chunk_scale(s16, c % 4), acc[c % 2]);
+    }
+    reduce16(acc[0], acc[1])
+}

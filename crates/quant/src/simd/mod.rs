@@ -38,6 +38,15 @@ pub fn has_avx512() -> bool {
     })
 }
 
+/// Whether AVX-512 BF16 is available on top of [`has_avx512`]; detected once. It runs the bf16-input MXFP4
+/// contract ([`crate::mxfp4_bf16_contract`]); without it that contract runs its scalar reference.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512_bf16() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16"))
+}
+
 /// The name of the kernel path in use (for logs and benchmarks).
 pub fn path_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
