@@ -40,6 +40,9 @@ pub struct BenchArgs {
     /// Look-ahead expert prefetch in the engine (`on` or `off`).
     #[arg(long, default_value = "off")]
     prefetch: String,
+    /// How routed experts read their inputs in the engine (`f32` or `bf16`).
+    #[arg(long, default_value = "f32")]
+    expert_input: String,
 }
 
 const CGROUP: &str = "/sys/fs/cgroup/memory/deltafin-bench";
@@ -174,6 +177,8 @@ fn capped_run(bin: &Path, args: &BenchArgs, ram_gb: f64) -> anyhow::Result<Value
             &format!("{ram_gb:.3}"),
             "--prefetch",
             &args.prefetch,
+            "--expert-input",
+            &args.expert_input,
         ])
         .output()
         .context("running deltafin bench-decode")?;
@@ -271,6 +276,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         "disk_fio_gbs": bounds.iter().map(|b| b.fio_bps.map(|v| v / 1e9)).collect::<Vec<_>>(),
         "run_ratios_to_own_bound": run_ratios,
         "prefetch": args.prefetch,
+        "expert_input": args.expert_input,
         "prefetch_recall": prefetch_recall,
         "prefetch_wasted_reads_per_token": per_run(&|v| num(v, "prefetch_wasted") / tokens(v)),
         "ratio_median_of_runs": median(run_ratios.clone()),

@@ -86,6 +86,10 @@ pub struct RunArgs {
     /// them early (a wrong guess costs a read; the recall is printed with --stats).
     #[arg(long, env = "K3_PREFETCH", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     prefetch: bool,
+    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference) or bf16 (rounded
+    /// as the reference's native dtype does; about twice the kernel speed with AVX-512 BF16).
+    #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
+    expert_input: deltafin_model::ExpertInput,
 }
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
@@ -111,7 +115,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     .with_prefill_chunk(args.prefill_chunk)
     .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
-    .with_prefetch(args.prefetch);
+    .with_prefetch(args.prefetch)
+    .with_expert_input(args.expert_input);
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     if let Some(missing) = engine.missing_experts() {

@@ -2,6 +2,7 @@
 //! residual stream (Kimi Linear).
 
 use candle_core::Tensor;
+use deltafin_quant::Mxfp4Input;
 
 use crate::attn_res::ResMix;
 use crate::config::{AttnKind, ModelConfig};
@@ -31,6 +32,18 @@ pub enum Ffn {
     Dense(Box<Mlp>),
     /// Routed MoE.
     Moe(Box<Moe>),
+}
+
+/// What every layer of one forward pass shares.
+#[derive(Clone, Copy)]
+pub struct Pass<'a> {
+    /// Where routed experts come from.
+    pub experts: &'a dyn ExpertSource,
+    /// Where the time of each phase is charged.
+    pub profile: &'a Profile,
+    /// How routed experts read their inputs on the CPU (exact f32, or rounded to bf16 as the reference's native
+    /// dtype does).
+    pub expert_input: Mxfp4Input,
 }
 
 /// The residual bank of one forward call (AttnRes): stored block sums and the running partial sum.
@@ -127,10 +140,10 @@ impl Layer {
         p: Tensor,
         bank: &mut ResidualBank,
         state: &mut LayerState,
-        experts: &dyn ExpertSource,
-        profile: &Profile,
+        pass: &Pass<'_>,
         next: Option<&Layer>,
     ) -> Result<Tensor> {
+        let profile = pass.profile;
         match (&self.res, self.block_size) {
             (Some((attn_mix, mlp_mix)), Some(block)) => {
                 let h = if bank.blocks.is_empty() {
@@ -152,12 +165,8 @@ impl Layer {
                     None => a,
                 };
                 let h2 = mlp_mix.mix(&p, &bank.blocks)?;
-                let f = self.feed_forward(
-                    &rms_norm(&h2, &self.post_norm, self.eps)?,
-                    experts,
-                    profile,
-                    next,
-                )?;
+                let f =
+                    self.feed_forward(&rms_norm(&h2, &self.post_norm, self.eps)?, pass, next)?;
                 Ok((p + f)?)
             }
             _ => {
@@ -165,12 +174,7 @@ impl Layer {
                     self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
                 })?;
                 let p = (p + a)?;
-                let f = self.feed_forward(
-                    &rms_norm(&p, &self.post_norm, self.eps)?,
-                    experts,
-                    profile,
-                    next,
-                )?;
+                let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, pass, next)?;
                 Ok((p + f)?)
             }
         }
@@ -187,16 +191,10 @@ impl Layer {
         }
     }
 
-    fn feed_forward(
-        &self,
-        x: &Tensor,
-        experts: &dyn ExpertSource,
-        profile: &Profile,
-        next: Option<&Layer>,
-    ) -> Result<Tensor> {
+    fn feed_forward(&self, x: &Tensor, pass: &Pass<'_>, next: Option<&Layer>) -> Result<Tensor> {
         match &self.ffn {
-            Ffn::Dense(m) => profile.time(Phase::DenseFfn, || m.forward(x)),
-            Ffn::Moe(m) => m.forward(x, experts, profile, next.and_then(Layer::moe)),
+            Ffn::Dense(m) => pass.profile.time(Phase::DenseFfn, || m.forward(x)),
+            Ffn::Moe(m) => m.forward(x, pass, next.and_then(Layer::moe)),
         }
     }
 }

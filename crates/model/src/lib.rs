@@ -29,6 +29,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{AttnKind, Family, ModelConfig};
+pub use deltafin_quant::Mxfp4Input as ExpertInput;
 pub use device::{CUDA_BUILT, DeviceOptions, DevicePref};
 pub use error::{ModelError, Result, SourceError};
 pub use model::{LogitRows, Model};

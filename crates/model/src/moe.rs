@@ -8,15 +8,17 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use candle_core::Tensor;
-use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch};
-use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Matrix};
+use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch_with};
+use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
+use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Input, Mxfp4Matrix};
 
 use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
+use crate::layer::Pass;
 use crate::mlp::Mlp;
 use crate::ops::{glu, linear, rms_norm, sigmoid, tensor, values};
-use crate::profile::{Phase, Profile};
-use crate::weights::{ExpertSource, ExpertWeights, Loader};
+use crate::profile::Phase;
+use crate::weights::{ExpertWeights, Loader};
 
 /// Added to the sum of chosen weights before renormalising, as in the reference.
 const RENORM_EPS: f32 = 1e-20;
@@ -151,13 +153,8 @@ impl Moe {
     /// `[T, hidden] -> [T, hidden]`. `next`, the next MoE layer, is asked to guess its experts from this layer's
     /// input when the source wants prefetch guesses; the guess is handed to the source before this layer's own
     /// experts are requested, so its reads queue behind them and keep the disk busy across the layer boundary.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        experts: &dyn ExpertSource,
-        profile: &Profile,
-        next: Option<&Moe>,
-    ) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, pass: &Pass<'_>, next: Option<&Moe>) -> Result<Tensor> {
+        let (experts, profile) = (pass.experts, pass.profile);
         let routing_from = Instant::now();
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
@@ -205,7 +202,10 @@ impl Moe {
                     (e, users[&e].iter().map(|&(t, _)| z_rows[t]).collect(), &**w)
                 })
                 .collect();
-            for ((e, _, _), ys) in batch.iter().zip(self.experts_forward(&batch)?) {
+            for ((e, _, _), ys) in batch
+                .iter()
+                .zip(self.experts_forward(&batch, pass.expert_input)?)
+            {
                 for (&(t, w), y) in users[e].iter().zip(ys) {
                     outs[t].push((*e, w, y));
                 }
@@ -247,7 +247,7 @@ impl Moe {
         &self,
         g: &crate::gpu::GpuExperts,
         x: &Tensor,
-        experts: &dyn ExpertSource,
+        experts: &dyn crate::weights::ExpertSource,
     ) -> Result<Option<Tensor>> {
         let routes = self.route(x)?;
         let t_len = routes.len();
@@ -279,6 +279,7 @@ impl Moe {
     fn experts_forward(
         &self,
         batch: &[(usize, Vec<&[f32]>, &ExpertWeights)],
+        input: Mxfp4Input,
     ) -> Result<Vec<Vec<Vec<f32>>>> {
         let (inter, width) = (self.cfg.inter, self.width);
         let quant_err = |e: usize| {
@@ -332,7 +333,7 @@ impl Moe {
                 });
             }
         }
-        gemm_batch(&mut products).map_err(pass_err)?;
+        gemm_batch_with(&mut products, input).map_err(pass_err)?;
         drop(products);
         // Then every down projection in one pass.
         let acts: Vec<Vec<f32>> = gates
@@ -360,7 +361,7 @@ impl Moe {
                 y,
             })
             .collect();
-        gemm_batch(&mut products).map_err(pass_err)?;
+        gemm_batch_with(&mut products, input).map_err(pass_err)?;
         drop(products);
         let mut downs = downs.into_iter();
         let mut out = Vec::with_capacity(batch.len());
@@ -368,7 +369,7 @@ impl Moe {
             let y = match weights {
                 ExpertWeights::Mxfp4(_) => downs.next().unwrap_or_default(),
                 ExpertWeights::Dense { w1, w2, w3 } => {
-                    self.dense_expert(e, [w1, w2, w3], &inputs[k], t_of(k))?
+                    self.dense_expert(e, [w1, w2, w3], &inputs[k], t_of(k), input)?
                 }
             };
             out.push(y.chunks_exact(width).map(<[f32]>::to_vec).collect());
@@ -383,8 +384,15 @@ impl Moe {
         [w1, w2, w3]: [&Vec<f32>; 3],
         x: &[f32],
         t: usize,
+        input: Mxfp4Input,
     ) -> Result<Vec<f32>> {
         let (inter, width) = (self.cfg.inter, self.width);
+        // The bf16 mode rounds a dense expert's inputs as the MXFP4 kernels do, so it means one thing for both.
+        let rounded = |v: Vec<f32>| match input {
+            Mxfp4Input::F32 => v,
+            Mxfp4Input::Bf16 => v.into_iter().map(bf16_rounded).collect(),
+        };
+        let x = rounded(x.to_vec());
         let mat = |r, c, v: &Vec<f32>| {
             DenseMatrix::new(r, c, DenseData::F32(v.clone())).map_err(|err| ModelError::BadWeight {
                 name: format!("layer {} expert {e}", self.layer),
@@ -401,13 +409,13 @@ impl Moe {
             mat(width, inter, w2)?,
             mat(inter, width, w3)?,
         );
-        let gate = w1.gemm(x, t).map_err(quant_err)?;
-        let up = w3.gemm(x, t).map_err(quant_err)?;
+        let gate = w1.gemm(&x, t).map_err(quant_err)?;
+        let up = w3.gemm(&x, t).map_err(quant_err)?;
         let a: Vec<f32> = gate
             .iter()
             .zip(&up)
             .map(|(&g, &u)| glu(self.act, g, u))
             .collect();
-        w2.gemm(&a, t).map_err(quant_err)
+        w2.gemm(&rounded(a), t).map_err(quant_err)
     }
 }

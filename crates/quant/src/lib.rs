@@ -17,4 +17,4 @@ pub mod simd;
 
 pub use dense::{DenseData, DenseMatrix};
 pub use error::{QuantError, Result};
-pub use mxfp4::{MXFP4_GROUP, Mxfp4Matrix, e2m1_value, e8m0_scale};
+pub use mxfp4::{MXFP4_GROUP, Mxfp4Input, Mxfp4Matrix, e2m1_value, e8m0_scale};

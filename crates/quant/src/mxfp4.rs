@@ -323,6 +323,27 @@ pub enum Mxfp4Input {
     Bf16,
 }
 
+impl std::str::FromStr for Mxfp4Input {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("expected f32 or bf16, got `{other}`")),
+        }
+    }
+}
+
+impl std::fmt::Display for Mxfp4Input {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        })
+    }
+}
+
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
 enum PermutedInput {
     F32(Vec<f32>),

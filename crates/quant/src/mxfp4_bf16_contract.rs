@@ -41,6 +41,12 @@ pub fn bf16_round(x: f32) -> u16 {
     if b & 0x7f80 == 0 { b & 0x8000 } else { b }
 }
 
+/// `x` rounded by [`bf16_round`], as f32 (exact): what this contract multiplies by. Dense kernels use it to give
+/// their inputs the same rounding.
+pub fn bf16_rounded(x: f32) -> f32 {
+    bf16_value(bf16_round(x))
+}
+
 /// The value of bf16 bits, read as the dot instruction reads them: a denormal is a zero of its sign.
 fn bf16_value(b: u16) -> f32 {
     if b & 0x7f80 == 0 {
