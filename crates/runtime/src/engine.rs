@@ -243,6 +243,13 @@ impl Engine {
             Model::load_streamed(cfg, src, &options.device, &resident)?
         };
         model.set_expert_input(options.expert_input);
+        if options.expert_input == ExpertInput::Bf16 && !deltafin_quant::simd::mxfp4_bf16_is_fast()
+        {
+            tracing::warn!(
+                "K3_EXPERT_INPUT=bf16 without AVX-512 BF16 on this CPU: the bf16 expert kernels run their scalar \
+                 reference, far slower than the f32 default"
+            );
+        }
         // Only reads made by forward passes count from here on.
         spine.reset_reads();
         let streamed = model.streamed_layers();

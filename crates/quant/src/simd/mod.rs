@@ -47,6 +47,15 @@ pub fn has_avx512_bf16() -> bool {
     *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16"))
 }
 
+/// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16); without one they run
+/// their scalar reference, far slower than the f32 path.
+pub fn mxfp4_bf16_is_fast() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_avx512_bf16();
+    #[allow(unreachable_code)]
+    false
+}
+
 /// The name of the kernel path in use (for logs and benchmarks).
 pub fn path_name() -> &'static str {
     #[cfg(target_arch = "x86_64")]
