@@ -242,7 +242,11 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
         per_token(p.head)
     );
     eprintln!("attention            {:.4} s", per_token(p.attention));
-    eprintln!("MoE compute          {:.4} s", per_token(p.expert_compute));
+    eprintln!(
+        "MoE compute          {:.4} s (expert inputs {})",
+        per_token(p.expert_compute),
+        engine.expert_input()
+    );
     eprintln!(
         "bytes read           {:.1} MB/token from disk ({} reads; spine {:.1} MB/token), {:.1}% expert cache hit rate",
         (x.reader.disk.bytes + engine.spine_reads().bytes) as f64 / 1e6 / tokens,

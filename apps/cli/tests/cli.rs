@@ -341,3 +341,59 @@ fn pin_layers_streams_the_spine_and_rejects_bad_values() {
     assert!(stderr.contains("K3_PIN_LAYERS"), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
+
+/// `--expert-input bf16` (and `K3_EXPERT_INPUT`) reaches the engine: `--stats` names it and `nll` scores change but
+/// stay close to the f32 default; a bad value is a clear error.
+#[test]
+fn expert_input_flag_reaches_the_engine() {
+    let dir = fixture("k3/k3-tiny-a");
+    let model = dir.to_str().expect("utf-8 path");
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "run",
+            "--model",
+            model,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new",
+            "2",
+            "--ignore-eos",
+            "--json",
+            "--stats",
+            "--expert-input",
+            "bf16",
+        ])
+        .output()
+        .expect("run deltafin");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stderr: {stderr}");
+    assert!(stderr.contains("expert inputs bf16"), "stderr: {stderr}");
+
+    let nll = |input: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+            .args(["nll", "--model", model, "--ids", "1,2,3,4,5,6", "--json"])
+            .env("K3_EXPERT_INPUT", input)
+            .output()
+            .expect("run deltafin");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        r["mean_nll"].as_f64().expect("mean_nll")
+    };
+    let (f32_nll, bf16_nll) = (nll("f32"), nll("bf16"));
+    assert_ne!(f32_nll, bf16_nll);
+    assert!((f32_nll - bf16_nll).abs() < 0.02, "{f32_nll} vs {bf16_nll}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args(["nll", "--model", model, "--ids", "1,2", "--json"])
+        .env("K3_EXPERT_INPUT", "fp8")
+        .output()
+        .expect("run deltafin");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("f32 or bf16"), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}

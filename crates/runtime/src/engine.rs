@@ -355,6 +355,11 @@ impl Engine {
             })
     }
 
+    /// How routed experts read their inputs on the CPU (`K3_EXPERT_INPUT`).
+    pub fn expert_input(&self) -> ExpertInput {
+        self.model.expert_input()
+    }
+
     /// Whether the spine came from the int8 copy.
     pub fn spine_is_int8(&self) -> bool {
         self.spine_int8
