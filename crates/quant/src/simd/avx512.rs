@@ -399,6 +399,87 @@ pub unsafe fn mxfp4_row_multi(
     }
 }
 
+/// The scale vectors of the four chunks whose sixteen groups [`scales16`] loaded (chunk `j` as [`chunk_scale`]).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn chunk_scales4(s16: __m512) -> [__m512; 4] {
+    [
+        chunk_scale(s16, 0),
+        chunk_scale(s16, 1),
+        chunk_scale(s16, 2),
+        chunk_scale(s16, 3),
+    ]
+}
+
+/// Drives a two-row MXFP4 kernel: `sums(c, words)` gives both rows' unscaled sums `t` of chunk `c` from their code
+/// words; the driver applies the scales into the contracts' even and odd accumulators
+/// (`acc[c % 2] = fma(t, scale, acc[c % 2])`, in registers) and reduces. Chunks that lie whole in both rows run four
+/// at a time, with plain loads and one scale load per row; the rest (a row's partial last chunk) through masked loads.
+///
+/// # Safety
+/// `n_chunks` chunks of input must be readable by `sums`; the CPU must support AVX-512F/BW, AVX2 and FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn mxfp4_two_rows(
+    rows: [(&[u8], &[u8]); 2],
+    n_chunks: usize,
+    mut sums: impl FnMut(usize, [__m512i; 2]) -> [__m512; 2],
+) -> [f32; 2] {
+    let z = _mm512_setzero_ps();
+    // (row 0, row 1) × (even chunks, odd chunks).
+    let (mut e0, mut o0, mut e1, mut o1) = (z, z, z, z);
+    let whole = rows
+        .iter()
+        .fold(n_chunks, |n, (p, _)| n.min(p.len() / CHUNK_BYTES))
+        / 4
+        * 4;
+    let (p0, p1) = (rows[0].0.as_ptr(), rows[1].0.as_ptr());
+    let mut c = 0;
+    while c < whole {
+        let s0 = chunk_scales4(scales16(rows[0].1, c * 4));
+        let s1 = chunk_scales4(scales16(rows[1].1, c * 4));
+        for j in 0..4 {
+            let at = (c + j) * CHUNK_BYTES;
+            prefetch(p0.wrapping_add(at), CHUNK_BYTES, PREFETCH_BYTES);
+            prefetch(p1.wrapping_add(at), CHUNK_BYTES, PREFETCH_BYTES);
+            // SAFETY: chunk c + j < whole lies whole in both rows.
+            let words = unsafe {
+                [
+                    _mm512_loadu_si512(p0.add(at) as *const _),
+                    _mm512_loadu_si512(p1.add(at) as *const _),
+                ]
+            };
+            let [t0, t1] = sums(c + j, words);
+            if j % 2 == 0 {
+                e0 = _mm512_fmadd_ps(t0, s0[j], e0);
+                e1 = _mm512_fmadd_ps(t1, s1[j], e1);
+            } else {
+                o0 = _mm512_fmadd_ps(t0, s0[j], o0);
+                o1 = _mm512_fmadd_ps(t1, s1[j], o1);
+            }
+        }
+        c += 4;
+    }
+    while c < n_chunks {
+        let (s0, s1) = (
+            scales16(rows[0].1, c / 4 * 16),
+            scales16(rows[1].1, c / 4 * 16),
+        );
+        // SAFETY: chunk c of each row, masked at its end.
+        let words = unsafe { [chunk_words(rows[0].0, c), chunk_words(rows[1].0, c)] };
+        let [t0, t1] = sums(c, words);
+        let (a0, a1) = if c % 2 == 0 {
+            (&mut e0, &mut e1)
+        } else {
+            (&mut o0, &mut o1)
+        };
+        *a0 = _mm512_fmadd_ps(t0, chunk_scale(s0, c % 4), *a0);
+        *a1 = _mm512_fmadd_ps(t1, chunk_scale(s1, c % 4), *a1);
+        c += 1;
+    }
+    [reduce16(e0, o0), reduce16(e1, o1)]
+}
+
 /// Two MXFP4 rows against one permuted input `xp`, each bit-identical to
 /// [`crate::mxfp4_contract::dot_row_ref`].
 ///
@@ -407,46 +488,17 @@ pub unsafe fn mxfp4_row_multi(
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
     let table = e2m1_table();
-    let n_chunks = xp.len() / CHUNK;
-    let z = _mm512_setzero_ps();
-    // (row 0, row 1) × (even chunks, odd chunks), kept in registers.
-    let (mut a0e, mut a0o, mut a1e, mut a1o) = (z, z, z, z);
-    let (mut s0, mut s1) = (z, z);
-    // One chunk of both rows into the given accumulators.
-    let step = |c: usize, s0: __m512, s1: __m512, a0: &mut __m512, a1: &mut __m512| {
-        prefetch(
-            rows[0].0.as_ptr().wrapping_add(c * CHUNK_BYTES),
-            CHUNK_BYTES,
-            PREFETCH_BYTES,
-        );
-        prefetch(
-            rows[1].0.as_ptr().wrapping_add(c * CHUNK_BYTES),
-            CHUNK_BYTES,
-            PREFETCH_BYTES,
-        );
-        // SAFETY: chunk c of each row (masked at its end) and of `xp` (whole chunks).
-        unsafe {
-            let xc = xp.as_ptr().add(c * CHUNK);
-            let w0 = decode(chunk_words(rows[0].0, c), table);
-            let w1 = decode(chunk_words(rows[1].0, c), table);
-            let (sum0, sum1) = chunk_sum_x2(&w0, &w1, xc);
-            *a0 = _mm512_fmadd_ps(sum0, chunk_scale(s0, c % 4), *a0);
-            *a1 = _mm512_fmadd_ps(sum1, chunk_scale(s1, c % 4), *a1);
-        }
-    };
-    let mut c = 0;
-    while c < n_chunks {
-        if c % 4 == 0 {
-            s0 = scales16(rows[0].1, c * 4);
-            s1 = scales16(rows[1].1, c * 4);
-        }
-        step(c, s0, s1, &mut a0e, &mut a1e);
-        if c + 1 < n_chunks {
-            step(c + 1, s0, s1, &mut a0o, &mut a1o);
-        }
-        c += 2;
+    // SAFETY: `xp` holds `n_chunks` whole chunks; features as required.
+    unsafe {
+        mxfp4_two_rows(rows, xp.len() / CHUNK, |c, [w0, w1]| {
+            let (sum0, sum1) = chunk_sum_x2(
+                &decode(w0, table),
+                &decode(w1, table),
+                xp.as_ptr().add(c * CHUNK),
+            );
+            [sum0, sum1]
+        })
     }
-    [reduce16(a0e, a0o), reduce16(a1e, a1o)]
 }
 
 /// The four decoded weight-pair vectors of one chunk for the bf16-input contract: vector `j` holds, in lane `k`,
@@ -505,31 +557,16 @@ unsafe fn input_pairs(xb: &[u32], c: usize) -> [__m512bh; 4] {
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
 pub unsafe fn mxfp4_bf16_dot_x2(rows: [(&[u8], &[u8]); 2], xb: &[u32]) -> [f32; 2] {
     let table = e2m1_table();
-    let n_chunks = xb.len() / 64;
-    let z = _mm512_setzero_ps();
-    let mut acc = [[z; 2]; 2];
-    let mut s16 = [z; 2];
-    for c in 0..n_chunks {
-        if c % 4 == 0 {
-            s16 = [scales16(rows[0].1, c * 4), scales16(rows[1].1, c * 4)];
-        }
-        // SAFETY: chunk c of each row (masked at its end) and of `xb` (whole chunks).
-        let x = unsafe { input_pairs(xb, c) };
-        for (r, (packed, _)) in rows.iter().enumerate() {
-            prefetch(
-                packed.as_ptr().wrapping_add(c * CHUNK_BYTES),
-                CHUNK_BYTES,
-                PREFETCH_BYTES,
-            );
-            // SAFETY: as above.
-            let t = unsafe { pair_sum(&decode_pairs(chunk_words(packed, c), table), &x) };
-            acc[r][c % 2] = _mm512_fmadd_ps(t, chunk_scale(s16[r], c % 4), acc[r][c % 2]);
-        }
+    // SAFETY: `xb` holds `n_chunks` whole chunks; features as required.
+    unsafe {
+        mxfp4_two_rows(rows, xb.len() / 64, |c, [w0, w1]| {
+            let x = input_pairs(xb, c);
+            [
+                pair_sum(&decode_pairs(w0, table), &x),
+                pair_sum(&decode_pairs(w1, table), &x),
+            ]
+        })
     }
-    [
-        reduce16(acc[0][0], acc[0][1]),
-        reduce16(acc[1][0], acc[1][1]),
-    ]
 }
 
 /// One MXFP4 row against one paired bf16 input, bit-identical to [`crate::mxfp4_bf16_contract::dot_row_ref`].
