@@ -139,8 +139,9 @@ fn mxfp4_dot_matches_twin_including_extreme_scales() {
     }
 }
 
-/// Column counts: whole 128-chunks, a partial last chunk, and a single group.
-const MXFP4_COLS: &[usize] = &[32, 96, 128, 160, 384, 3072, 3584, 3616];
+/// Column counts: whole 128-chunks, a partial last chunk, a single group, and whole four-chunk blocks followed by
+/// whole (640: 4 + 1) or whole and partial (864: 4 + 2 + a partial) chunks.
+const MXFP4_COLS: &[usize] = &[32, 96, 128, 160, 384, 640, 864, 3072, 3584, 3616];
 
 #[test]
 fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
