@@ -241,10 +241,10 @@ impl<'a> Mxfp4Matrix<'a> {
                 } else {
                     let (one, tail) = rest.split_at_mut(t_rows);
                     let (packed, scales) = self.row_bytes(r);
-                    for (o, xb) in one.iter_mut().zip(xbs.chunks_exact(xb_len)) {
-                        // SAFETY: as above, for one row and one input.
-                        *o = unsafe { crate::simd::avx512::mxfp4_bf16_dot(packed, scales, xb) };
-                    }
+                    // SAFETY: as above, with `t_rows` inputs of `xb_len` words.
+                    unsafe {
+                        crate::simd::avx512::mxfp4_bf16_row_multi(packed, scales, xbs, xb_len, one)
+                    };
                     (r, rest) = (r + 1, tail);
                 }
             }

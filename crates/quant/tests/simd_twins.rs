@@ -411,7 +411,7 @@ fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
 #[test]
 fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
     use deltafin_quant::mxfp4_bf16_contract::{dot_row_ref, permute_input};
-    use deltafin_quant::simd::avx512::{mxfp4_bf16_dot, mxfp4_bf16_dot_x2};
+    use deltafin_quant::simd::avx512::{mxfp4_bf16_dot_x2, mxfp4_bf16_row_multi};
     if !deltafin_quant::simd::has_avx512_bf16() {
         // The dispatch test above then compares the scalar path with itself; say so in the log.
         eprintln!("no AVX-512 BF16 here: only the scalar contract was exercised");
@@ -453,11 +453,14 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
         let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xb));
         // SAFETY: AVX-512F/BW/BF16 with AVX2 and FMA detected; two whole rows and their paired input.
         let pair = unsafe { mxfp4_bf16_dot_x2([row(0), row(1)], &xb) };
+        // Row 1 against two copies of the input, each decoded chunk used for both.
+        let xbs: Vec<u32> = xb.iter().chain(xb.iter()).copied().collect();
+        let mut multi = [0.0f32; 2];
+        // SAFETY: as above, one row and two inputs of `xb.len()` words.
+        unsafe { mxfp4_bf16_row_multi(row(1).0, row(1).1, &xbs, xb.len(), &mut multi) };
         for i in 0..2 {
-            // SAFETY: as above, one row.
-            let one = unsafe { mxfp4_bf16_dot(row(i).0, row(i).1, &xb) };
             same_bits(pair[i], want[i], &format!("x2 cols {cols} row {i}"));
-            same_bits(one, want[i], &format!("x1 cols {cols} row {i}"));
+            same_bits(multi[i], want[1], &format!("multi cols {cols} input {i}"));
         }
     }
 }

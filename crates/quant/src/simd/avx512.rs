@@ -569,28 +569,38 @@ pub unsafe fn mxfp4_bf16_dot_x2(rows: [(&[u8], &[u8]); 2], xb: &[u32]) -> [f32; 
     }
 }
 
-/// One MXFP4 row against one paired bf16 input, bit-identical to [`crate::mxfp4_bf16_contract::dot_row_ref`].
+/// One MXFP4 row against rows of the paired bf16 input: `out[t] = row · x_t`, where `x_t` is
+/// `xbs[t * xb_len ..][.. xb_len]`. Bit-identical to [`crate::mxfp4_bf16_contract::dot_row_ref`] for each `t`; each
+/// chunk is decoded once for all `t`.
 ///
 /// # Safety
-/// As [`mxfp4_bf16_dot_x2`], for one row.
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512 BF16, AVX2 and FMA; `xb_len == chunks(cols) * 64`,
+/// `xbs.len() >= out.len() * xb_len`; `packed` and `scales` are one row's bytes (no scale byte 255).
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
-pub unsafe fn mxfp4_bf16_dot(packed: &[u8], scales: &[u8], xb: &[u32]) -> f32 {
+pub unsafe fn mxfp4_bf16_row_multi(
+    packed: &[u8],
+    scales: &[u8],
+    xbs: &[u32],
+    xb_len: usize,
+    out: &mut [f32],
+) {
     let table = e2m1_table();
-    let z = _mm512_setzero_ps();
-    let mut acc = [z; 2];
-    let mut s16 = z;
-    for c in 0..xb.len() / 64 {
+    let mut acc = vec![[_mm512_setzero_ps(); 2]; out.len()];
+    let mut s16 = _mm512_setzero_ps();
+    for c in 0..xb_len / 64 {
         if c % 4 == 0 {
             s16 = scales16(scales, c * 4);
         }
-        // SAFETY: chunk c of the row (masked at its end) and of `xb` (whole chunks).
-        let t = unsafe {
-            pair_sum(
-                &decode_pairs(chunk_words(packed, c), table),
-                &input_pairs(xb, c),
-            )
-        };
-        acc[c % 2] = _mm512_fmadd_ps(t, chunk_scale(s16, c % 4), acc[c % 2]);
+        let scale = chunk_scale(s16, c % 4);
+        // SAFETY: chunk c of the row (masked at its end).
+        let w = decode_pairs(unsafe { chunk_words(packed, c) }, table);
+        for (a, xb) in acc.iter_mut().zip(xbs.chunks_exact(xb_len)) {
+            // SAFETY: x_t holds `xb_len` words, so chunk c is whole.
+            let t = unsafe { pair_sum(&w, &input_pairs(xb, c)) };
+            a[c % 2] = _mm512_fmadd_ps(t, scale, a[c % 2]);
+        }
     }
-    reduce16(acc[0], acc[1])
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = reduce16(a[0], a[1]);
+    }
 }
