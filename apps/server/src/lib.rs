@@ -217,7 +217,7 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// States model, spine, device and memory budget, and warns about missing experts.
+/// States model, spine, expert inputs, device and memory budget, and warns about missing experts.
 fn log_startup(engine: &Engine, config: &ServerConfig) {
     let spine = if engine.spine_is_int8() {
         "int8 (row-wise copy)"
@@ -226,11 +226,13 @@ fn log_startup(engine: &Engine, config: &ServerConfig) {
     };
     let device = engine.device_name();
     tracing::info!(
-        "model `{}` from {} ({} layers, vocab {}); spine {spine}; device {device}; memory budget {}",
+        "model `{}` from {} ({} layers, vocab {}); spine {spine}; expert inputs {}; device {device}; memory \
+         budget {}",
         config.model_id,
         engine.dir().display(),
         engine.config().n_layers,
         engine.config().vocab_size,
+        engine.expert_input(),
         memory_budget(),
     );
     if let Some(missing) = engine.missing_experts() {
