@@ -1,8 +1,9 @@
 //! The routed MoE: fp32 sigmoid router (bias for selection only), routed experts at latent (K3) or hidden width,
 //! combine, latent norm and up-projection, plus the shared experts.
 //!
-//! All rows of a call are routed first; then each distinct expert is fetched once from the [`ExpertSource`](crate::weights::ExpertSource) and
-//! applied to every row that chose it, so a prefill chunk reads each expert once per layer.
+//! All rows of a call are routed first; then each distinct expert is fetched once from the
+//! [`ExpertSource`](crate::weights::ExpertSource) and applied to every row that chose it, so a prefill chunk reads
+//! each expert once per layer.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
