@@ -33,7 +33,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
     /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference) or bf16 (rounded
-    /// as the reference's native dtype does; about twice the kernel speed with AVX-512 BF16).
+    /// as the reference's native dtype does; faster kernels with AVX-512 BF16).
     #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
     expert_input: deltafin_model::ExpertInput,
 }

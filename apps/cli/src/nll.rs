@@ -40,7 +40,7 @@ pub struct NllArgs {
     #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
     pin_layers: String,
     /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference) or bf16 (rounded
-    /// as the reference's native dtype does; about twice the kernel speed with AVX-512 BF16).
+    /// as the reference's native dtype does; faster kernels with AVX-512 BF16).
     #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
     expert_input: deltafin_model::ExpertInput,
 }

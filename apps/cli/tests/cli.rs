@@ -342,8 +342,8 @@ fn pin_layers_streams_the_spine_and_rejects_bad_values() {
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
 
-/// `--expert-input bf16` (and `K3_EXPERT_INPUT`) reaches the engine: `--stats` names it and `nll` scores change but
-/// stay close to the f32 default; a bad value is a clear error.
+/// `--expert-input bf16` reaches the engine: `--stats` names it and `nll` scores change but stay close to the f32
+/// default; a bad `K3_EXPERT_INPUT` is a clear error.
 #[test]
 fn expert_input_flag_reaches_the_engine() {
     let dir = fixture("k3/k3-tiny-a");
@@ -370,17 +370,8 @@ fn expert_input_flag_reaches_the_engine() {
     assert!(stderr.contains("expert inputs bf16"), "stderr: {stderr}");
 
     let nll = |input: &str| {
-        let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-            .args(["nll", "--model", model, "--ids", "1,2,3,4,5,6", "--json"])
-            .env("K3_EXPERT_INPUT", input)
-            .output()
-            .expect("run deltafin");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let args = ["nll", "--model", model, "--ids", "1,2,3,4,5,6", "--json"];
+        let r = deltafin_json(&[&args[..], &["--expert-input", input]].concat());
         r["mean_nll"].as_f64().expect("mean_nll")
     };
     let (f32_nll, bf16_nll) = (nll("f32"), nll("bf16"));

@@ -48,6 +48,9 @@ pub fn e8m0_scale(e: u8) -> Option<f32> {
     })
 }
 
+/// One row's packed codes and scale bytes.
+type RowBytes<'a> = (&'a [u8], &'a [u8]);
+
 /// A borrowed, shape-checked MXFP4 matrix.
 #[derive(Clone, Copy, Debug)]
 pub struct Mxfp4Matrix<'a> {
@@ -174,36 +177,16 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512() {
-            let mut r = r0;
-            let mut rest = out;
-            while !rest.is_empty() {
-                if t_rows == 1 && rest.len() >= 2 {
-                    let (pair, tail) = rest.split_at_mut(2);
-                    // SAFETY: AVX-512F/BW, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted
-                    // input of the right length.
-                    let ys = unsafe {
-                        crate::simd::avx512::mxfp4_dot_x2(
-                            [self.row_bytes(r), self.row_bytes(r + 1)],
-                            xps,
-                        )
-                    };
-                    pair.copy_from_slice(&ys);
-                    (r, rest) = (r + 2, tail);
-                } else {
-                    let (one, tail) = rest.split_at_mut(t_rows);
-                    let (packed, scales) = self.row_bytes(r);
-                    // SAFETY: as above, with `t_rows` inputs of `xp_len` values.
-                    unsafe {
-                        crate::simd::avx512::mxfp4_row_multi(packed, scales, xps, xp_len, one)
-                    };
-                    (r, rest) = (r + 1, tail);
-                }
-            }
-            return;
+            // SAFETY: AVX-512F/BW, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted input.
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_dot_x2(rows, xps) };
+            // SAFETY: as above; one whole row and `out.len()` permuted inputs of `xp_len` values.
+            let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
+                crate::simd::avx512::mxfp4_row_multi(packed, scales, xps, xp_len, out)
+            };
+            return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
         }
-        for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
-            let (packed, scales) = self.row_bytes(r0 + i);
-            for (o, xp) in row_out.iter_mut().zip(xps.chunks_exact(xp_len)) {
+        let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
+            for (o, xp) in out.iter_mut().zip(xps.chunks_exact(xp_len)) {
                 #[cfg(target_arch = "x86_64")]
                 if crate::simd::has_avx2_fma() {
                     // SAFETY: AVX2 and FMA present; one whole row and one permuted input of the right length.
@@ -212,7 +195,8 @@ impl<'a> Mxfp4Matrix<'a> {
                 }
                 *o = mxfp4_contract::dot_row_ref(packed, scales, xp);
             }
-        }
+        };
+        self.run_rows(r0, t_rows, out, None, &each);
     }
 
     /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
@@ -223,42 +207,51 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512_bf16() {
-            let mut r = r0;
-            let mut rest = out;
-            while !rest.is_empty() {
-                if t_rows == 1 && rest.len() >= 2 {
-                    let (pair, tail) = rest.split_at_mut(2);
-                    // SAFETY: AVX-512F/BW/BF16, AVX2 and FMA present; two whole rows (checked in `new`) and one
-                    // paired input of the right length.
-                    let ys = unsafe {
-                        crate::simd::avx512::mxfp4_bf16_dot_x2(
-                            [self.row_bytes(r), self.row_bytes(r + 1)],
-                            xbs,
-                        )
-                    };
-                    pair.copy_from_slice(&ys);
+            // SAFETY: AVX-512F/BW/BF16, AVX2 and FMA present; two whole rows (checked in `new`) and one paired input.
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_bf16_dot_x2(rows, xbs) };
+            // SAFETY: as above; one whole row and `out.len()` paired inputs of `xb_len` words.
+            let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
+                crate::simd::avx512::mxfp4_bf16_row_multi(packed, scales, xbs, xb_len, out)
+            };
+            return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
+        }
+        let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
+            for (o, xb) in out.iter_mut().zip(xbs.chunks_exact(xb_len)) {
+                *o = mxfp4_bf16_contract::dot_row_ref(packed, scales, xb);
+            }
+        };
+        self.run_rows(r0, t_rows, out, None, &each);
+    }
+
+    /// Rows `r0 ..` into `out` (`[rows_here, t_rows]`): `multi` multiplies one row by every input; `pair`, where a
+    /// kernel has one, multiplies two rows by a single input (`t_rows == 1`), sharing the input's loads.
+    fn run_rows(
+        &self,
+        r0: usize,
+        t_rows: usize,
+        out: &mut [f32],
+        pair: Option<&dyn Fn([RowBytes<'a>; 2]) -> [f32; 2]>,
+        multi: &dyn Fn(RowBytes<'a>, &mut [f32]),
+    ) {
+        let mut r = r0;
+        let mut rest = out;
+        while !rest.is_empty() {
+            match pair {
+                Some(pair) if t_rows == 1 && rest.len() >= 2 => {
+                    let (two, tail) = rest.split_at_mut(2);
+                    two.copy_from_slice(&pair([self.row_bytes(r), self.row_bytes(r + 1)]));
                     (r, rest) = (r + 2, tail);
-                } else {
-                    let (one, tail) = rest.split_at_mut(t_rows);
-                    let (packed, scales) = self.row_bytes(r);
-                    // SAFETY: as above, with `t_rows` inputs of `xb_len` words.
-                    unsafe {
-                        crate::simd::avx512::mxfp4_bf16_row_multi(packed, scales, xbs, xb_len, one)
-                    };
+                }
+                _ => {
+                    let (one, tail) = rest.split_at_mut(t_rows.min(rest.len()));
+                    multi(self.row_bytes(r), one);
                     (r, rest) = (r + 1, tail);
                 }
-            }
-            return;
-        }
-        for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
-            let (packed, scales) = self.row_bytes(r0 + i);
-            for (o, xb) in row_out.iter_mut().zip(xbs.chunks_exact(xb_len)) {
-                *o = mxfp4_bf16_contract::dot_row_ref(packed, scales, xb);
             }
         }
     }
 
-    fn row_bytes(&self, row: usize) -> (&[u8], &[u8]) {
+    fn row_bytes(&self, row: usize) -> RowBytes<'a> {
         let groups = self.cols / MXFP4_GROUP;
         (
             &self.packed[row * self.cols / 2..(row + 1) * self.cols / 2],
@@ -319,7 +312,8 @@ pub enum Mxfp4Input {
     #[default]
     F32,
     /// Rounded to bf16 first ([`crate::mxfp4_bf16_contract`]), as the reference does in its native bf16 dtype;
-    /// about twice as fast on CPUs with AVX-512 BF16, and the scalar reference (slow) on others.
+    /// about 1.5× the f32 kernel's compute rate on CPUs with AVX-512 BF16, and the scalar reference (slow) on
+    /// others.
     Bf16,
 }
 

@@ -149,17 +149,7 @@ mod tests {
 
     #[test]
     fn reference_matches_a_plain_sum_on_exact_values() {
-        // Small integers are exact in bf16 and every sum is exact, so any order gives the plain sum.
-        let cols = 160;
-        let packed: Vec<u8> = (0..cols / 2).map(|i| (i * 37 % 251) as u8).collect();
-        let scales = [127u8, 128, 126, 127, 129];
-        let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 - 3.0).collect();
-        let mut plain = 0.0f64;
-        for (i, &xi) in x.iter().enumerate() {
-            let code = (packed[i / 2] >> (4 * (i % 2))) & 15;
-            let w = E2M1_TABLE[code as usize] * group_scale(&scales, i / 32);
-            plain += w as f64 * xi as f64;
-        }
+        let (packed, scales, x, plain) = crate::mxfp4_contract::tests::exact_case();
         assert_eq!(
             dot_row_ref(&packed, &scales, &permute_input(&x)) as f64,
             plain

@@ -113,7 +113,7 @@ pub fn dot_row_ref(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -130,10 +130,19 @@ mod tests {
 
     #[test]
     fn reference_matches_a_plain_sum_on_exact_values() {
-        // Small integers: every operation is exact, so any order gives the plain sum.
+        let (packed, scales, x, plain) = exact_case();
+        assert_eq!(
+            dot_row_ref(&packed, &scales, &permute_input(&x)) as f64,
+            plain
+        );
+    }
+
+    /// A row of 160 weights (a partial last chunk), its scales and an input on which every product and sum is exact
+    /// (in f32, and in bf16 for the inputs), so any accumulation order gives the plain sum, returned last.
+    pub(crate) fn exact_case() -> (Vec<u8>, Vec<u8>, Vec<f32>, f64) {
         let cols = 160;
         let packed: Vec<u8> = (0..cols / 2).map(|i| (i * 37 % 251) as u8).collect();
-        let scales = [127u8, 128, 126, 127, 129];
+        let scales = vec![127u8, 128, 126, 127, 129];
         let x: Vec<f32> = (0..cols).map(|i| (i % 7) as f32 - 3.0).collect();
         let mut plain = 0.0f64;
         for (i, &xi) in x.iter().enumerate() {
@@ -141,9 +150,6 @@ mod tests {
             let w = E2M1_TABLE[code as usize] * group_scale(&scales, i / 32);
             plain += w as f64 * xi as f64;
         }
-        assert_eq!(
-            dot_row_ref(&packed, &scales, &permute_input(&x)) as f64,
-            plain
-        );
+        (packed, scales, x, plain)
     }
 }
