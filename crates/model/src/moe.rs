@@ -5,6 +5,7 @@
 //! [`ExpertSource`](crate::weights::ExpertSource) and applied to every row that chose it, so a prefill chunk reads
 //! each expert once per layer.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -23,6 +24,15 @@ use crate::weights::{ExpertWeights, Loader};
 
 /// Added to the sum of chosen weights before renormalising, as in the reference.
 const RENORM_EPS: f32 = 1e-20;
+
+/// A dense expert's input as `input` says the experts read theirs: as is, or rounded to bf16 as the MXFP4 kernels
+/// round it, so the bf16 mode means one thing for both kinds of expert.
+fn rounded(v: &[f32], input: Mxfp4Input) -> Cow<'_, [f32]> {
+    match input {
+        Mxfp4Input::F32 => Cow::Borrowed(v),
+        Mxfp4Input::Bf16 => v.iter().copied().map(bf16_rounded).collect(),
+    }
+}
 
 /// K3's latent projections around the routed experts.
 #[derive(Debug)]
@@ -340,12 +350,7 @@ impl Moe {
         let acts: Vec<Vec<f32>> = gates
             .iter()
             .zip(&ups)
-            .map(|(g, u)| {
-                g.iter()
-                    .zip(u)
-                    .map(|(&g, &u)| glu(self.act, g, u))
-                    .collect()
-            })
+            .map(|(g, u)| self.glu_rows(g, u))
             .collect();
         let mut downs: Vec<Vec<f32>> = mxfp4
             .iter()
@@ -388,12 +393,6 @@ impl Moe {
         input: Mxfp4Input,
     ) -> Result<Vec<f32>> {
         let (inter, width) = (self.cfg.inter, self.width);
-        // The bf16 mode rounds a dense expert's inputs as the MXFP4 kernels do, so it means one thing for both.
-        let rounded = |v: Vec<f32>| match input {
-            Mxfp4Input::F32 => v,
-            Mxfp4Input::Bf16 => v.into_iter().map(bf16_rounded).collect(),
-        };
-        let x = rounded(x.to_vec());
         let mat = |r, c, v: &Vec<f32>| {
             DenseMatrix::new(r, c, DenseData::F32(v.clone())).map_err(|err| ModelError::BadWeight {
                 name: format!("layer {} expert {e}", self.layer),
@@ -410,13 +409,18 @@ impl Moe {
             mat(width, inter, w2)?,
             mat(inter, width, w3)?,
         );
+        let x = rounded(x, input);
         let gate = w1.gemm(&x, t).map_err(quant_err)?;
         let up = w3.gemm(&x, t).map_err(quant_err)?;
-        let a: Vec<f32> = gate
-            .iter()
-            .zip(&up)
+        w2.gemm(&rounded(&self.glu_rows(&gate, &up), input), t)
+            .map_err(quant_err)
+    }
+
+    /// The expert activation of gate and up outputs, element by element.
+    fn glu_rows(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        gate.iter()
+            .zip(up)
             .map(|(&g, &u)| glu(self.act, g, u))
-            .collect();
-        w2.gemm(&rounded(a), t).map_err(quant_err)
+            .collect()
     }
 }

@@ -168,9 +168,7 @@ impl DenseMatrix {
         self.check(x, t_rows)?;
         let mut y = vec![0.0f32; t_rows * self.rows];
         if t_rows == 1 {
-            par_row_blocks(self.rows, 1, DENSE_ROWS_PER_TASK, &mut y, |r0, out| {
-                self.dot_rows(r0, x, out)
-            });
+            par_row_blocks(&mut y, |r0, out| self.dot_rows(r0, x, out));
             return Ok(y);
         }
         par_rows(self.rows, t_rows, &mut y, |r, t| {
@@ -228,10 +226,11 @@ impl DenseMatrix {
 /// Output rows handled by one task.
 const ROWS_PER_TASK: usize = 16;
 
-/// Rows per task for one activation row of a dense matrix: larger tasks cost less scheduling per byte (int8
-/// `[7168, 7168]` from memory: 0.63–0.81 of the memory read rate with 16-row tasks, 0.85–0.89 with 64, in the same
-/// minutes). MXFP4 experts keep 16-row tasks, which balance the two cores better on their 3072 rows.
-pub const DENSE_ROWS_PER_TASK: usize = 64;
+/// Rows per task for one activation row of a dense matrix (even, so row pairs stay together): larger tasks cost
+/// less scheduling per byte (int8 `[7168, 7168]` from memory: 0.63–0.81 of the memory read rate with 16-row tasks,
+/// 0.85–0.89 with 64, in the same minutes). MXFP4 experts keep 16-row tasks, which balance the two cores better on
+/// their 3072 rows.
+const DENSE_ROWS_PER_TASK: usize = 64;
 
 /// Fills `y [t_rows, rows]` with `f(r, t)`, in parallel over output rows. Each weight row is visited once for all
 /// activation rows.
@@ -264,38 +263,16 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
     }
 }
 
-/// Fills `y [t_rows, rows]` in parallel over blocks of weight rows: `f(r0, out)` fills `out`, the outputs of rows
-/// `r0 .. r0 + out.len() / t_rows`, row-major by weight row (`out[i * t_rows + t]`), so a kernel can share work
-/// between neighbouring rows or between activation rows. Tasks cover `rows_per_task` rows (rounded up to even, so
-/// row pairs stay together); fewer than four tasks' worth of rows run on the calling thread.
-pub fn par_row_blocks(
-    rows: usize,
-    t_rows: usize,
-    rows_per_task: usize,
-    y: &mut [f32],
-    f: impl Fn(usize, &mut [f32]) + Sync,
-) {
-    let per_task = rows_per_task.max(2).next_multiple_of(2);
-    if t_rows == 1 {
-        // One activation row: `y` is already laid out by weight row.
-        if rows < 4 * per_task {
-            f(0, &mut y[..rows]);
-        } else {
-            y[..rows]
-                .par_chunks_mut(per_task)
-                .enumerate()
-                .for_each(|(chunk, out)| f(chunk * per_task, out));
-        }
-        return;
-    }
-    let mut by_row = vec![0.0f32; rows * t_rows];
-    by_row
-        .par_chunks_mut(per_task * t_rows)
-        .enumerate()
-        .for_each(|(chunk, out)| f(chunk * per_task, out));
-    for r in 0..rows {
-        for t in 0..t_rows {
-            y[t * rows + r] = by_row[r * t_rows + t];
-        }
+/// Fills `y` (one output per weight row) in parallel over blocks of [`DENSE_ROWS_PER_TASK`] rows: `f(r0, out)`
+/// fills the outputs of rows `r0 .. r0 + out.len()`, so a kernel can share the input's loads between neighbouring
+/// rows. Fewer than four tasks' worth of rows run on the calling thread.
+fn par_row_blocks(y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let per_task = DENSE_ROWS_PER_TASK;
+    if y.len() < 4 * per_task {
+        f(0, y);
+    } else {
+        y.par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(chunk, out)| f(chunk * per_task, out));
     }
 }

@@ -162,10 +162,10 @@ impl<'a> Mxfp4Matrix<'a> {
 
     /// Rows `r0 ..` times the permuted inputs `xps` (`t_rows` of them), into `out` (`[rows_here, t_rows]`,
     /// row-major by weight row).
-    fn rows_permuted(&self, r0: usize, xps: Permuted<'_>, t_rows: usize, out: &mut [f32]) {
+    fn rows_permuted(&self, r0: usize, xps: &PermutedInput, t_rows: usize, out: &mut [f32]) {
         match xps {
-            Permuted::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
-            Permuted::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
+            PermutedInput::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
+            PermutedInput::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
         }
     }
 
@@ -344,13 +344,6 @@ enum PermutedInput {
     Bf16(Vec<u32>),
 }
 
-/// A borrowed [`PermutedInput`].
-#[derive(Clone, Copy)]
-enum Permuted<'a> {
-    F32(&'a [f32]),
-    Bf16(&'a [u32]),
-}
-
 impl PermutedInput {
     /// `t_rows` rows of `cols` activations in `x`, permuted for `input`.
     fn new(x: &[f32], cols: usize, input: Mxfp4Input) -> Self {
@@ -360,13 +353,6 @@ impl PermutedInput {
             Mxfp4Input::Bf16 => {
                 Self::Bf16(rows.flat_map(mxfp4_bf16_contract::permute_input).collect())
             }
-        }
-    }
-
-    fn as_ref(&self) -> Permuted<'_> {
-        match self {
-            Self::F32(v) => Permuted::F32(v),
-            Self::Bf16(v) => Permuted::Bf16(v),
         }
     }
 }
@@ -421,7 +407,7 @@ pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input)
     let run = |(i, r0, out): (usize, usize, &mut [f32])| {
         let p = &products[i];
         p.matrix
-            .rows_permuted(r0, inputs[input_of[i]].as_ref(), p.t_rows, out);
+            .rows_permuted(r0, &inputs[input_of[i]], p.t_rows, out);
     };
     if tasks.len() < 8 {
         tasks.into_iter().for_each(run);

@@ -361,6 +361,41 @@ fn reduce16(acc0: __m512, acc1: __m512) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
 }
 
+/// Drives a one-row MXFP4 kernel against several inputs: `decode` turns the code words of chunk `c` into the
+/// contract's weight vectors once, and `sum(&w, t, c)` gives input `t`'s unscaled sum of that chunk; the driver
+/// applies the scales into each input's even and odd accumulators (`acc[c % 2] = fma(t, scale, acc[c % 2])`) and
+/// reduces into `out[t]`.
+///
+/// # Safety
+/// `n_chunks` chunks of every input must be readable by `sum`; `packed` and `scales` are one row's bytes; the CPU
+/// must support AVX-512F/BW, AVX2 and FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn mxfp4_one_row<W>(
+    (packed, scales): (&[u8], &[u8]),
+    n_chunks: usize,
+    out: &mut [f32],
+    decode: impl Fn(__m512i) -> W,
+    mut sum: impl FnMut(&W, usize, usize) -> __m512,
+) {
+    let mut acc = vec![[_mm512_setzero_ps(); 2]; out.len()];
+    let mut s16 = _mm512_setzero_ps();
+    for c in 0..n_chunks {
+        if c % 4 == 0 {
+            s16 = scales16(scales, c * 4);
+        }
+        let scale = chunk_scale(s16, c % 4);
+        // SAFETY: chunk c of the row (masked at its end).
+        let w = decode(unsafe { chunk_words(packed, c) });
+        for (t, a) in acc.iter_mut().enumerate() {
+            a[c % 2] = _mm512_fmadd_ps(sum(&w, t, c), scale, a[c % 2]);
+        }
+    }
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = reduce16(a[0], a[1]);
+    }
+}
+
 /// One MXFP4 row (`packed`, `scales`) against rows of the permuted input: `out[t] = row · x_t`, where `x_t` is
 /// `xps[t * xp_len ..][.. xp_len]`. Bit-identical to [`crate::mxfp4_contract::dot_row_ref`] for each `t`; each
 /// chunk is decoded once for all `t`.
@@ -377,25 +412,15 @@ pub unsafe fn mxfp4_row_multi(
     out: &mut [f32],
 ) {
     let table = e2m1_table();
-    let n_chunks = xp_len / CHUNK;
-    let t_rows = out.len();
-    let mut acc = vec![[_mm512_setzero_ps(); 2]; t_rows];
-    let mut s16 = _mm512_setzero_ps();
-    for c in 0..n_chunks {
-        if c % 4 == 0 {
-            s16 = scales16(scales, c * 4);
-        }
-        let scale = chunk_scale(s16, c % 4);
-        // SAFETY: chunk c of the row (masked at its end).
-        let w = decode(unsafe { chunk_words(packed, c) }, table);
-        for (t, a) in acc.iter_mut().enumerate() {
-            // SAFETY: x_t's chunk c lies inside `xps` (checked by the caller's lengths).
-            let sum = unsafe { chunk_sum(&w, xps.as_ptr().add(t * xp_len + c * CHUNK)) };
-            a[c % 2] = _mm512_fmadd_ps(sum, scale, a[c % 2]);
-        }
-    }
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = reduce16(a[0], a[1]);
+    // SAFETY: every input holds `xp_len / CHUNK` whole chunks (the caller's lengths); features as required.
+    unsafe {
+        mxfp4_one_row(
+            (packed, scales),
+            xp_len / CHUNK,
+            out,
+            |words| decode(words, table),
+            |w, t, c| chunk_sum(w, xps.as_ptr().add(t * xp_len + c * CHUNK)),
+        )
     }
 }
 
@@ -519,12 +544,9 @@ fn decode_pairs(words: __m512i, table: __m512i) -> [__m512bh; 4] {
 }
 
 /// `t` of one chunk under the bf16-input contract: four pair products into one chain.
-///
-/// # Safety
-/// 64 words must be readable at `xb`; the CPU must support AVX-512F and AVX-512 BF16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn pair_sum(w: &[__m512bh; 4], x: &[__m512bh; 4]) -> __m512 {
+fn pair_sum(w: &[__m512bh; 4], x: &[__m512bh; 4]) -> __m512 {
     let mut t = _mm512_setzero_ps();
     for j in 0..4 {
         t = _mm512_dpbf16_ps(t, w[j], x[j]);
@@ -585,22 +607,14 @@ pub unsafe fn mxfp4_bf16_row_multi(
     out: &mut [f32],
 ) {
     let table = e2m1_table();
-    let mut acc = vec![[_mm512_setzero_ps(); 2]; out.len()];
-    let mut s16 = _mm512_setzero_ps();
-    for c in 0..xb_len / 64 {
-        if c % 4 == 0 {
-            s16 = scales16(scales, c * 4);
-        }
-        let scale = chunk_scale(s16, c % 4);
-        // SAFETY: chunk c of the row (masked at its end).
-        let w = decode_pairs(unsafe { chunk_words(packed, c) }, table);
-        for (a, xb) in acc.iter_mut().zip(xbs.chunks_exact(xb_len)) {
-            // SAFETY: x_t holds `xb_len` words, so chunk c is whole.
-            let t = unsafe { pair_sum(&w, &input_pairs(xb, c)) };
-            a[c % 2] = _mm512_fmadd_ps(t, scale, a[c % 2]);
-        }
-    }
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = reduce16(a[0], a[1]);
+    // SAFETY: every input holds `xb_len / 64` whole chunks (the caller's lengths); features as required.
+    unsafe {
+        mxfp4_one_row(
+            (packed, scales),
+            xb_len / 64,
+            out,
+            |words| decode_pairs(words, table),
+            |w, t, c| pair_sum(w, &input_pairs(&xbs[t * xb_len..], c)),
+        )
     }
 }
