@@ -503,6 +503,40 @@ fn mxfp4_bf16_input_is_close_to_the_f32_path() {
 }
 
 #[test]
+fn mxfp4_bf16_input_equals_the_f32_path_on_rounded_inputs() {
+    // Rounding is the only thing the bf16 mode changes: on inputs already exact in bf16, both contracts sum the same
+    // exact products and differ only in the order and rounding of the additions, bounded by 2·cols·2^-24·Σ|w·x|.
+    use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
+    let mut r = rng();
+    let (rows, cols) = (64, 3584);
+    let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
+    let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
+    let w = m.dequantize_ref();
+    let x: Vec<f32> = randn(&mut r, cols).into_iter().map(bf16_rounded).collect();
+    let (mut exact, mut bf16) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+    m.gemm(&x, 1, &mut exact).expect("gemm");
+    let mut products = [Mxfp4Product {
+        matrix: m,
+        x: &x,
+        t_rows: 1,
+        y: &mut bf16,
+    }];
+    gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+    for row in 0..rows {
+        let mag: f64 = (0..cols)
+            .map(|i| (w[row * cols + i] as f64 * x[i] as f64).abs())
+            .sum();
+        let err = (bf16[row] as f64 - exact[row] as f64).abs();
+        assert!(
+            err <= 2.0 * cols as f64 * 2f64.powi(-24) * mag,
+            "row {row}: {} vs {} (Σ|w·x| {mag})",
+            bf16[row],
+            exact[row]
+        );
+    }
+}
+
+#[test]
 fn mxfp4_dot_is_close_to_the_exact_sum() {
     let mut r = rng();
     let (rows, cols) = (16, 3584);

@@ -1,0 +1,112 @@
+//! One core's compute rate of the two-row kernels with their data in L2, where memory bandwidth plays no part.
+//!
+//! `cargo run --release -p deltafin-quant --example kernel_compute`
+//!
+//! Loops the AVX-512 two-row kernels over a matrix small enough for L2 (MXFP4 `[128, 3584]`: 229 KB of codes;
+//! int8 `[48, 7168]`: 344 KB; bf16 `[48, 7168]`: 688 KB) on the calling thread, and reports weight bytes per second,
+//! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16, for that
+//! kernel) it says so and skips the kernel.
+
+use std::time::Instant;
+
+/// One MXFP4 row's codes and scales.
+type RowBytes<'a> = (&'a [u8], &'a [u8]);
+
+/// Timed passes (after one warm-up).
+const PASSES: usize = 5;
+/// Sweeps over the matrix per pass.
+const SWEEPS: usize = 300;
+
+fn pseudo_random(i: usize) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 9) as u8
+}
+
+/// Median weight GB/s of `sweep` (one pass over `bytes` of weights), over [`PASSES`] passes of [`SWEEPS`] sweeps.
+fn rate(bytes: usize, mut sweep: impl FnMut() -> f32) -> f64 {
+    let mut sink = 0.0f32;
+    let mut pass = || {
+        let t = Instant::now();
+        for _ in 0..SWEEPS {
+            sink += sweep();
+        }
+        (bytes * SWEEPS) as f64 / t.elapsed().as_secs_f64() / 1e9
+    };
+    pass();
+    let mut v: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
+    std::hint::black_box(sink);
+    v.sort_by(f64::total_cmp);
+    v[PASSES / 2]
+}
+
+#[cfg(target_arch = "x86_64")]
+fn main() {
+    use deltafin_quant::simd::avx512::{dot_bf16_x2, dot_i8_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2};
+    use deltafin_quant::simd::{has_avx512, has_avx512_bf16};
+    use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract};
+
+    if !has_avx512() {
+        println!("no AVX-512 on this CPU: nothing to measure");
+        return;
+    }
+    let (rows, cols) = (128usize, 3584usize);
+    let packed: Vec<u8> = (0..rows * cols / 2).map(pseudo_random).collect();
+    let scales = vec![120u8; rows * cols / 32];
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
+    let row = |r: usize| {
+        (
+            &packed[r * cols / 2..(r + 1) * cols / 2],
+            &scales[r * cols / 32..(r + 1) * cols / 32],
+        )
+    };
+    let mx_bytes = packed.len() + scales.len();
+    let xp = mxfp4_contract::permute_input(&x);
+    let sweep_pairs = |f: &dyn Fn([RowBytes<'_>; 2]) -> [f32; 2]| {
+        (0..rows)
+            .step_by(2)
+            .map(|r| f([row(r), row(r + 1)]).iter().sum::<f32>())
+            .sum::<f32>()
+    };
+    // SAFETY: AVX-512F/BW, AVX2 and FMA present (checked above); whole rows and one permuted input.
+    let f32_rate = rate(mx_bytes, || {
+        sweep_pairs(&|rs| unsafe { mxfp4_dot_x2(rs, &xp) })
+    });
+    println!("mxfp4, f32 inputs   {f32_rate:6.1} GB/s");
+    if has_avx512_bf16() {
+        let xb = mxfp4_bf16_contract::permute_input(&x);
+        // SAFETY: AVX-512 BF16 present as well (checked); whole rows and one paired input.
+        let bf16_rate = rate(mx_bytes, || {
+            sweep_pairs(&|rs| unsafe { mxfp4_bf16_dot_x2(rs, &xb) })
+        });
+        println!("mxfp4, bf16 inputs  {bf16_rate:6.1} GB/s");
+    } else {
+        println!("mxfp4, bf16 inputs  (no AVX-512 BF16 on this CPU)");
+    }
+
+    let (rows, cols) = (48usize, 7168usize);
+    let q: Vec<i8> = (0..rows * cols).map(|i| pseudo_random(i) as i8).collect();
+    let b: Vec<u16> = (0..rows * cols)
+        .map(|i| u16::from(pseudo_random(i)) << 6)
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+    let span = |r: usize| r * cols..(r + 1) * cols;
+    // SAFETY (both dense kernels): AVX-512F, AVX2 and FMA present; rows as long as `x`.
+    let i8_rate = rate(q.len(), || {
+        (0..rows)
+            .step_by(2)
+            .map(|r| unsafe { dot_i8_x2(&q[span(r)], &q[span(r + 1)], &x) }[0])
+            .sum()
+    });
+    let bf_rate = rate(b.len() * 2, || {
+        (0..rows)
+            .step_by(2)
+            .map(|r| unsafe { dot_bf16_x2(&b[span(r)], &b[span(r + 1)], &x) }[0])
+            .sum()
+    });
+    println!("int8                {i8_rate:6.1} GB/s");
+    println!("bf16                {bf_rate:6.1} GB/s");
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn main() {
+    println!("the measured kernels are x86-64 (AVX-512) only");
+}
