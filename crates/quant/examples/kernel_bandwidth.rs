@@ -6,12 +6,13 @@
 //! K3's real shape (w1 `[3072, 3584]`, the largest of an expert's three matrices, for each expert), all sixteen in
 //! one threaded call as the engine runs experts that are ready together, and again one call per matrix; row-wise int8
 //! GEMV and bf16 GEMV over `[7168, 7168]` (a K3 spine matrix). Throughput counts weight bytes read. Every buffer is
-//! an anonymous mapping advised to use transparent huge pages, as the engine's read buffers are. This machine's
+//! advised to use transparent huge pages, as the engine's read buffers and spine weights are. This machine's
 //! memory bandwidth moves by tens of per cent from minute to minute, so each round measures the memory bound and
 //! then each kernel once, and the ratios are taken within a round; the report gives the medians over the rounds.
 
 use std::time::Instant;
 
+use deltafin_quant::collect_on_huge_pages;
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch_with};
 use memmap2::{Advice, MmapMut};
@@ -115,10 +116,11 @@ fn main() {
     // Dense spine matrix [7168, 7168] as bf16 and int8.
     let (r, c) = (7168usize, 7168usize);
     let raw = huge_buffer(r * c * 2, pseudo_random(5));
-    let bf: Vec<u16> = raw
-        .chunks_exact(2)
-        .map(|b| u16::from_le_bytes([b[0], b[1] & 0x3f]))
-        .collect();
+    // As the engine holds spine weights (`deltafin_quant::pages`); `to_int8` allocates the same way.
+    let bf: Vec<u16> = collect_on_huge_pages(
+        raw.chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1] & 0x3f])),
+    );
     drop(raw);
     let bf16 = DenseMatrix::new(r, c, DenseData::Bf16(bf)).expect("shape");
     let int8 = bf16.to_int8();

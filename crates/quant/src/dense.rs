@@ -11,6 +11,7 @@ use crate::dot::{
     dot_i8_ref, dot_i8_x2,
 };
 use crate::error::{QuantError, Result};
+use crate::pages::huge_page_vec;
 
 /// Storage of a dense `[rows, cols]` weight, row-major.
 #[derive(Clone, Debug, PartialEq)]
@@ -201,7 +202,7 @@ impl DenseMatrix {
 
     /// Row-wise symmetric int8 quantisation of this matrix: `scale[r] = max|w[r]| / 127`, `q = round(w / scale)`.
     pub fn to_int8(&self) -> DenseMatrix {
-        let mut q = Vec::with_capacity(self.rows * self.cols);
+        let mut q = huge_page_vec(self.rows * self.cols);
         let mut scales = Vec::with_capacity(self.rows);
         for r in 0..self.rows {
             let row = self.row_f32(r);

@@ -13,8 +13,10 @@ pub mod error;
 pub mod mxfp4;
 pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
+pub mod pages;
 pub mod simd;
 
 pub use dense::{DenseData, DenseMatrix};
 pub use error::{QuantError, Result};
 pub use mxfp4::{MXFP4_GROUP, Mxfp4Input, Mxfp4Matrix, e2m1_value, e8m0_scale};
+pub use pages::{collect_on_huge_pages, huge_page_vec};

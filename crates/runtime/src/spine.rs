@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_model::{HostTensor, ModelError, WeightSource};
-use deltafin_quant::{DenseData, DenseMatrix};
+use deltafin_quant::{DenseData, DenseMatrix, collect_on_huge_pages};
 use deltafin_storage::{
     Dtype, ModelFiles, PlannedTensor, SpanBytes, TensorInfo, write_safetensors,
 };
@@ -324,7 +324,7 @@ impl WeightSource for SpineSource {
             return Ok(Some(HostTensor {
                 shape: q.shape.clone(),
                 data: DenseData::Int8 {
-                    q: qb.iter().map(|&b| b as i8).collect(),
+                    q: collect_on_huge_pages(qb.iter().map(|&b| b as i8)),
                     scales,
                 },
             }));
