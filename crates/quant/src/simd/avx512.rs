@@ -97,9 +97,14 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
     super::x86::reduce(a0, a1, a2, a3)
 }
 
-/// How far ahead of the kernels weights are prefetched. Rows are contiguous, so the window runs on into the next
-/// rows: 16 KiB is about two rows of a 7168-wide int8 matrix, or nine of an MXFP4 expert's. Measured on int8
-/// `[7168, 7168]` from memory (interleaved rounds, one process): 2 KiB 41 GB/s, 12–64 KiB 55–61 GB/s.
+/// How far ahead of the kernels weights are prefetched.
+///
+/// The two-row kernels read neighbouring rows (row `r + 1` starts where row `r` ends), so a pair is one contiguous
+/// span read at two points at once. They prefetch that span in address order, as if one reader went through it
+/// at the pair's pace, `PREFETCH_BYTES` ahead of that reader: the memory system sees one sequential stream that
+/// runs on into the next pairs, and every line is asked for once. A prefetch per row at its own read point (two
+/// interleaved streams) fed the same kernels 10–15% slower whenever memory was the limit, and 12, 24 or 32 KiB
+/// instead of 16 were no better (`docs/PERFORMANCE.md`, fifth round).
 const PREFETCH_BYTES: usize = 16 << 10;
 
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
@@ -128,11 +133,12 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
     let (mut r0a, mut r0b, mut r1a, mut r1b) = (z, z, z, z);
     let mut b = 0;
     while b < full {
-        // One prefetch per cache line (an int8 block is half a line).
-        if (b * size_of::<W>()).is_multiple_of(64) {
-            prefetch(p0.wrapping_add(b), size_of::<W>() * BLOCK, PREFETCH_BYTES);
-            prefetch(p1.wrapping_add(b), size_of::<W>() * BLOCK, PREFETCH_BYTES);
-        }
+        // The pair's bytes in address order (see PREFETCH_BYTES): a block of both rows is 2 · 32 values.
+        prefetch(
+            p0.wrapping_add(2 * b),
+            2 * size_of::<W>() * BLOCK,
+            PREFETCH_BYTES,
+        );
         // SAFETY: b + 32 <= full <= n for all three slices.
         unsafe {
             let xa = _mm512_loadu_ps(xp.add(b));
@@ -465,8 +471,8 @@ unsafe fn mxfp4_two_rows(
         let s1 = chunk_scales4(scales16(rows[1].1, c * 4));
         for j in 0..4 {
             let at = (c + j) * CHUNK_BYTES;
-            prefetch(p0.wrapping_add(at), CHUNK_BYTES, PREFETCH_BYTES);
-            prefetch(p1.wrapping_add(at), CHUNK_BYTES, PREFETCH_BYTES);
+            // The pair's bytes in address order (see PREFETCH_BYTES): a chunk of both rows is 128 bytes.
+            prefetch(p0.wrapping_add(2 * at), 2 * CHUNK_BYTES, PREFETCH_BYTES);
             // SAFETY: chunk c + j < whole lies whole in both rows.
             let words = unsafe {
                 [
