@@ -4,8 +4,8 @@
 //!
 //! Loops the AVX-512 two-row kernels over a matrix small enough for L2 (MXFP4 `[128, 3584]`: 229 KB of codes;
 //! int8 `[48, 7168]`: 344 KB; bf16 `[48, 7168]`: 688 KB) on the calling thread, and reports weight bytes per second,
-//! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16, for that
-//! kernel) it says so and skips the kernel.
+//! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16 or VNNI, for
+//! the kernels that need them) it says so and skips the kernel.
 
 use std::time::Instant;
 
@@ -40,8 +40,9 @@ fn rate(bytes: usize, mut sweep: impl FnMut() -> f32) -> f64 {
 
 #[cfg(target_arch = "x86_64")]
 fn main() {
-    use deltafin_quant::simd::avx512::{dot_bf16_x2, dot_i8_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2};
-    use deltafin_quant::simd::{has_avx512, has_avx512_bf16};
+    use deltafin_quant::int8_contract::QuantizedInput;
+    use deltafin_quant::simd::avx512::{dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2};
+    use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
     use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract};
 
     if !has_avx512() {
@@ -89,12 +90,18 @@ fn main() {
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let span = |r: usize| r * cols..(r + 1) * cols;
-    // SAFETY (both dense kernels): AVX-512F, AVX2 and FMA present; rows as long as `x`.
-    let i8_rate = rate(q.len(), || {
-        (0..rows)
-            .step_by(2)
-            .map(|r| unsafe { dot_i8_x2(&q[span(r)], &q[span(r + 1)], &x) }[0])
-            .sum()
+    // SAFETY (bf16 kernel): AVX-512F, AVX2 and FMA present; rows as long as `x`.
+    let xq = QuantizedInput::new(&x);
+    // SAFETY: AVX-512 VNNI present (checked); rows as long as the input, which is padded.
+    let i8_rate = has_avx512_vnni().then(|| {
+        rate(q.len(), || {
+            (0..rows)
+                .step_by(2)
+                .map(
+                    |r| unsafe { int8_dot_x2(&q[span(r)], &q[span(r + 1)], xq.values()) }[0] as f32,
+                )
+                .sum()
+        })
     });
     let bf_rate = rate(b.len() * 2, || {
         (0..rows)
@@ -102,7 +109,10 @@ fn main() {
             .map(|r| unsafe { dot_bf16_x2(&b[span(r)], &b[span(r + 1)], &x) }[0])
             .sum()
     });
-    println!("int8                {i8_rate:6.1} GB/s");
+    match i8_rate {
+        Some(rate) => println!("int8                {rate:6.1} GB/s"),
+        None => println!("int8                (no AVX-512 VNNI)"),
+    }
     println!("bf16                {bf_rate:6.1} GB/s");
 }
 

@@ -1,16 +1,17 @@
 //! Dense weight matrices (f32, bf16, row-wise int8) and their GEMM over a few rows of activations.
 //!
-//! Every output element is one dot product in the fixed order of [`crate::dot`], so results do not depend on the
+//! Every output element is one dot product in the fixed order of [`crate::dot`] (f32 and bf16) or an exact integer
+//! sum against the input row quantised on its own ([`crate::int8_contract`], int8), so results do not depend on the
 //! number of activation rows, the thread count or the SIMD path: a batch of T rows gives bit-identical rows to T
 //! calls with one row each.
 
 use rayon::prelude::*;
 
 use crate::dot::{
-    bf16_to_f32, dot_bf16, dot_bf16_ref, dot_bf16_x2, dot_f32, dot_f32_ref, dot_f32_x2, dot_i8,
-    dot_i8_ref, dot_i8_x2,
+    bf16_to_f32, dot_bf16, dot_bf16_ref, dot_bf16_x2, dot_f32, dot_f32_ref, dot_f32_x2,
 };
 use crate::error::{QuantError, Result};
+use crate::int8_contract::{self, QuantizedInput};
 use crate::pages::huge_page_vec;
 
 /// Storage of a dense `[rows, cols]` weight, row-major.
@@ -119,38 +120,75 @@ impl DenseMatrix {
         }
     }
 
-    /// `w[r] · x` on the fastest path.
+    /// `w[r] · x` on the fastest path. An int8 matrix quantises `x` for this one row ([`crate::int8_contract`]);
+    /// [`Self::gemm`] quantises each input once for all rows.
     #[inline]
     pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
-        let span = r * self.cols..(r + 1) * self.cols;
-        match &self.data {
-            DenseData::F32(v) => dot_f32(&v[span], x),
-            DenseData::Bf16(v) => dot_bf16(&v[span], x),
-            DenseData::Int8 { q, scales } => dot_i8(&q[span], x) * scales[r],
-        }
+        self.row_with(r, x, None)
     }
 
     /// `out[i] = w[r0 + i] · x` on the fastest path, two rows per kernel call where the CPU allows (each result
     /// bit-identical to [`Self::dot_row`]).
     pub fn dot_rows(&self, r0: usize, x: &[f32], out: &mut [f32]) {
+        let xq = self.quantized(x, 1);
+        self.rows_with(r0, x, xq.first(), out);
+    }
+
+    /// [`Self::dot_row`] with `x` already quantised where the matrix is int8 (`None`: quantise it here).
+    fn row_with(&self, r: usize, x: &[f32], xq: Option<&QuantizedInput>) -> f32 {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            DenseData::F32(v) => dot_f32(&v[span], x),
+            DenseData::Bf16(v) => dot_bf16(&v[span], x),
+            DenseData::Int8 { q, scales } => {
+                let own;
+                let xq = match xq {
+                    Some(xq) => xq,
+                    None => {
+                        own = QuantizedInput::new(x);
+                        &own
+                    }
+                };
+                xq.finish(int8_contract::dot(&q[span], xq), scales[r])
+            }
+        }
+    }
+
+    /// [`Self::dot_rows`] with `x` already quantised where the matrix is int8 (`None`: quantise it per row).
+    fn rows_with(&self, r0: usize, x: &[f32], xq: Option<&QuantizedInput>, out: &mut [f32]) {
         let c = self.cols;
         let mut pairs = out.chunks_exact_mut(2);
         let mut r = r0;
         for pair in &mut pairs {
             let (a, b) = (r * c..(r + 1) * c, (r + 1) * c..(r + 2) * c);
-            let ys = match &self.data {
-                DenseData::F32(v) => dot_f32_x2(&v[a], &v[b], x),
-                DenseData::Bf16(v) => dot_bf16_x2(&v[a], &v[b], x),
-                DenseData::Int8 { q, scales } => {
-                    let [ya, yb] = dot_i8_x2(&q[a], &q[b], x);
-                    [ya * scales[r], yb * scales[r + 1]]
+            let ys = match (&self.data, xq) {
+                (DenseData::F32(v), _) => dot_f32_x2(&v[a], &v[b], x),
+                (DenseData::Bf16(v), _) => dot_bf16_x2(&v[a], &v[b], x),
+                (DenseData::Int8 { q, scales }, Some(xq)) => {
+                    let [ya, yb] = int8_contract::dot_x2(&q[a], &q[b], xq);
+                    [xq.finish(ya, scales[r]), xq.finish(yb, scales[r + 1])]
+                }
+                (DenseData::Int8 { .. }, None) => {
+                    [self.row_with(r, x, None), self.row_with(r + 1, x, None)]
                 }
             };
             pair.copy_from_slice(&ys);
             r += 2;
         }
         if let [last] = pairs.into_remainder() {
-            *last = self.dot_row(r, x);
+            *last = self.row_with(r, x, xq);
+        }
+    }
+
+    /// The `t_rows` inputs of `x` quantised for the int8 kernels, when this matrix is int8 (else none).
+    fn quantized(&self, x: &[f32], t_rows: usize) -> Vec<QuantizedInput> {
+        match self.data {
+            DenseData::Int8 { .. } => x
+                .chunks(self.cols.max(1))
+                .take(t_rows)
+                .map(QuantizedInput::new)
+                .collect(),
+            _ => Vec::new(),
         }
     }
 
@@ -160,7 +198,10 @@ impl DenseMatrix {
         match &self.data {
             DenseData::F32(v) => dot_f32_ref(&v[span], x),
             DenseData::Bf16(v) => dot_bf16_ref(&v[span], x),
-            DenseData::Int8 { q, scales } => dot_i8_ref(&q[span], x) * scales[r],
+            DenseData::Int8 { q, scales } => {
+                let xq = QuantizedInput::new(x);
+                xq.finish(int8_contract::dot_ref(&q[span], &xq), scales[r])
+            }
         }
     }
 
@@ -168,12 +209,13 @@ impl DenseMatrix {
     pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
         self.check(x, t_rows)?;
         let mut y = vec![0.0f32; t_rows * self.rows];
+        let xq = self.quantized(x, t_rows);
         if t_rows == 1 {
-            par_row_blocks(&mut y, |r0, out| self.dot_rows(r0, x, out));
+            par_row_blocks(&mut y, |r0, out| self.rows_with(r0, x, xq.first(), out));
             return Ok(y);
         }
         par_rows(self.rows, t_rows, &mut y, |r, t| {
-            self.dot_row(r, &x[t * self.cols..(t + 1) * self.cols])
+            self.row_with(r, &x[t * self.cols..(t + 1) * self.cols], xq.get(t))
         });
         Ok(y)
     }

@@ -8,7 +8,8 @@
 //! - Reduction: `v[l] = (a0[l] + a1[l]) + (a2[l] + a3[l])`; then `v[l] + v[l+4]` (l < 4); then lanes `l` and `l+2`
 //!   (l < 2); then lane 0 + lane 1.
 //!
-//! The weight element type varies (f32, bf16, int8, decoded MXFP4); its conversion to f32 is exact in every case.
+//! The weight element type varies (f32, bf16, decoded MXFP4); its conversion to f32 is exact in every case. Int8
+//! rows have their own, integer contract ([`crate::int8_contract`]).
 
 /// Lanes of one accumulator (one AVX2 register of f32).
 pub const LANES: usize = 8;
@@ -68,11 +69,6 @@ pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
     dot_ref_with(w, x, bf16_to_f32)
 }
 
-/// `Σ q·x` for int8 weights (the row scale is applied by the caller): scalar reference.
-pub fn dot_i8_ref(q: &[i8], x: &[f32]) -> f32 {
-    dot_ref_with(q, x, |v| v as f32)
-}
-
 /// The f32 value of raw bf16 bits (exact).
 #[inline]
 pub fn bf16_to_f32(bits: u16) -> f32 {
@@ -115,24 +111,6 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     dot_bf16_ref(w, x)
 }
 
-/// `Σ q·x` for int8 weights, on the fastest path (bit-identical to [`dot_i8_ref`]).
-pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx512() {
-        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked above).
-        return unsafe { crate::simd::avx512::dot_i8(q, x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { crate::simd::x86::dot_i8(q, x) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    return crate::simd::neon::dot_i8(q, x);
-    #[allow(unreachable_code)]
-    dot_i8_ref(q, x)
-}
-
 /// Two rows of f32 weights against one input: each result bit-identical to [`dot_f32_ref`].
 pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
@@ -151,14 +129,4 @@ pub fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
         return unsafe { crate::simd::avx512::dot_bf16_x2(w0, w1, x) };
     }
     [dot_bf16(w0, x), dot_bf16(w1, x)]
-}
-
-/// Two rows of int8 weights against one input: each result bit-identical to [`dot_i8_ref`].
-pub fn dot_i8_x2(q0: &[i8], q1: &[i8], x: &[f32]) -> [f32; 2] {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx512() && q0.len() == x.len() && q1.len() == x.len() {
-        // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
-        return unsafe { crate::simd::avx512::dot_i8_x2(q0, q1, x) };
-    }
-    [dot_i8(q0, x), dot_i8(q1, x)]
 }

@@ -10,6 +10,7 @@ pub mod cuda;
 pub mod dense;
 pub mod dot;
 pub mod error;
+pub mod int8_contract;
 pub mod mxfp4;
 pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;

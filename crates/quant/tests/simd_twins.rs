@@ -1,7 +1,8 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref, dot_i8, dot_i8_ref};
+use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref};
+use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -36,7 +37,32 @@ fn f32_bf16_i8_dots_are_bit_identical() {
             &format!("bf16 n={n}"),
         );
         let q: Vec<i8> = (0..n).map(|_| r.random_range(-127i8..=127)).collect();
-        same_bits(dot_i8(&q, &x), dot_i8_ref(&q, &x), &format!("i8 n={n}"));
+        let xq = QuantizedInput::new(&x);
+        assert_eq!(
+            int8_contract::dot(&q, &xq),
+            int8_contract::dot_ref(&q, &xq),
+            "i8 n={n}"
+        );
+    }
+}
+
+/// The int8 kernels' 32-bit lanes are widened before they can overflow: the largest products (weights -128, inputs
+/// at -32767) over rows far longer than one segment, with a partial last block, still sum exactly.
+#[test]
+fn int8_sums_stay_exact_at_the_extremes() {
+    for n in [8191, 8192, 8193, 20_000, 65_600] {
+        let q = vec![-128i8; n];
+        let xq = QuantizedInput::new(&vec![-1.0f32; n]);
+        let exact = n as i64 * 128 * 32767;
+        assert_eq!(int8_contract::dot_ref(&q, &xq), exact, "reference n={n}");
+        assert_eq!(int8_contract::dot(&q, &xq), exact, "fast n={n}");
+        assert_eq!(int8_contract::dot_x2(&q, &q, &xq), [exact; 2], "pair n={n}");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 detected; the input is padded past n.
+            let avx2 = unsafe { deltafin_quant::simd::x86::int8_dot(&q, xq.values()) };
+            assert_eq!(avx2, exact, "avx2 n={n}");
+        }
     }
 }
 
@@ -565,7 +591,7 @@ fn mxfp4_dot_is_close_to_the_exact_sum() {
 
 #[test]
 fn dense_row_pairs_match_twins() {
-    use deltafin_quant::dot::{dot_bf16_x2, dot_f32_x2, dot_i8_x2};
+    use deltafin_quant::dot::{dot_bf16_x2, dot_f32_x2};
     let mut r = rng();
     for &n in LENGTHS {
         let x = randn(&mut r, n);
@@ -587,16 +613,20 @@ fn dense_row_pairs_match_twins() {
                 [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                 "bf16",
             ),
-            (
-                dot_i8_x2(&q0, &q1, &x),
-                [dot_i8_ref(&q0, &x), dot_i8_ref(&q1, &x)],
-                "i8",
-            ),
         ];
         for (got, want, what) in pairs {
             same_bits(got[0], want[0], &format!("{what} x2 row 0 n={n}"));
             same_bits(got[1], want[1], &format!("{what} x2 row 1 n={n}"));
         }
+        let xq = QuantizedInput::new(&x);
+        assert_eq!(
+            int8_contract::dot_x2(&q0, &q1, &xq),
+            [
+                int8_contract::dot_ref(&q0, &xq),
+                int8_contract::dot_ref(&q1, &xq)
+            ],
+            "i8 x2 n={n}"
+        );
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
@@ -605,7 +635,9 @@ fn dense_row_pairs_match_twins() {
             unsafe {
                 same_bits(x86::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
                 same_bits(x86::dot_bf16(&b0, &x), dot_bf16_ref(&b0, &x), "avx2 bf16");
-                same_bits(x86::dot_i8(&q0, &x), dot_i8_ref(&q0, &x), "avx2 i8");
+                let xq = QuantizedInput::new(&x);
+                let want = int8_contract::dot_ref(&q0, &xq);
+                assert_eq!(x86::int8_dot(&q0, xq.values()), want, "avx2 i8 n={n}");
             }
         }
     }

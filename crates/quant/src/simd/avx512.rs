@@ -5,6 +5,7 @@
 use std::arch::x86_64::*;
 
 use crate::dot::{BLOCK, LANES};
+use crate::int8_contract::SEGMENT_STEPS;
 use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES};
 
 /// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
@@ -55,18 +56,6 @@ impl Load16 for u16 {
     }
     fn to_f32(self) -> f32 {
         crate::dot::bf16_to_f32(self)
-    }
-}
-
-impl Load16 for i8 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable bytes.
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i))) }
-    }
-    fn to_f32(self) -> f32 {
-        self as f32
     }
 }
 
@@ -205,7 +194,88 @@ macro_rules! dense_entry {
 
 dense_entry!(dot_f32, dot_f32_x2, f32, "crate::dot::dot_f32_ref");
 dense_entry!(dot_bf16, dot_bf16_x2, u16, "crate::dot::dot_bf16_ref");
-dense_entry!(dot_i8, dot_i8_x2, i8, "crate::dot::dot_i8_ref");
+
+/// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, a
+/// sign extension to int16 and one `vpdpwssd` (two products per 32-bit lane), widened to 64 bits every
+/// [`SEGMENT_STEPS`] blocks. The pair is prefetched as one stream, as the dense kernels do.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW and AVX-512 VNNI; every row has the same length `n`, and `xq` holds at least
+/// `n` values rounded up to a multiple of 32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
+    let n = rows.iter().fold(usize::MAX, |n, q| n.min(q.len()));
+    let full = n / 32 * 32;
+    let xp = xq.as_ptr();
+    let p0 = rows[0].as_ptr();
+    let mut wide = [_mm512_setzero_si512(); R];
+    // Adds one segment's 32-bit lanes into the 64-bit sums.
+    let widen = |wide: &mut [__m512i; R], acc: [__m512i; R]| {
+        for (wd, a) in wide.iter_mut().zip(acc) {
+            let lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a));
+            let hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64::<1>(a));
+            *wd = _mm512_add_epi64(*wd, _mm512_add_epi64(lo, hi));
+        }
+    };
+    let mut c = 0;
+    while c < full {
+        let end = full.min(c + 32 * SEGMENT_STEPS);
+        let mut acc = [_mm512_setzero_si512(); R];
+        while c < end {
+            prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
+            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
+            unsafe {
+                let x = _mm512_loadu_si512(xp.add(c) as *const _);
+                for (a, q) in acc.iter_mut().zip(&rows) {
+                    let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
+                    *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
+                }
+            }
+            c += 32;
+        }
+        widen(&mut wide, acc);
+    }
+    if full < n {
+        // The partial last block, zero-padded (the input is zero past n).
+        let mut acc = [_mm512_setzero_si512(); R];
+        // SAFETY: the caller pads xq to a multiple of 32 past n.
+        let x = unsafe { _mm512_loadu_si512(xp.add(full) as *const _) };
+        for (a, q) in acc.iter_mut().zip(&rows) {
+            let mut tail = [0i8; 32];
+            tail[..n - full].copy_from_slice(&q[full..n]);
+            // SAFETY: `tail` holds 32 bytes.
+            let w = unsafe { _mm256_loadu_si256(tail.as_ptr() as *const __m256i) };
+            *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
+        }
+        widen(&mut wide, acc);
+    }
+    let mut out = [0i64; R];
+    for (o, wd) in out.iter_mut().zip(wide) {
+        *o = _mm512_reduce_add_epi64(wd);
+    }
+    out
+}
+
+/// AVX-512 VNNI twin of [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// As [`int8_rows`] with one row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_rows([q], xq)[0] }
+}
+
+/// Two neighbouring int8 rows against one quantised input, each equal to [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// As [`int8_rows`] with two rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_rows([q0, q1], xq) }
+}
 
 /// The E2M1 values as bf16 bit patterns, twice (the word permute reads five index bits; the fifth is the next
 /// code's lowest bit, so both halves must agree).

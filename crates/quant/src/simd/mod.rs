@@ -1,8 +1,9 @@
 //! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
 //!
-//! Every kernel here follows the accumulation contract in [`crate::dot`] and is tested bit for bit against its
-//! scalar twin. The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 uses the
-//! scalar path on aarch64.
+//! Every kernel here follows its contract ([`crate::dot`], [`crate::mxfp4_contract`],
+//! [`crate::mxfp4_bf16_contract`], [`crate::int8_contract`]) and is tested bit for bit against its scalar twin.
+//! The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 and int8 use the scalar
+//! paths on aarch64.
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -45,6 +46,15 @@ pub fn has_avx512_bf16() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512bf16"))
+}
+
+/// Whether AVX-512 VNNI is available on top of [`has_avx512`]; detected once. It runs the int8 kernels
+/// ([`crate::int8_contract`]); without it they run on AVX2.
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512_vnni() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512vnni"))
 }
 
 /// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16); without one they run

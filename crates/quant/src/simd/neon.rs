@@ -114,19 +114,3 @@ pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     };
     dot_with(w.len(), x, load, |i| crate::dot::bf16_to_f32(w[i]))
 }
-
-/// NEON twin of [`crate::dot::dot_i8_ref`].
-pub fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
-    let qp = q.as_ptr();
-    let load = |i: usize| {
-        // SAFETY: 8 i8 at qp + i are in bounds (see dot_with).
-        unsafe {
-            let b = vmovl_s8(vld1_s8(qp.add(i)));
-            [
-                vcvtq_f32_s32(vmovl_s16(vget_low_s16(b))),
-                vcvtq_f32_s32(vmovl_s16(vget_high_s16(b))),
-            ]
-        }
-    };
-    dot_with(q.len(), x, load, |i| q[i] as f32)
-}

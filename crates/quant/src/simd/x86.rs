@@ -3,6 +3,7 @@
 use std::arch::x86_64::*;
 
 use crate::dot::{BLOCK, LANES};
+use crate::int8_contract::SEGMENT_STEPS;
 
 /// Reduces four accumulators in the contract's order.
 #[inline]
@@ -35,14 +36,6 @@ unsafe fn load_bf16(p: *const u16) -> __m256 {
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
     }
-}
-
-/// Loads 8 int8 weights as f32 (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn load_i8(p: *const i8) -> __m256 {
-    // SAFETY: the caller guarantees 8 readable bytes at p.
-    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
 }
 
 /// The dot contract over weights read by `$load` from `$w` (a slice) and f32 `$x`; `$get` converts one weight for
@@ -111,13 +104,46 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     dot_body!(w, x, load_bf16, crate::dot::bf16_to_f32)
 }
 
-/// AVX2 twin of [`crate::dot::dot_i8_ref`].
+/// AVX2 twin of [`crate::int8_contract::dot_ref`]: sixteen products per step with `vpmaddwd` (pairs summed into
+/// eight 32-bit lanes), widened to 64 bits every [`SEGMENT_STEPS`] steps.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_i8(q: &[i8], x: &[f32]) -> f32 {
-    dot_body!(q, x, load_i8, |v: i8| v as f32)
+/// The CPU must support AVX2; `xq` holds at least `q.len()` values rounded up to a multiple of 16.
+#[target_feature(enable = "avx2")]
+pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
+    let n = q.len();
+    let (qp, xp) = (q.as_ptr(), xq.as_ptr());
+    let mut wide = _mm256_setzero_si256();
+    let mut c = 0;
+    while c < n {
+        let mut acc = _mm256_setzero_si256();
+        let mut step = 0;
+        while step < SEGMENT_STEPS && c < n {
+            let w = if c + 16 <= n {
+                // SAFETY: 16 weights from c lie in q.
+                unsafe { _mm_loadu_si128(qp.add(c) as *const __m128i) }
+            } else {
+                let mut tail = [0i8; 16];
+                tail[..n - c].copy_from_slice(&q[c..]);
+                // SAFETY: `tail` holds 16 bytes.
+                unsafe { _mm_loadu_si128(tail.as_ptr() as *const __m128i) }
+            };
+            // SAFETY: the caller pads xq to a multiple of 16 past n.
+            let x = unsafe { _mm256_loadu_si256(xp.add(c) as *const __m256i) };
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(w), x));
+            c += 16;
+            step += 1;
+        }
+        wide = _mm256_add_epi64(wide, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc)));
+        wide = _mm256_add_epi64(
+            wide,
+            _mm256_cvtepi32_epi64(_mm256_extracti128_si256::<1>(acc)),
+        );
+    }
+    let mut lanes = [0i64; 4];
+    // SAFETY: `lanes` holds 32 bytes.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, wide) };
+    lanes.iter().sum()
 }
 
 /// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves. The

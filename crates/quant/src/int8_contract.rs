@@ -1,0 +1,178 @@
+//! The contract of the row-wise int8 kernels: int8 weights against an input quantised to int16, summed exactly.
+//!
+//! An int8 row is `w[c] = q[c] · s_w` (one scale per row, see [`crate::DenseMatrix::to_int8`]). The input is
+//! quantised once per product, for all rows: `s_x = max|x| / 32767`, `x_q[c] = round(x[c] / s_x)` (nearest, ties
+//! away from zero, clamped to ±32767). A row's result is `y = (Σ q[c] · x_q[c]) · s_w · s_x`, where the sum is an
+//! exact integer (`i64`) and the product with the scales is taken in f64 and rounded once to f32.
+//!
+//! Because the sum is exact, its order is free: the scalar reference, AVX2 (`vpmaddwd`) and AVX-512 VNNI
+//! (`vpdpwssd`, two int16 products per 32-bit lane and instruction) all give the same bits, and a kernel only has to
+//! keep its 32-bit lanes from overflowing: a product is at most 128 · 32767 in size, two per lane and step, so 256
+//! steps fit (see [`SEGMENT_STEPS`]) before the lanes are widened to 64 bits.
+//!
+//! The quantised input adds an error of at most `s_x / 2` per input value, that is `max|x| / 65534`: far below the
+//! weights' own rounding (`max|w| / 254` per weight), so the int8 spine's accuracy is set by its weights. An input
+//! with a NaN or an infinity gives NaN results, as the f32 arithmetic would.
+
+/// Largest magnitude of a quantised input value.
+pub const X_MAX: f32 = 32767.0;
+
+/// Steps of two products per 32-bit lane that cannot overflow it: `256 · 2 · 128 · 32767 < 2^31`.
+pub const SEGMENT_STEPS: usize = 256;
+
+/// An input vector quantised for the int8 kernels: `x ≈ scale · q`, with `q` zero-padded to a whole number of
+/// 64-value blocks so that kernels may load whole vectors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedInput {
+    q: Vec<i16>,
+    len: usize,
+    scale: f32,
+}
+
+impl QuantizedInput {
+    /// Values padded to a multiple of this.
+    pub const PAD: usize = 64;
+
+    /// Quantises `x` as the contract says.
+    pub fn new(x: &[f32]) -> Self {
+        let finite = x.iter().all(|v| v.is_finite());
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = if !finite {
+            f32::NAN
+        } else if amax > 0.0 {
+            amax / X_MAX
+        } else {
+            0.0
+        };
+        let padded = x.len().div_ceil(Self::PAD) * Self::PAD;
+        let mut q = Vec::with_capacity(padded);
+        if finite && amax > 0.0 {
+            q.extend(
+                x.iter()
+                    .map(|&v| (v / scale).round().clamp(-X_MAX, X_MAX) as i16),
+            );
+        } else {
+            q.resize(x.len(), 0);
+        }
+        q.resize(padded, 0);
+        Self {
+            q,
+            len: x.len(),
+            scale,
+        }
+    }
+
+    /// The quantised values, zero-padded to a multiple of [`Self::PAD`].
+    pub fn values(&self) -> &[i16] {
+        &self.q
+    }
+
+    /// The number of input values (before padding).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the input has no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// `s_x`: `x ≈ scale · q` (NaN for an input with a non-finite value).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
+
+    /// A row's result from its exact integer sum and its weight scale.
+    #[inline]
+    pub fn finish(&self, sum: i64, row_scale: f32) -> f32 {
+        (sum as f64 * row_scale as f64 * self.scale as f64) as f32
+    }
+}
+
+/// `Σ q[c] · x_q[c]` over the row `q` (as long as the input): the scalar reference.
+pub fn dot_ref(q: &[i8], x: &QuantizedInput) -> i64 {
+    q.iter()
+        .zip(x.values())
+        .take(x.len())
+        .map(|(&w, &v)| w as i64 * v as i64)
+        .sum()
+}
+
+/// `Σ q[c] · x_q[c]` on the fastest path (equal to [`dot_ref`]).
+pub fn dot(q: &[i8], x: &QuantizedInput) -> i64 {
+    let q = &q[..q.len().min(x.len())];
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512_vnni() {
+        // SAFETY: AVX-512F/BW and VNNI present; `x` is padded to a multiple of 64 past `q.len()`.
+        return unsafe { crate::simd::avx512::int8_dot(q, x.values()) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: AVX2 present; `x` is padded to a multiple of 64 past `q.len()`.
+        return unsafe { crate::simd::x86::int8_dot(q, x.values()) };
+    }
+    dot_ref(q, x)
+}
+
+/// Two rows against one input (neighbouring rows of a matrix read fastest), each equal to [`dot_ref`].
+pub fn dot_x2(q0: &[i8], q1: &[i8], x: &QuantizedInput) -> [i64; 2] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512_vnni() && q0.len() == x.len() && q1.len() == x.len() {
+        // SAFETY: AVX-512F/BW and VNNI present; equal lengths, `x` padded to a multiple of 64.
+        return unsafe { crate::simd::avx512::int8_dot_x2(q0, q1, x.values()) };
+    }
+    [dot(q0, x), dot(q1, x)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantises_to_the_largest_magnitude() {
+        let x = QuantizedInput::new(&[0.5, -2.0, 1.0, 0.0]);
+        assert_eq!(x.scale(), 2.0 / X_MAX);
+        assert_eq!(&x.values()[..4], &[8192, -32767, 16384, 0]);
+        assert_eq!(x.values().len(), QuantizedInput::PAD);
+        assert!(x.values()[4..].iter().all(|&v| v == 0));
+        assert_eq!(x.len(), 4);
+    }
+
+    #[test]
+    fn zero_and_non_finite_inputs() {
+        let zero = QuantizedInput::new(&[0.0; 3]);
+        assert_eq!(zero.finish(dot_ref(&[1, 2, 3], &zero), 0.5), 0.0);
+        for bad in [f32::NAN, f32::INFINITY] {
+            let x = QuantizedInput::new(&[1.0, bad]);
+            assert!(x.finish(dot_ref(&[1, 1], &x), 1.0).is_nan());
+        }
+        assert!(QuantizedInput::new(&[]).is_empty());
+    }
+
+    #[test]
+    fn result_is_close_to_the_f32_product() {
+        let x: Vec<f32> = (0..1000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let q: Vec<i8> = (0..1000i32).map(|i| (i * 53 % 255 - 127) as i8).collect();
+        let row_scale = 0.004f32;
+        let xq = QuantizedInput::new(&x);
+        let got = xq.finish(dot_ref(&q, &xq), row_scale) as f64;
+        let exact: f64 = q
+            .iter()
+            .zip(&x)
+            .map(|(&w, &v)| w as f64 * row_scale as f64 * v as f64)
+            .sum();
+        // Each input value is off by at most s_x / 2.
+        let bound: f64 = q
+            .iter()
+            .map(|&w| (w as f64 * row_scale as f64).abs())
+            .sum::<f64>()
+            * xq.scale() as f64
+            / 2.0;
+        assert!(
+            (got - exact).abs() <= bound + 1e-6 * exact.abs(),
+            "{got} vs {exact}"
+        );
+    }
+}
