@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 
 use crate::dot::{BLOCK, LANES};
 use crate::int8_contract::SEGMENT_STEPS;
-use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES};
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK};
 
 /// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
 #[inline]
@@ -95,6 +95,11 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
 /// interleaved streams) fed the same kernels 10–15% slower whenever memory was the limit, and 12, 24 or 32 KiB
 /// instead of 16 were no better (`docs/PERFORMANCE.md`, fifth round).
 const PREFETCH_BYTES: usize = 16 << 10;
+
+/// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
+/// arithmetic is heavier per byte: 4–8 KiB ahead fed them best, 12–32 KiB a few per cent worse
+/// (`docs/PERFORMANCE.md`, fifth round).
+const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
 #[inline]
@@ -293,21 +298,30 @@ fn e2m1_table() -> __m512i {
     unsafe { _mm512_loadu_si512(both.as_ptr() as *const _) }
 }
 
-/// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact.
+/// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact. For a row's partial end; whole
+/// blocks use [`scales16_at`], which has no copy path (a copy's call made the compiler keep the two-row driver's
+/// accumulators on the stack around every block).
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn scales16(scales: &[u8], g0: usize) -> __m512 {
     let mut padded = [127u8; 16];
-    let bytes = match scales.get(g0..g0 + 16) {
-        Some(b) => b,
-        None => {
-            let have = scales.get(g0..).unwrap_or(&[]);
-            padded[..have.len()].copy_from_slice(have);
-            &padded[..]
-        }
-    };
-    // SAFETY: `bytes` holds 16 bytes.
-    let e = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(bytes.as_ptr() as *const __m128i) });
+    let have = scales.get(g0..).unwrap_or(&[]);
+    for (p, &b) in padded.iter_mut().zip(have) {
+        *p = b;
+    }
+    // SAFETY: `padded` holds 16 bytes.
+    unsafe { scales16_at(padded.as_ptr()) }
+}
+
+/// The multipliers of the sixteen groups whose scale bytes start at `p`, exact.
+///
+/// # Safety
+/// 16 bytes must be readable at `p`; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn scales16_at(p: *const u8) -> __m512 {
+    // SAFETY: the caller guarantees 16 readable bytes.
+    let e = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) });
     // 2^(e-127): biased exponent e, or the subnormal 2^-127 for e = 0.
     let bits = _mm512_slli_epi32::<23>(e);
     let zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
@@ -529,20 +543,25 @@ unsafe fn mxfp4_two_rows(
     let z = _mm512_setzero_ps();
     // (row 0, row 1) × (even chunks, odd chunks).
     let (mut e0, mut o0, mut e1, mut o1) = (z, z, z, z);
-    let whole = rows
-        .iter()
-        .fold(n_chunks, |n, (p, _)| n.min(p.len() / CHUNK_BYTES))
-        / 4
+    let whole = rows.iter().fold(n_chunks, |n, (p, sc)| {
+        n.min(p.len() / CHUNK_BYTES)
+            .min(sc.len() / GROUPS_PER_CHUNK)
+    }) / 4
         * 4;
     let (p0, p1) = (rows[0].0.as_ptr(), rows[1].0.as_ptr());
     let mut c = 0;
     while c < whole {
-        let s0 = chunk_scales4(scales16(rows[0].1, c * 4));
-        let s1 = chunk_scales4(scales16(rows[1].1, c * 4));
+        // SAFETY: chunks c .. c + 4 lie whole in both rows, codes and scales (`whole` counts both).
+        let [s0, s1] =
+            rows.map(|(_, sc)| chunk_scales4(unsafe { scales16_at(sc.as_ptr().add(c * 4)) }));
         for j in 0..4 {
             let at = (c + j) * CHUNK_BYTES;
             // The pair's bytes in address order (see PREFETCH_BYTES): a chunk of both rows is 128 bytes.
-            prefetch(p0.wrapping_add(2 * at), 2 * CHUNK_BYTES, PREFETCH_BYTES);
+            prefetch(
+                p0.wrapping_add(2 * at),
+                2 * CHUNK_BYTES,
+                MXFP4_PREFETCH_BYTES,
+            );
             // SAFETY: chunk c + j < whole lies whole in both rows.
             let words = unsafe {
                 [
