@@ -97,8 +97,8 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
 const PREFETCH_BYTES: usize = 16 << 10;
 
 /// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
-/// arithmetic is heavier per byte: 4–8 KiB ahead fed them best, 12–32 KiB a few per cent worse
-/// (`docs/PERFORMANCE.md`, fifth round).
+/// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB as
+/// well only with slow memory, 12–32 KiB a few per cent worse (`docs/PERFORMANCE.md`, fifth round).
 const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
