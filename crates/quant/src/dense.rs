@@ -5,6 +5,8 @@
 //! number of activation rows, the thread count or the SIMD path: a batch of T rows gives bit-identical rows to T
 //! calls with one row each.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use crate::dot::{
@@ -130,8 +132,7 @@ impl DenseMatrix {
     /// `out[i] = w[r0 + i] · x` on the fastest path, two rows per kernel call where the CPU allows (each result
     /// bit-identical to [`Self::dot_row`]).
     pub fn dot_rows(&self, r0: usize, x: &[f32], out: &mut [f32]) {
-        let xq = self.quantized(x, 1);
-        self.rows_with(r0, x, xq.first(), out);
+        self.rows_with(r0, x, None, out);
     }
 
     /// [`Self::dot_row`] with `x` already quantised where the matrix is int8 (`None`: quantise it here).
@@ -141,42 +142,37 @@ impl DenseMatrix {
             DenseData::F32(v) => dot_f32(&v[span], x),
             DenseData::Bf16(v) => dot_bf16(&v[span], x),
             DenseData::Int8 { q, scales } => {
-                let own;
-                let xq = match xq {
-                    Some(xq) => xq,
-                    None => {
-                        own = QuantizedInput::new(x);
-                        &own
-                    }
-                };
-                xq.finish(int8_contract::dot(&q[span], xq), scales[r])
+                let xq = int8_input(x, xq);
+                xq.finish(int8_contract::dot(&q[span], &xq), scales[r])
             }
         }
     }
 
-    /// [`Self::dot_rows`] with `x` already quantised where the matrix is int8 (`None`: quantise it per row).
+    /// [`Self::dot_rows`] with `x` already quantised where the matrix is int8 (`None`: quantise it here, once).
     fn rows_with(&self, r0: usize, x: &[f32], xq: Option<&QuantizedInput>, out: &mut [f32]) {
         let c = self.cols;
-        let mut pairs = out.chunks_exact_mut(2);
-        let mut r = r0;
-        for pair in &mut pairs {
-            let (a, b) = (r * c..(r + 1) * c, (r + 1) * c..(r + 2) * c);
-            let ys = match (&self.data, xq) {
-                (DenseData::F32(v), _) => dot_f32_x2(&v[a], &v[b], x),
-                (DenseData::Bf16(v), _) => dot_bf16_x2(&v[a], &v[b], x),
-                (DenseData::Int8 { q, scales }, Some(xq)) => {
-                    let [ya, yb] = int8_contract::dot_x2(&q[a], &q[b], xq);
+        let one = |r: usize, xq: Option<&QuantizedInput>| self.row_with(r, x, xq);
+        match &self.data {
+            DenseData::F32(v) => by_pairs(
+                out,
+                r0,
+                |r| dot_f32_x2(row(v, r, c), row(v, r + 1, c), x),
+                |r| one(r, None),
+            ),
+            DenseData::Bf16(v) => by_pairs(
+                out,
+                r0,
+                |r| dot_bf16_x2(row(v, r, c), row(v, r + 1, c), x),
+                |r| one(r, None),
+            ),
+            DenseData::Int8 { q, scales } => {
+                let xq = int8_input(x, xq);
+                let pair = |r: usize| {
+                    let [ya, yb] = int8_contract::dot_x2(row(q, r, c), row(q, r + 1, c), &xq);
                     [xq.finish(ya, scales[r]), xq.finish(yb, scales[r + 1])]
-                }
-                (DenseData::Int8 { .. }, None) => {
-                    [self.row_with(r, x, None), self.row_with(r + 1, x, None)]
-                }
-            };
-            pair.copy_from_slice(&ys);
-            r += 2;
-        }
-        if let [last] = pairs.into_remainder() {
-            *last = self.row_with(r, x, xq);
+                };
+                by_pairs(out, r0, pair, |r| one(r, Some(&xq)));
+            }
         }
     }
 
@@ -264,6 +260,35 @@ impl DenseMatrix {
             cuda: Default::default(),
         }
     }
+}
+
+/// Row `r` of a row-major matrix with `c` columns.
+fn row<T>(v: &[T], r: usize, c: usize) -> &[T] {
+    &v[r * c..(r + 1) * c]
+}
+
+/// Fills `out` (rows `r0 ..`) two rows at a time with `pair(r)` (rows `r`, `r + 1`), and an odd last row with
+/// `one(r)`.
+fn by_pairs(
+    out: &mut [f32],
+    r0: usize,
+    pair: impl Fn(usize) -> [f32; 2],
+    one: impl Fn(usize) -> f32,
+) {
+    let mut pairs = out.chunks_exact_mut(2);
+    let mut r = r0;
+    for two in &mut pairs {
+        two.copy_from_slice(&pair(r));
+        r += 2;
+    }
+    if let [last] = pairs.into_remainder() {
+        *last = one(r);
+    }
+}
+
+/// The input as an int8 matrix reads it: `xq` where the caller quantised it already, else `x` quantised now.
+fn int8_input<'q>(x: &[f32], xq: Option<&'q QuantizedInput>) -> Cow<'q, QuantizedInput> {
+    xq.map_or_else(|| Cow::Owned(QuantizedInput::new(x)), Cow::Borrowed)
 }
 
 /// Output rows handled by one task.

@@ -491,16 +491,15 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
     }
 }
 
-#[test]
-fn mxfp4_bf16_input_is_close_to_the_f32_path() {
-    // Rounding each input to bf16 moves it by at most 2^-9 of itself, so the result moves by at most
-    // 2^-9 · Σ|w·x| plus the f32 path's own rounding.
+/// A random `[64, 3584]` MXFP4 matrix and an input (through `round`) multiplied on the f32 and the bf16-input paths:
+/// `(Σ|w·x| per row, f32 results, bf16-input results)`.
+fn f32_and_bf16_paths(round: impl Fn(f32) -> f32) -> (Vec<f64>, Vec<f32>, Vec<f32>) {
     let mut r = rng();
     let (rows, cols) = (64, 3584);
     let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
     let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
     let w = m.dequantize_ref();
-    let x = randn(&mut r, cols);
+    let x: Vec<f32> = randn(&mut r, cols).into_iter().map(round).collect();
     let (mut exact, mut bf16) = (vec![0.0f32; rows], vec![0.0f32; rows]);
     m.gemm(&x, 1, &mut exact).expect("gemm");
     let mut products = [Mxfp4Product {
@@ -510,11 +509,23 @@ fn mxfp4_bf16_input_is_close_to_the_f32_path() {
         y: &mut bf16,
     }];
     gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+    let mags = (0..rows)
+        .map(|row| {
+            (0..cols)
+                .map(|i| (w[row * cols + i] as f64 * x[i] as f64).abs())
+                .sum()
+        })
+        .collect();
+    (mags, exact, bf16)
+}
+
+#[test]
+fn mxfp4_bf16_input_is_close_to_the_f32_path() {
+    // Rounding each input to bf16 moves it by at most 2^-9 of itself, so the result moves by at most
+    // 2^-9 · Σ|w·x| plus the f32 path's own rounding.
+    let (mags, exact, bf16) = f32_and_bf16_paths(|v| v);
     let mut worst = 0.0f64;
-    for row in 0..rows {
-        let mag: f64 = (0..cols)
-            .map(|i| (w[row * cols + i] as f64 * x[i] as f64).abs())
-            .sum();
+    for (row, mag) in mags.iter().enumerate() {
         let err = (bf16[row] as f64 - exact[row] as f64).abs();
         assert!(
             err <= mag * (2f64.powi(-9) + 1e-6),
@@ -533,25 +544,9 @@ fn mxfp4_bf16_input_equals_the_f32_path_on_rounded_inputs() {
     // Rounding is the only thing the bf16 mode changes: on inputs already exact in bf16, both contracts sum the same
     // exact products and differ only in the order and rounding of the additions, bounded by 2·cols·2^-24·Σ|w·x|.
     use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
-    let mut r = rng();
-    let (rows, cols) = (64, 3584);
-    let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
-    let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
-    let w = m.dequantize_ref();
-    let x: Vec<f32> = randn(&mut r, cols).into_iter().map(bf16_rounded).collect();
-    let (mut exact, mut bf16) = (vec![0.0f32; rows], vec![0.0f32; rows]);
-    m.gemm(&x, 1, &mut exact).expect("gemm");
-    let mut products = [Mxfp4Product {
-        matrix: m,
-        x: &x,
-        t_rows: 1,
-        y: &mut bf16,
-    }];
-    gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
-    for row in 0..rows {
-        let mag: f64 = (0..cols)
-            .map(|i| (w[row * cols + i] as f64 * x[i] as f64).abs())
-            .sum();
+    let cols = 3584;
+    let (mags, exact, bf16) = f32_and_bf16_paths(bf16_rounded);
+    for (row, mag) in mags.iter().enumerate() {
         let err = (bf16[row] as f64 - exact[row] as f64).abs();
         assert!(
             err <= 2.0 * cols as f64 * 2f64.powi(-24) * mag,

@@ -6,6 +6,7 @@ use std::arch::x86_64::*;
 
 use crate::dot::{BLOCK, LANES};
 use crate::int8_contract::SEGMENT_STEPS;
+use crate::mxfp4_bf16_contract::CHUNK_WORDS;
 use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK};
 
 /// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
@@ -514,7 +515,7 @@ pub unsafe fn mxfp4_row_multi(
     }
 }
 
-/// The scale vectors of the four chunks whose sixteen groups [`scales16`] loaded (chunk `j` as [`chunk_scale`]).
+/// The scale vectors of the four chunks whose sixteen group multipliers `s16` holds (chunk `j` as [`chunk_scale`]).
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn chunk_scales4(s16: __m512) -> [__m512; 4] {
@@ -659,7 +660,8 @@ unsafe fn input_pairs(xb: &[u32], c: usize) -> [__m512bh; 4] {
     std::array::from_fn(|j| {
         // SAFETY: the caller guarantees the chunk's 64 words; the vectors are plain data.
         unsafe {
-            let v = _mm512_loadu_si512(xb.as_ptr().add(c * 64 + j * CHUNK_LANES) as *const _);
+            let v =
+                _mm512_loadu_si512(xb.as_ptr().add(c * CHUNK_WORDS + j * CHUNK_LANES) as *const _);
             std::mem::transmute::<__m512i, __m512bh>(v)
         }
     })
@@ -676,7 +678,7 @@ pub unsafe fn mxfp4_bf16_dot_x2(rows: [(&[u8], &[u8]); 2], xb: &[u32]) -> [f32; 
     let table = e2m1_table();
     // SAFETY: `xb` holds `n_chunks` whole chunks; features as required.
     unsafe {
-        mxfp4_two_rows(rows, xb.len() / 64, |c, [w0, w1]| {
+        mxfp4_two_rows(rows, xb.len() / CHUNK_WORDS, |c, [w0, w1]| {
             let x = input_pairs(xb, c);
             [
                 pair_sum(&decode_pairs(w0, table), &x),
@@ -702,11 +704,11 @@ pub unsafe fn mxfp4_bf16_row_multi(
     out: &mut [f32],
 ) {
     let table = e2m1_table();
-    // SAFETY: every input holds `xb_len / 64` whole chunks (the caller's lengths); features as required.
+    // SAFETY: every input holds `xb_len / CHUNK_WORDS` whole chunks (the caller's lengths); features as required.
     unsafe {
         mxfp4_one_row(
             (packed, scales),
-            xb_len / 64,
+            xb_len / CHUNK_WORDS,
             out,
             |words| decode_pairs(words, table),
             |w, t, c| pair_sum(w, &input_pairs(&xbs[t * xb_len..], c)),
