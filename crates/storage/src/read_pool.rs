@@ -33,8 +33,7 @@ pub const DIRECT_ALIGN: u64 = 4096;
 
 /// Buffers grow in steps of this many bytes, so spans of slightly different lengths share buffers.
 const BUF_GRANULE: usize = 2 << 20;
-/// Buffer address alignment where buffers come from the heap (non-Unix): one x86-64/arm64 huge page.
-#[cfg(not(unix))]
+/// Buffer address alignment: one x86-64/arm64 huge page, so a buffer is whole huge pages.
 const HUGE_PAGE: usize = 2 << 20;
 
 /// One file as the read pool sees it: a direct handle where the filesystem allows one, and an ordinary
@@ -124,7 +123,7 @@ fn open_direct(_path: &Path) -> Option<File> {
     None
 }
 
-/// A heap buffer aligned to [`DIRECT_ALIGN`].
+/// A zero-initialised buffer aligned to [`HUGE_PAGE`] (so to [`DIRECT_ALIGN`] as well).
 struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
@@ -136,36 +135,61 @@ unsafe impl Send for AlignedBuf {}
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
-    /// A zeroed buffer of at least `len` bytes (rounded up to [`BUF_GRANULE`]).
+    /// A zeroed buffer of at least `len` bytes (rounded up to [`BUF_GRANULE`]), aligned to [`HUGE_PAGE`].
     ///
-    /// On Unix the buffer is its own anonymous mapping: page-aligned (a multiple of [`DIRECT_ALIGN`]), zero-filled
-    /// by the kernel page by page as it is touched, and handed back to the system when dropped. (A heap
-    /// allocation of this size can stay in the allocator's arenas after it is freed, which grew the resident set
-    /// by a gigabyte under a streamed spine's many buffer sizes.) On Linux it is advised to use transparent huge
-    /// pages before its first touch: a direct read's request can then cover 2 MiB of physically contiguous memory
-    /// per segment instead of 4 KiB, so a 17.5 MB read needs far fewer, larger device requests.
+    /// On Unix the buffer is its own anonymous mapping: zero-filled by the kernel page by page as it is touched,
+    /// and handed back to the system when dropped. (A heap allocation of this size can stay in the allocator's
+    /// arenas after it is freed, which grew the resident set by a gigabyte under a streamed spine's many buffer
+    /// sizes.) On Linux it is advised to use transparent huge pages before its first touch: a direct read's request
+    /// can then cover 2 MiB of physically contiguous memory per segment instead of 4 KiB, so a 17.5 MB read needs
+    /// far fewer, larger device requests, and the kernels that multiply the experts in it stream through huge pages
+    /// only. A mapping is placed on a huge page boundary only by recent Linux kernels, and only for some lengths;
+    /// one that is not has its first and last partial huge pages on 4 KiB pages (an MXFP4 GEMV read them 5–10%
+    /// slower, `examples/kernel_bandwidth.rs` of `deltafin-quant`). So the buffer maps a huge page less one page
+    /// more than it needs, which holds an aligned range wherever the mapping starts, and unmaps the slack on both
+    /// sides of that range.
     #[cfg(unix)]
     fn new(len: usize) -> io::Result<Self> {
         let cap = len.max(1).div_ceil(BUF_GRANULE) * BUF_GRANULE;
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|p| p.is_power_of_two() && *p <= HUGE_PAGE)
+            .unwrap_or(4096);
+        let mapped = cap + HUGE_PAGE - page;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
-        let ptr = unsafe {
+        let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                cap,
+                mapped,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
         };
-        if ptr == libc::MAP_FAILED {
+        if base == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(ptr.cast::<u8>())
+        let head = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
+        let tail = mapped - head - cap;
+        // SAFETY: both ranges lie inside the fresh mapping (head + cap + tail == mapped, with head at most
+        // HUGE_PAGE - page as the mapping is page-aligned) and start on page boundaries; nothing refers to them. A failed unmap only leaves unused
+        // address space mapped, never touched.
+        unsafe {
+            if head > 0 {
+                libc::munmap(base, head);
+            }
+            if tail > 0 {
+                libc::munmap(base.cast::<u8>().add(head + cap).cast(), tail);
+            }
+        }
+        // SAFETY: `head` is within the mapping.
+        let ptr = NonNull::new(unsafe { base.cast::<u8>().add(head) })
             .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "buffer mapping"))?;
         #[cfg(target_os = "linux")]
-        // SAFETY: the range is exactly our fresh mapping; MADV_HUGEPAGE is only a hint. Its result does not
-        // matter: without huge pages the buffer works the same, only with smaller device requests.
+        // SAFETY: the range is exactly our aligned mapping; MADV_HUGEPAGE is only a hint. Its result does not
+        // matter: without huge pages the buffer works the same, only more slowly.
         unsafe {
             libc::madvise(ptr.as_ptr().cast(), cap, libc::MADV_HUGEPAGE);
         }
@@ -696,11 +720,28 @@ mod tests {
             allocated: AtomicU64::new(0),
         };
         let a = pool.take(10).expect("alloc");
-        assert_eq!(a.ptr.as_ptr() as usize % DIRECT_ALIGN as usize, 0);
+        assert_eq!(a.ptr.as_ptr() as usize % HUGE_PAGE, 0);
         let addr = a.ptr.as_ptr() as usize;
         pool.give_back(a);
         let b = pool.take(BUF_GRANULE).expect("reuse");
         assert_eq!(b.ptr.as_ptr() as usize, addr);
         assert_eq!(pool.allocated.load(Ordering::Relaxed), 1);
+    }
+
+    /// Every buffer starts on a huge page boundary, whatever its length (an expert's span is 17.5 MB), and all of
+    /// it is usable: the slack mapped for alignment is gone, the buffer itself is not.
+    #[test]
+    fn buffers_start_on_a_huge_page_and_are_whole() {
+        for len in [1, 4096, 3 << 20, 17_547_264 + 4096, 64 << 20] {
+            let mut buf = AlignedBuf::new(len).expect("buffer");
+            assert_eq!(buf.ptr.as_ptr() as usize % HUGE_PAGE, 0, "len {len}");
+            assert!(buf.cap >= len && buf.cap.is_multiple_of(BUF_GRANULE));
+            let bytes = buf.as_mut_slice();
+            assert!(bytes[0] == 0 && bytes[bytes.len() - 1] == 0, "zero-filled");
+            bytes[0] = 1;
+            let last = bytes.len() - 1;
+            bytes[last] = 2;
+            assert_eq!((bytes[0], bytes[last]), (1, 2));
+        }
     }
 }
