@@ -3,19 +3,20 @@
 //! `cargo run --release -p deltafin-quant --example kernel_bandwidth [-- --json]`
 //!
 //! Memory bound: a multi-threaded sum over a 1 GiB buffer, the faster of a portable loop and (on AVX-512) a loop of
-//! 64-byte loads with a software prefetch; the portable loop alone, the bound of earlier reports, is given too. Kernels, each streaming hundreds of megabytes of distinct
-//! weights per measurement, as decode streams through its layers (and so that no pass finds an earlier one's bytes
-//! in the 32 MB L3):
+//! 64-byte loads with a software prefetch; the portable loop alone, the bound of earlier reports, is given too.
+//! Kernels, each streaming hundreds of megabytes of distinct weights per measurement, as decode streams through its
+//! layers (and so that no pass finds an earlier one's bytes in the 32 MB L3):
 //! - MXFP4 GEMV over [`LAYERS`] layers of 16 experts of K3's real shape (w1 `[3072, 3584]`, the largest of an
 //!   expert's three matrices), one threaded call per layer for its sixteen experts as the engine runs experts that
 //!   are ready together, and again one call per matrix (as an expert read from disk is multiplied when it lands);
 //! - row-wise int8 and bf16 GEMV over K3 spine matrices `[7168, 7168]` (eight int8 ones, four bf16 ones: 411 MB
 //!   each), one call per matrix.
 //!
-//! Throughput counts weight bytes read. Every buffer is advised to use transparent huge pages, as the engine's read
-//! buffers and spine weights are. This machine's memory bandwidth moves by tens of per cent from minute to minute,
-//! so each round measures the memory bound and then each kernel once, and the ratios are taken within a round; the
-//! report gives the medians over the rounds.
+//! Throughput counts weight bytes read (codes and scales for MXFP4). Every buffer is advised to use transparent huge
+//! pages, as the engine's read buffers and spine weights are; each expert matrix lies in one buffer that starts on a
+//! huge page boundary, codes then scales, as an expert's span lies in a read buffer. This machine's memory bandwidth
+//! moves by tens of per cent from minute to minute, so each round measures the memory bound and then each kernel
+//! once, and the ratios are taken within a round; the report gives the medians over the rounds.
 
 use std::time::Instant;
 
@@ -41,15 +42,38 @@ fn seconds<F: FnMut()>(mut f: F) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// `n` bytes of anonymous memory, advised to use huge pages, filled by `fill`.
-fn huge_buffer(n: usize, fill: impl Fn(usize) -> u8) -> MmapMut {
-    let mut m = MmapMut::map_anon(n).expect("anonymous mapping");
-    // A hint: without huge pages the buffer works the same.
-    let _ = m.advise(Advice::HugePage);
-    for (i, b) in m.iter_mut().enumerate() {
-        *b = fill(i);
+/// The huge page size this machine's transparent huge pages use (x86-64 and aarch64 Linux).
+const HUGE_PAGE: usize = 2 << 20;
+
+/// `n` bytes of anonymous memory starting on a huge page boundary, advised to use huge pages, filled by `fill`.
+///
+/// The engine's read buffers, which hold the experts it multiplies, are whole huge pages
+/// (`deltafin_storage::ReadPool`); a mapping that starts elsewhere has its first and last partial huge pages on
+/// 4 KiB pages, and a 5.5 MB buffer read 5–10% slower that way.
+struct HugeBuffer {
+    map: MmapMut,
+    start: usize,
+    len: usize,
+}
+
+impl HugeBuffer {
+    fn new(n: usize, fill: impl Fn(usize) -> u8) -> Self {
+        let mut map = MmapMut::map_anon(n + HUGE_PAGE).expect("anonymous mapping");
+        // A hint: without huge pages the buffer works the same.
+        let _ = map.advise(Advice::HugePage);
+        let start = (map.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - map.as_ptr() as usize;
+        for (i, b) in map[start..start + n].iter_mut().enumerate() {
+            *b = fill(i);
+        }
+        Self { map, start, len: n }
     }
-    m
+}
+
+impl std::ops::Deref for HugeBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.len]
+    }
 }
 
 fn pseudo_random(seed: u64) -> impl Fn(usize) -> u8 {
@@ -113,7 +137,7 @@ fn main() {
 
     // Memory read: sums of a 1 GiB buffer of u64, split across threads, with the portable loop and (where the CPU
     // has AVX-512) the vector loop; the bound of a round is the faster of the two.
-    let mem = huge_buffer(1 << 30, |i| i as u8);
+    let mem = HugeBuffer::new(1 << 30, |i| i as u8);
     let (head, words, tail) = unsafe {
         // SAFETY: any bytes are valid u64 values; align_to only reinterprets the aligned middle.
         mem.align_to::<u64>()
@@ -136,20 +160,25 @@ fn main() {
 
     // MXFP4: LAYERS × 16 experts' w1 [3072, 3584], one activation row each (decode).
     let (rows, cols) = (3072usize, 3584usize);
-    let experts: Vec<(MmapMut, MmapMut)> = (0..16 * LAYERS as u64)
+    // One buffer per expert, codes then scales, as an expert's span lands in a read buffer.
+    let (code_bytes, scale_bytes) = (rows * cols / 2, rows * cols / 32);
+    let experts: Vec<HugeBuffer> = (0..16 * LAYERS as u64)
         .map(|e| {
-            (
-                huge_buffer(rows * cols / 2, pseudo_random(11 + e)),
-                huge_buffer(rows * cols / 32, |_| 120),
-            )
+            let codes = pseudo_random(11 + e);
+            HugeBuffer::new(code_bytes + scale_bytes, move |i| {
+                if i < code_bytes { codes(i) } else { 120 }
+            })
         })
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
     let mats: Vec<Mxfp4Matrix<'_>> = experts
         .iter()
-        .map(|(p, s)| Mxfp4Matrix::new(p, s, rows, cols).expect("valid"))
+        .map(|b| {
+            let (codes, scales) = b.split_at(code_bytes);
+            Mxfp4Matrix::new(codes, scales, rows, cols).expect("valid")
+        })
         .collect();
-    let mx_bytes: usize = experts.iter().map(|(p, s)| p.len() + s.len()).sum();
+    let mx_bytes: usize = experts.iter().map(|b| b.len()).sum();
     let mut y = vec![0.0f32; rows];
     // As the engine multiplies experts that are ready together: a layer's sixteen in one threaded call.
     let mut ys = vec![vec![0.0f32; rows]; 16];
