@@ -296,8 +296,7 @@ const ROWS_PER_TASK: usize = 16;
 
 /// Rows per task for one activation row of a dense matrix (even, so row pairs stay together): larger tasks cost
 /// less scheduling per byte (int8 `[7168, 7168]` from memory: 0.63–0.81 of the memory read rate with 16-row tasks,
-/// 0.85–0.89 with 64, in the same minutes). MXFP4 experts keep 16-row tasks, which balance the two cores better on
-/// their 3072 rows.
+/// 0.85–0.89 with 64, in the same minutes). MXFP4 tasks are sized the same way, by bytes (`crate::mxfp4`).
 const DENSE_ROWS_PER_TASK: usize = 64;
 
 /// Fills `y [t_rows, rows]` with `f(r, t)`, in parallel over output rows. Each weight row is visited once for all

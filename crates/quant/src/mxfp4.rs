@@ -13,8 +13,17 @@
 use crate::error::{QuantError, Result};
 use crate::{mxfp4_bf16_contract, mxfp4_contract};
 
-/// Weight rows per task of a threaded product (small tasks balance the two cores on an expert's 3072 rows).
-const MXFP4_ROWS_PER_TASK: usize = 16;
+/// Weight bytes (codes and scales, times the activation rows) one task of a threaded product multiplies: about
+/// 240 rows of a K3 expert at one activation row, as much as a dense int8 task (`crate::dense`). Tasks of 16 rows
+/// read batched experts more slowly when memory is fast (`docs/PERFORMANCE.md`, sixth round).
+const MXFP4_TASK_BYTES: usize = 448 << 10;
+
+/// Rows per task for `matrix` at `t_rows` activation rows: [`MXFP4_TASK_BYTES`] of work, at least one row pair.
+fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize) -> usize {
+    let row_bytes = matrix.cols / 2 + matrix.cols / MXFP4_GROUP;
+    let rows = MXFP4_TASK_BYTES / (row_bytes * t_rows).max(1);
+    (rows / 2 * 2).max(2)
+}
 
 /// Inputs per E8M0 scale.
 pub const MXFP4_GROUP: usize = 32;
@@ -394,12 +403,12 @@ pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input)
         .iter()
         .map(|p| vec![0.0f32; p.matrix.rows * p.t_rows])
         .collect();
-    let per_task = MXFP4_ROWS_PER_TASK;
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
     for (i, (p, out)) in products.iter().zip(by_row.iter_mut()).enumerate() {
         if p.t_rows == 0 {
             continue;
         }
+        let per_task = rows_per_task(&p.matrix, p.t_rows);
         for (k, block) in out.chunks_mut(per_task * p.t_rows).enumerate() {
             tasks.push((i, k * per_task, block));
         }
@@ -409,7 +418,7 @@ pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input)
         p.matrix
             .rows_permuted(r0, &inputs[input_of[i]], p.t_rows, out);
     };
-    if tasks.len() < 8 {
+    if tasks.len() < 2 {
         tasks.into_iter().for_each(run);
     } else {
         use rayon::prelude::*;
