@@ -90,7 +90,6 @@ fn main() {
         .collect();
     let x: Vec<f32> = (0..cols).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let span = |r: usize| r * cols..(r + 1) * cols;
-    // SAFETY (bf16 kernel): AVX-512F, AVX2 and FMA present; rows as long as `x`.
     let xq = QuantizedInput::new(&x);
     // SAFETY: AVX-512 VNNI present (checked); rows as long as the input, which is padded.
     let i8_rate = has_avx512_vnni().then(|| {
@@ -103,6 +102,7 @@ fn main() {
                 .sum()
         })
     });
+    // SAFETY: AVX-512F, AVX2 and FMA present (checked); rows as long as `x`.
     let bf_rate = rate(b.len() * 2, || {
         (0..rows)
             .step_by(2)

@@ -174,8 +174,8 @@ impl AlignedBuf {
         let head = (base as usize).next_multiple_of(HUGE_PAGE) - base as usize;
         let tail = mapped - head - cap;
         // SAFETY: both ranges lie inside the fresh mapping (head + cap + tail == mapped, with head at most
-        // HUGE_PAGE - page as the mapping is page-aligned) and start on page boundaries; nothing refers to them. A failed unmap only leaves unused
-        // address space mapped, never touched.
+        // HUGE_PAGE - page as the mapping is page-aligned) and start on page boundaries; nothing refers to them.
+        // A failed unmap only leaves unused address space mapped, never touched.
         unsafe {
             if head > 0 {
                 libc::munmap(base, head);

@@ -1,6 +1,7 @@
-//! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails). Each follows its scalar twin's contract exactly:
-//! [`crate::dot`] for dense rows (one 16-lane register holds two of the contract's 8-lane accumulators) and
-//! [`crate::mxfp4_contract`] for MXFP4 rows. Two rows are computed per call so they share the input's loads.
+//! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails; BF16 and VNNI where named). Each follows
+//! its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows (one 16-lane register holds two of the
+//! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and
+//! [`crate::mxfp4_bf16_contract`] for MXFP4 rows. Two rows are computed per call so they share the input's loads.
 
 use std::arch::x86_64::*;
 
@@ -98,8 +99,8 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
 const PREFETCH_BYTES: usize = 16 << 10;
 
 /// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
-/// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB as
-/// well only with slow memory, 12–32 KiB a few per cent worse (`docs/PERFORMANCE.md`, fifth round).
+/// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB about
+/// as well, 12–32 KiB a few per cent worse (`docs/PERFORMANCE.md`, fifth and sixth rounds).
 const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).

@@ -25,8 +25,8 @@ pub fn has_avx2_fma() -> bool {
     })
 }
 
-/// Whether AVX-512F and AVX-512BW (with AVX2 and FMA) are available and allowed; detected once. `DELTAFIN_NO_AVX512=1` keeps the
-/// AVX2 paths (for comparisons); `DELTAFIN_NO_SIMD=1` turns both off.
+/// Whether AVX-512F and AVX-512BW (with AVX2 and FMA) are available and allowed; detected once.
+/// `DELTAFIN_NO_AVX512=1` keeps the AVX2 paths (for comparisons); `DELTAFIN_NO_SIMD=1` turns both off.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512() -> bool {
     use std::sync::OnceLock;
