@@ -26,6 +26,17 @@ fn open(name: &str, input: ExpertInput) -> Engine {
 
 #[test]
 fn bf16_expert_inputs_are_close_to_the_f32_path() {
+    close_to_the_f32_path(ExpertInput::Bf16, NLL_TOL, TOP1_AGREEMENT);
+}
+
+#[test]
+fn i16_expert_inputs_are_close_to_the_f32_path() {
+    close_to_the_f32_path(ExpertInput::I16, 1e-4, 1.0);
+}
+
+/// Holds `input` against the f32 path on every fixture: |ΔNLL| at most `nll_tol`, at least `top1` of the top-1 tokens
+/// kept, and prefill equal to decode.
+fn close_to_the_f32_path(input: ExpertInput, nll_tol: f64, top1: f64) {
     for name in [
         "k3/k3-tiny-a",
         "k3/k3-tiny-b",
@@ -39,7 +50,7 @@ fn bf16_expert_inputs_are_close_to_the_f32_path() {
             .prefill(&ids)
             .expect("prefill")
             .data;
-        let bf16_engine = open(name, ExpertInput::Bf16);
+        let bf16_engine = open(name, input);
         let bf16 = bf16_engine.session().prefill(&ids).expect("prefill").data;
         let vocab = exact.len() / ids.len();
         let diff = max_abs_diff(&bf16, &exact);
@@ -51,13 +62,13 @@ fn bf16_expert_inputs_are_close_to_the_f32_path() {
             .count();
         let scale = exact.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         eprintln!(
-            "{name}: bf16 expert inputs: max |Δlogit| {diff:.3e} (max |logit| {scale:.2}), ΔNLL {d_nll:.2e}, top-1 agreement {agree}/{}",
+            "{name}: {input} expert inputs: max |Δlogit| {diff:.3e} (max |logit| {scale:.2}), ΔNLL {d_nll:.2e}, top-1 agreement {agree}/{}",
             ids.len()
         );
-        assert!(diff > 0.0, "{name}: the bf16 mode changed nothing");
-        assert!(d_nll <= NLL_TOL, "{name}: ΔNLL {d_nll}");
+        assert!(diff > 0.0, "{name}: the {input} mode changed nothing");
+        assert!(d_nll <= nll_tol, "{name}: ΔNLL {d_nll}");
         assert!(
-            agree as f64 >= TOP1_AGREEMENT * ids.len() as f64,
+            agree as f64 >= top1 * ids.len() as f64,
             "{name}: top-1 agreement {agree}/{}",
             ids.len()
         );
@@ -77,5 +88,5 @@ fn expert_input_setting_parses_and_rejects() {
     assert_eq!("bf16".parse::<ExpertInput>(), Ok(ExpertInput::Bf16));
     assert_eq!(" F32 ".parse::<ExpertInput>(), Ok(ExpertInput::F32));
     let err = "fp8".parse::<ExpertInput>().expect_err("unknown");
-    assert!(err.contains("f32 or bf16"), "{err}");
+    assert!(err.contains("f32, bf16 or i16"), "{err}");
 }

@@ -40,7 +40,7 @@ pub struct BenchArgs {
     /// Look-ahead expert prefetch in the engine (`on` or `off`).
     #[arg(long, default_value = "off")]
     prefetch: String,
-    /// How routed experts read their inputs in the engine (`f32` or `bf16`).
+    /// How routed experts read their inputs in the engine (`f32`, `bf16` or `i16`).
     #[arg(long, default_value = "f32")]
     expert_input: String,
 }

@@ -385,6 +385,6 @@ fn expert_input_flag_reaches_the_engine() {
         .expect("run deltafin");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(stderr.contains("f32 or bf16"), "stderr: {stderr}");
+    assert!(stderr.contains("f32, bf16 or i16"), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }

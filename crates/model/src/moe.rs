@@ -12,6 +12,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch_with};
 use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
+use deltafin_quant::mxfp4_i16_contract;
 use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Input, Mxfp4Matrix};
 
 use crate::config::{Activation, ModelConfig, MoeConfig};
@@ -25,12 +26,13 @@ use crate::weights::{ExpertWeights, Loader};
 /// Added to the sum of chosen weights before renormalising, as in the reference.
 const RENORM_EPS: f32 = 1e-20;
 
-/// A dense expert's input as `input` says the experts read theirs: as is, or rounded to bf16 as the MXFP4 kernels
-/// round it, so the bf16 mode means one thing for both kinds of expert.
+/// A dense expert's input as `input` says the experts read theirs: as is, rounded to bf16 or quantised to int16 per
+/// group as the MXFP4 kernels read it, so each mode means one thing for both kinds of expert.
 fn rounded(v: &[f32], input: Mxfp4Input) -> Cow<'_, [f32]> {
     match input {
         Mxfp4Input::F32 => Cow::Borrowed(v),
         Mxfp4Input::Bf16 => v.iter().copied().map(bf16_rounded).collect(),
+        Mxfp4Input::I16 => Cow::Owned(mxfp4_i16_contract::dequantised(v)),
     }
 }
 

@@ -236,7 +236,7 @@ fn main() {
     };
 
     // Rounds: memory, then each kernel, back to back.
-    let mut rounds: Vec<[f64; 7]> = Vec::new();
+    let mut rounds: Vec<[f64; 8]> = Vec::new();
     for round in 0..=ROUNDS {
         let portable_gbs = mem_bytes / seconds(|| read_memory(false)) / 1e9;
         let mem_gbs = (mem_bytes / seconds(|| read_memory(true)) / 1e9).max(portable_gbs);
@@ -245,8 +245,18 @@ fn main() {
         let i8g = int8_bytes / seconds(|| run_dense(&int8)) / 1e9;
         let bfg = bf16_bytes / seconds(|| run_dense(&bf16)) / 1e9;
         let mx_each = mx_bytes as f64 / seconds(&mut run_mxfp4_each) / 1e9;
+        let mx_i16 = mx_bytes as f64 / seconds(|| run_mxfp4(Mxfp4Input::I16)) / 1e9;
         if round > 0 {
-            rounds.push([mem_gbs, mx, i8g, bfg, mx_each, mx_bf16, portable_gbs]);
+            rounds.push([
+                mem_gbs,
+                mx,
+                i8g,
+                bfg,
+                mx_each,
+                mx_bf16,
+                portable_gbs,
+                mx_i16,
+            ]);
         }
     }
     let col = |k: usize| median(rounds.iter().map(|r| r[k]).collect());
@@ -258,7 +268,8 @@ fn main() {
              \"mxfp4_gemv_gbs\":{:.3},\"int8_gemv_gbs\":{:.3},\"bf16_gemv_gbs\":{:.3},\
              \"mxfp4_ratio\":{:.3},\"int8_ratio\":{:.3},\"bf16_ratio\":{:.3},\
              \"mxfp4_each_gbs\":{:.3},\"mxfp4_each_ratio\":{:.3},\
-             \"mxfp4_bf16_gbs\":{:.3},\"mxfp4_bf16_ratio\":{:.3},\"memory_read_portable_gbs\":{:.3}}}",
+             \"mxfp4_bf16_gbs\":{:.3},\"mxfp4_bf16_ratio\":{:.3},\"mxfp4_i16_gbs\":{:.3},\"mxfp4_i16_ratio\":{:.3},\
+             \"memory_read_portable_gbs\":{:.3}}}",
             col(0),
             col(1),
             col(2),
@@ -270,6 +281,8 @@ fn main() {
             ratio(4),
             col(5),
             ratio(5),
+            col(7),
+            ratio(7),
             col(6)
         );
     } else {
@@ -285,6 +298,7 @@ fn main() {
             (1, "mxfp4 gemv"),
             (4, "mxfp4, per call"),
             (5, "mxfp4, bf16 input"),
+            (7, "mxfp4, i16 input"),
             (2, "int8 gemv"),
             (3, "bf16 gemv"),
         ] {

@@ -41,9 +41,11 @@ fn rate(bytes: usize, mut sweep: impl FnMut() -> f32) -> f64 {
 #[cfg(target_arch = "x86_64")]
 fn main() {
     use deltafin_quant::int8_contract::QuantizedInput;
-    use deltafin_quant::simd::avx512::{dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2};
+    use deltafin_quant::simd::avx512::{
+        dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2, mxfp4_i16_dot_x2,
+    };
     use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
-    use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract};
+    use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
 
     if !has_avx512() {
         println!("no AVX-512 on this CPU: nothing to measure");
@@ -81,6 +83,16 @@ fn main() {
         println!("mxfp4, bf16 inputs  {bf16_rate:6.1} GB/s");
     } else {
         println!("mxfp4, bf16 inputs  (no AVX-512 BF16 on this CPU)");
+    }
+    if has_avx512_vnni() {
+        let xq = mxfp4_i16_contract::permute_input(&x);
+        // SAFETY: AVX-512 VNNI present as well (checked); whole rows and one quantised input.
+        let i16_rate = rate(mx_bytes, || {
+            sweep_pairs(&|rs| unsafe { mxfp4_i16_dot_x2(rs, &xq) })
+        });
+        println!("mxfp4, int16 inputs {i16_rate:6.1} GB/s");
+    } else {
+        println!("mxfp4, int16 inputs (no AVX-512 VNNI on this CPU)");
     }
 
     let (rows, cols) = (48usize, 7168usize);

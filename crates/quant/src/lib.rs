@@ -14,6 +14,7 @@ pub mod int8_contract;
 pub mod mxfp4;
 pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
+pub mod mxfp4_i16_contract;
 pub mod pages;
 pub mod simd;
 

@@ -11,7 +11,7 @@
 //! [`crate::mxfp4_contract`].
 
 use crate::error::{QuantError, Result};
-use crate::{mxfp4_bf16_contract, mxfp4_contract};
+use crate::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
 
 /// Weight bytes (codes and scales, times the activation rows) one task of a threaded product multiplies: about
 /// 240 rows of a K3 expert at one activation row, as much as a dense int8 task (`crate::dense`). Tasks of 16 rows
@@ -161,6 +161,13 @@ impl<'a> Mxfp4Matrix<'a> {
         mxfp4_bf16_contract::dot_row_ref(packed, scales, &mxfp4_bf16_contract::permute_input(x))
     }
 
+    /// The dot product of row `row` with `x` quantised to int16 per group: scalar reference of the contract in
+    /// [`crate::mxfp4_i16_contract`].
+    pub fn dot_row_i16_ref(&self, row: usize, x: &[f32]) -> f32 {
+        let (packed, scales) = self.row_bytes(row);
+        mxfp4_i16_contract::dot_row_ref(packed, scales, &mxfp4_i16_contract::permute_input(x))
+    }
+
     /// The dot product of row `row` with `x` on the fastest path (bit-identical to [`Self::dot_row_ref`]).
     pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
         let mut y = [0.0f32];
@@ -175,6 +182,7 @@ impl<'a> Mxfp4Matrix<'a> {
         match xps {
             PermutedInput::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
             PermutedInput::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
+            PermutedInput::I16(xqs) => self.rows_i16(r0, xqs, t_rows, out),
         }
     }
 
@@ -227,6 +235,31 @@ impl<'a> Mxfp4Matrix<'a> {
         let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
             for (o, xb) in out.iter_mut().zip(xbs.chunks_exact(xb_len)) {
                 *o = mxfp4_bf16_contract::dot_row_ref(packed, scales, xb);
+            }
+        };
+        self.run_rows(r0, t_rows, out, None, &each);
+    }
+
+    /// [`Self::rows_permuted`] for inputs quantised to int16 ([`mxfp4_i16_contract`]).
+    fn rows_i16(&self, r0: usize, xqs: &[u32], t_rows: usize, out: &mut [f32]) {
+        let xq_len = mxfp4_i16_contract::chunks(self.cols) * mxfp4_i16_contract::CHUNK_WORDS;
+        if t_rows == 0 || xqs.len() != t_rows * xq_len {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512_vnni() {
+            // SAFETY: AVX-512F/BW/VNNI, AVX2 and FMA present; two whole rows (checked in `new`) and one quantised
+            // input.
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_i16_dot_x2(rows, xqs) };
+            // SAFETY: as above; one whole row and `out.len()` quantised inputs of `xq_len` words.
+            let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
+                crate::simd::avx512::mxfp4_i16_row_multi(packed, scales, xqs, xq_len, out)
+            };
+            return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
+        }
+        let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
+            for (o, xq) in out.iter_mut().zip(xqs.chunks_exact(xq_len)) {
+                *o = mxfp4_i16_contract::dot_row_ref(packed, scales, xq);
             }
         };
         self.run_rows(r0, t_rows, out, None, &each);
@@ -324,6 +357,10 @@ pub enum Mxfp4Input {
     /// about 1.5× the f32 kernel's compute rate on CPUs with AVX-512 BF16, and the scalar reference (slow) on
     /// others.
     Bf16,
+    /// Quantised to int16 per group of 32 ([`crate::mxfp4_i16_contract`]): each input moves by at most 1/65534 of
+    /// its group's largest magnitude, and the products sum exactly in integers; the fast kernel needs AVX-512 VNNI,
+    /// and others run the scalar reference (slow).
+    I16,
 }
 
 impl std::str::FromStr for Mxfp4Input {
@@ -333,7 +370,8 @@ impl std::str::FromStr for Mxfp4Input {
         match s.trim().to_ascii_lowercase().as_str() {
             "f32" => Ok(Self::F32),
             "bf16" => Ok(Self::Bf16),
-            other => Err(format!("expected f32 or bf16, got `{other}`")),
+            "i16" => Ok(Self::I16),
+            other => Err(format!("expected f32, bf16 or i16, got `{other}`")),
         }
     }
 }
@@ -343,6 +381,7 @@ impl std::fmt::Display for Mxfp4Input {
         f.write_str(match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
+            Self::I16 => "i16",
         })
     }
 }
@@ -351,6 +390,7 @@ impl std::fmt::Display for Mxfp4Input {
 enum PermutedInput {
     F32(Vec<f32>),
     Bf16(Vec<u32>),
+    I16(Vec<u32>),
 }
 
 impl PermutedInput {
@@ -361,6 +401,9 @@ impl PermutedInput {
             Mxfp4Input::F32 => Self::F32(rows.flat_map(mxfp4_contract::permute_input).collect()),
             Mxfp4Input::Bf16 => {
                 Self::Bf16(rows.flat_map(mxfp4_bf16_contract::permute_input).collect())
+            }
+            Mxfp4Input::I16 => {
+                Self::I16(rows.flat_map(mxfp4_i16_contract::permute_input).collect())
             }
         }
     }
@@ -375,8 +418,9 @@ pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
 /// together, so each thread streams through whole matrices instead of both threads meeting in each one, and the
 /// threads fork and join once rather than once per matrix. On this project's 2-core machine, sixteen expert
 /// matrices in one call read 1.6× faster than one call each (`examples/kernel_bandwidth.rs`). Every output is
-/// bit-identical to the scalar reference of `input`'s contract ([`Mxfp4Matrix::dot_row_ref`] or
-/// [`Mxfp4Matrix::dot_row_bf16_ref`]), whatever the batch, thread count or SIMD path.
+/// bit-identical to the scalar reference of `input`'s contract ([`Mxfp4Matrix::dot_row_ref`],
+/// [`Mxfp4Matrix::dot_row_bf16_ref`] or [`Mxfp4Matrix::dot_row_i16_ref`]), whatever the batch, thread count or SIMD
+/// path.
 pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Result<()> {
     // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
     // to each other (an expert's gate and up) share one permuted copy.

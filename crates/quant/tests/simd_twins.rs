@@ -494,21 +494,32 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
 /// A random `[64, 3584]` MXFP4 matrix and an input (through `round`) multiplied on the f32 and the bf16-input paths:
 /// `(Σ|w·x| per row, f32 results, bf16-input results)`.
 fn f32_and_bf16_paths(round: impl Fn(f32) -> f32) -> (Vec<f64>, Vec<f32>, Vec<f32>) {
+    let (mags, _, exact, bf16) = f32_and_other_path(round, Mxfp4Input::Bf16);
+    (mags, exact, bf16)
+}
+
+/// A random `[64, 3584]` MXFP4 matrix and an input (through `round`) multiplied on the f32 path and on `other`:
+/// `(Σ|w·x| per row, the dequantised weights and the input, f32 results, results of `other`)`.
+#[allow(clippy::type_complexity)]
+fn f32_and_other_path(
+    round: impl Fn(f32) -> f32,
+    other: Mxfp4Input,
+) -> (Vec<f64>, (Vec<f32>, Vec<f32>), Vec<f32>, Vec<f32>) {
     let mut r = rng();
     let (rows, cols) = (64, 3584);
     let (packed, s) = random_mxfp4(&mut r, rows, cols, &[125, 127, 129]);
     let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
     let w = m.dequantize_ref();
     let x: Vec<f32> = randn(&mut r, cols).into_iter().map(round).collect();
-    let (mut exact, mut bf16) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+    let (mut exact, mut got) = (vec![0.0f32; rows], vec![0.0f32; rows]);
     m.gemm(&x, 1, &mut exact).expect("gemm");
     let mut products = [Mxfp4Product {
         matrix: m,
         x: &x,
         t_rows: 1,
-        y: &mut bf16,
+        y: &mut got,
     }];
-    gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+    gemm_batch_with(&mut products, other).expect("gemm");
     let mags = (0..rows)
         .map(|row| {
             (0..cols)
@@ -516,7 +527,108 @@ fn f32_and_bf16_paths(round: impl Fn(f32) -> f32) -> (Vec<f64>, Vec<f32>, Vec<f3
                 .sum()
         })
         .collect();
-    (mags, exact, bf16)
+    (mags, (w, x), exact, got)
+}
+
+#[test]
+fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
+    let mut r = rng();
+    for &cols in MXFP4_COLS {
+        let rows = 37; // odd: the last row of a pair runs alone
+        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 253, 254]);
+        for t_rows in [1, 2, 5] {
+            let mut xs = edge_inputs(&mut r, t_rows * cols);
+            // A group with an infinity and one of zeros: NaN and nothing.
+            xs[3] = f32::INFINITY;
+            xs[cols.min(64)..cols.min(96)].fill(0.0);
+            let mut y = vec![f32::NAN; t_rows * rows];
+            let mut products = [Mxfp4Product {
+                matrix: Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid"),
+                x: &xs,
+                t_rows,
+                y: &mut y,
+            }];
+            gemm_batch_with(&mut products, Mxfp4Input::I16).expect("gemm");
+            let m = products[0].matrix;
+            for t in 0..t_rows {
+                let x = &xs[t * cols..(t + 1) * cols];
+                for row in 0..rows {
+                    let (a, b) = (y[t * rows + row], m.dot_row_i16_ref(row, x));
+                    assert!(
+                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_i16_kernels_match_twin_where_the_cpu_has_them() {
+    use deltafin_quant::mxfp4_i16_contract::{dot_row_ref, permute_input};
+    use deltafin_quant::simd::avx512::{mxfp4_i16_dot_x2, mxfp4_i16_row_multi};
+    if !deltafin_quant::simd::has_avx512_vnni() {
+        // The dispatch test above then compares the scalar path with itself; say so in the log.
+        eprintln!("no AVX-512 VNNI here: only the scalar contract was exercised");
+        return;
+    }
+    let mut r = rng();
+    for &cols in MXFP4_COLS {
+        let (packed, s) = random_mxfp4(&mut r, 2, cols, &[0, 3, 127, 131, 254]);
+        // Inputs spread over 2^±24: each group's quantisation step differs, and the lanes' multipliers with it.
+        let xq = permute_input(&edge_inputs(&mut r, cols));
+        let row = |i: usize| {
+            (
+                &packed[i * cols / 2..(i + 1) * cols / 2],
+                &s[i * cols / 32..(i + 1) * cols / 32],
+            )
+        };
+        let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xq));
+        // SAFETY: AVX-512F/BW/VNNI with AVX2 and FMA detected; two whole rows and their quantised input.
+        let pair = unsafe { mxfp4_i16_dot_x2([row(0), row(1)], &xq) };
+        // Row 1 against two copies of the input, each decoded chunk used for both.
+        let xqs: Vec<u32> = xq.iter().chain(xq.iter()).copied().collect();
+        let mut multi = [0.0f32; 2];
+        // SAFETY: as above, one row and two inputs of `xq.len()` words.
+        unsafe { mxfp4_i16_row_multi(row(1).0, row(1).1, &xqs, xq.len(), &mut multi) };
+        for i in 0..2 {
+            same_bits(pair[i], want[i], &format!("x2 cols {cols} row {i}"));
+            same_bits(multi[i], want[1], &format!("multi cols {cols} input {i}"));
+        }
+    }
+}
+
+#[test]
+fn mxfp4_i16_input_is_close_to_the_f32_path() {
+    // Quantising moves each input by at most s / 2 = max|x of its group| / 65534, so the result moves by at most
+    // Σ|w|·s/2 plus the two paths' own f32 rounding (well under 1e-6 · Σ|w·x| for 3584 columns).
+    let (mags, (w, x), exact, got) = f32_and_other_path(|v| v, Mxfp4Input::I16);
+    let cols = x.len();
+    let half_step = |i: usize| {
+        let g = i / 32 * 32;
+        x[g..g + 32]
+            .iter()
+            .fold(0.0f64, |m, v| m.max(v.abs() as f64))
+            / 65534.0
+    };
+    let mut worst = 0.0f64;
+    for (row, mag) in mags.iter().enumerate() {
+        let quantisation: f64 = (0..cols)
+            .map(|i| (w[row * cols + i] as f64).abs() * half_step(i))
+            .sum();
+        let err = (got[row] as f64 - exact[row] as f64).abs();
+        assert!(
+            err <= quantisation + 1e-6 * mag,
+            "row {row}: {} vs {} (bound {quantisation})",
+            got[row],
+            exact[row]
+        );
+        worst = worst.max(err / mag);
+    }
+    // The quantisation did change something, and by far less than a bf16 cast (2^-9 of Σ|w·x|) would.
+    assert!(worst > 0.0 && worst < 2f64.powi(-12), "worst {worst}");
 }
 
 #[test]

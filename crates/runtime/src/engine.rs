@@ -243,11 +243,20 @@ impl Engine {
             Model::load_streamed(cfg, src, &options.device, &resident)?
         };
         model.set_expert_input(options.expert_input);
-        if options.expert_input == ExpertInput::Bf16 && !deltafin_quant::simd::mxfp4_bf16_is_fast()
-        {
+        let slow = match options.expert_input {
+            ExpertInput::F32 => None,
+            ExpertInput::Bf16 => {
+                (!deltafin_quant::simd::mxfp4_bf16_is_fast()).then_some("AVX-512 BF16")
+            }
+            ExpertInput::I16 => {
+                (!deltafin_quant::simd::mxfp4_i16_is_fast()).then_some("AVX-512 VNNI")
+            }
+        };
+        if let Some(missing) = slow {
             tracing::warn!(
-                "K3_EXPERT_INPUT=bf16 without AVX-512 BF16 on this CPU: the bf16 expert kernels run their scalar \
-                 reference, far slower than the f32 default"
+                "K3_EXPERT_INPUT={} without {missing} on this CPU: its expert kernels run their scalar reference, \
+                 far slower than the f32 default",
+                options.expert_input
             );
         }
         // Only reads made by forward passes count from here on.

@@ -225,23 +225,35 @@ unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
             *wd = _mm512_add_epi64(*wd, _mm512_add_epi64(lo, hi));
         }
     };
+    // One step: block `c` of every row into `acc`.
+    let step = |acc: &mut [__m512i; R], c: usize| {
+        prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
+        // SAFETY: c + 32 <= full <= n for every row (the callers' loop bounds); the caller pads xq past n.
+        unsafe {
+            let x = _mm512_loadu_si512(xp.add(c) as *const _);
+            for (a, q) in acc.iter_mut().zip(&rows) {
+                let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
+                *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
+            }
+        }
+    };
     let mut c = 0;
     while c < full {
         let end = full.min(c + 32 * SEGMENT_STEPS);
-        let mut acc = [_mm512_setzero_si512(); R];
-        while c < end {
-            prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
-            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
-            unsafe {
-                let x = _mm512_loadu_si512(xp.add(c) as *const _);
-                for (a, q) in acc.iter_mut().zip(&rows) {
-                    let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
-                    *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
-                }
-            }
+        // Two accumulators a row, for even and odd blocks, so that consecutive `vpdpwssd` of a row do not wait on
+        // each other (the sum is exact, so its order is free). Each takes at most SEGMENT_STEPS steps.
+        let (mut even, mut odd) = ([_mm512_setzero_si512(); R], [_mm512_setzero_si512(); R]);
+        while c + 64 <= end {
+            step(&mut even, c);
+            step(&mut odd, c + 32);
+            c += 64;
+        }
+        if c < end {
+            step(&mut even, c);
             c += 32;
         }
-        widen(&mut wide, acc);
+        widen(&mut wide, even);
+        widen(&mut wide, odd);
     }
     if full < n {
         // The partial last block, zero-padded (the input is zero past n).
@@ -628,10 +640,16 @@ pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn decode_pairs(words: __m512i, table: __m512i) -> [__m512bh; 4] {
-    let p = |v: __m512i| {
-        // SAFETY: both are 512-bit plain-data vectors; the lanes are bf16 bit patterns.
-        unsafe { std::mem::transmute::<__m512i, __m512bh>(_mm512_permutexvar_epi16(v, table)) }
-    };
+    // SAFETY: both are 512-bit plain-data vectors; the lanes are bf16 bit patterns.
+    permute_codes(words, table).map(|v| unsafe { std::mem::transmute::<__m512i, __m512bh>(v) })
+}
+
+/// The word permute of the pair contracts: vector `j` holds, in lane `k`, `table[code j]` (low half) and
+/// `table[code j + 4]` (high half) of the lane's eight codes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn permute_codes(words: __m512i, table: __m512i) -> [__m512i; 4] {
+    let p = |v: __m512i| _mm512_permutexvar_epi16(v, table);
     [
         p(words),
         p(_mm512_srli_epi16::<4>(words)),
@@ -713,6 +731,107 @@ pub unsafe fn mxfp4_bf16_row_multi(
             out,
             |words| decode_pairs(words, table),
             |w, t, c| pair_sum(w, &input_pairs(&xbs[t * xb_len..], c)),
+        )
+    }
+}
+
+/// Twice the E2M1 values as int16, twice over (the word permute reads five index bits; the fifth is the next code's
+/// lowest bit, so both halves must agree).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn e2m1_doubled_table() -> __m512i {
+    // A constant, so that the compiler keeps it in the binary instead of building it on every call.
+    const BOTH: [i16; 32] = {
+        const DOUBLED: [i16; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+        let mut both = [0i16; 32];
+        let mut i = 0;
+        while i < 32 {
+            both[i] = DOUBLED[i % 16];
+            i += 1;
+        }
+        both
+    };
+    // SAFETY: `BOTH` holds 64 bytes.
+    unsafe { _mm512_loadu_si512(BOTH.as_ptr() as *const _) }
+}
+
+/// The four pair vectors and the lane multipliers of chunk `c` of a quantised input.
+///
+/// # Safety
+/// Words `80c .. 80c + 80` must lie in `xq`; the CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn input_i16(xq: &[u32], c: usize) -> ([__m512i; 4], __m512) {
+    use crate::mxfp4_i16_contract::{CHUNK_WORDS, PAIR_WORDS};
+    // SAFETY: the caller guarantees the chunk's 80 words.
+    unsafe {
+        let p = xq.as_ptr().add(c * CHUNK_WORDS);
+        (
+            std::array::from_fn(|j| _mm512_loadu_si512(p.add(j * CHUNK_LANES) as *const _)),
+            _mm512_loadu_ps(p.add(PAIR_WORDS) as *const f32),
+        )
+    }
+}
+
+/// `u` of one chunk under the int16 contract: the exact integer sum of the pair products (two `vpdpwssd` chains;
+/// integer addition is exact in any order), converted and multiplied by the lanes' multipliers.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn i16_chunk(w: &[__m512i; 4], (x, m): &([__m512i; 4], __m512)) -> __m512 {
+    let a = _mm512_madd_epi16(w[0], x[0]);
+    let b = _mm512_madd_epi16(w[1], x[1]);
+    let a = _mm512_dpwssd_epi32(a, w[2], x[2]);
+    let b = _mm512_dpwssd_epi32(b, w[3], x[3]);
+    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), *m)
+}
+
+/// Two MXFP4 rows against one quantised input `xq`, each bit-identical to
+/// [`crate::mxfp4_i16_contract::dot_row_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512 VNNI, AVX2 and FMA; `xq.len() == chunks(cols) * 80`; each row
+/// is one row's `packed` and `scales` (no scale byte 255).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+pub unsafe fn mxfp4_i16_dot_x2(rows: [(&[u8], &[u8]); 2], xq: &[u32]) -> [f32; 2] {
+    use crate::mxfp4_i16_contract::CHUNK_WORDS;
+    let table = e2m1_doubled_table();
+    // SAFETY: `xq` holds `n_chunks` whole chunks; features as required.
+    unsafe {
+        mxfp4_two_rows(rows, xq.len() / CHUNK_WORDS, |c, [w0, w1]| {
+            let x = input_i16(xq, c);
+            [
+                i16_chunk(&permute_codes(w0, table), &x),
+                i16_chunk(&permute_codes(w1, table), &x),
+            ]
+        })
+    }
+}
+
+/// One MXFP4 row against rows of the quantised input: `out[t] = row · x_t`, where `x_t` is
+/// `xqs[t * xq_len ..][.. xq_len]`. Bit-identical to [`crate::mxfp4_i16_contract::dot_row_ref`] for each `t`; each
+/// chunk is decoded once for all `t`.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, AVX-512 VNNI, AVX2 and FMA; `xq_len == chunks(cols) * 80`,
+/// `xqs.len() >= out.len() * xq_len`; `packed` and `scales` are one row's bytes (no scale byte 255).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
+pub unsafe fn mxfp4_i16_row_multi(
+    packed: &[u8],
+    scales: &[u8],
+    xqs: &[u32],
+    xq_len: usize,
+    out: &mut [f32],
+) {
+    use crate::mxfp4_i16_contract::CHUNK_WORDS;
+    let table = e2m1_doubled_table();
+    // SAFETY: every input holds `xq_len / CHUNK_WORDS` whole chunks (the caller's lengths); features as required.
+    unsafe {
+        mxfp4_one_row(
+            (packed, scales),
+            xq_len / CHUNK_WORDS,
+            out,
+            |words| permute_codes(words, table),
+            |w, t, c| i16_chunk(w, &input_i16(&xqs[t * xq_len..], c)),
         )
     }
 }

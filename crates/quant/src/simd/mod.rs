@@ -1,7 +1,8 @@
 //! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
 //!
 //! Every kernel here follows its contract ([`crate::dot`], [`crate::mxfp4_contract`],
-//! [`crate::mxfp4_bf16_contract`], [`crate::int8_contract`]) and is tested bit for bit against its scalar twin.
+//! [`crate::mxfp4_bf16_contract`], [`crate::mxfp4_i16_contract`], [`crate::int8_contract`]) and is tested bit for bit
+//! against its scalar twin.
 //! The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 and int8 use the scalar
 //! paths on aarch64.
 
@@ -49,7 +50,8 @@ pub fn has_avx512_bf16() -> bool {
 }
 
 /// Whether AVX-512 VNNI is available on top of [`has_avx512`]; detected once. It runs the int8 kernels
-/// ([`crate::int8_contract`]); without it they run on AVX2.
+/// ([`crate::int8_contract`]) and the int16-input MXFP4 kernels ([`crate::mxfp4_i16_contract`]); without it the int8
+/// kernels run on AVX2 and the MXFP4 ones on their scalar reference.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512_vnni() -> bool {
     use std::sync::OnceLock;
@@ -62,6 +64,15 @@ pub fn has_avx512_vnni() -> bool {
 pub fn mxfp4_bf16_is_fast() -> bool {
     #[cfg(target_arch = "x86_64")]
     return has_avx512_bf16();
+    #[allow(unreachable_code)]
+    false
+}
+
+/// Whether the int16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 VNNI); without one they run
+/// their scalar reference, far slower than the f32 path.
+pub fn mxfp4_i16_is_fast() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_avx512_vnni();
     #[allow(unreachable_code)]
     false
 }
