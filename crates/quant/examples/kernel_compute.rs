@@ -42,7 +42,7 @@ fn rate(bytes: usize, mut sweep: impl FnMut() -> f32) -> f64 {
 fn main() {
     use deltafin_quant::int8_contract::QuantizedInput;
     use deltafin_quant::simd::avx512::{
-        dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_x2, mxfp4_dot_x2, mxfp4_i16_dot_x2,
+        dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_rows, mxfp4_dot_rows, mxfp4_i16_dot_rows,
     };
     use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
     use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
@@ -71,14 +71,14 @@ fn main() {
     };
     // SAFETY: AVX-512F/BW, AVX2 and FMA present (checked above); whole rows and one permuted input.
     let f32_rate = rate(mx_bytes, || {
-        sweep_pairs(&|rs| unsafe { mxfp4_dot_x2(rs, &xp) })
+        sweep_pairs(&|rs| unsafe { mxfp4_dot_rows::<2>(rs, &xp) })
     });
     println!("mxfp4, f32 inputs   {f32_rate:6.1} GB/s");
     if has_avx512_bf16() {
         let xb = mxfp4_bf16_contract::permute_input(&x);
         // SAFETY: AVX-512 BF16 present as well (checked); whole rows and one paired input.
         let bf16_rate = rate(mx_bytes, || {
-            sweep_pairs(&|rs| unsafe { mxfp4_bf16_dot_x2(rs, &xb) })
+            sweep_pairs(&|rs| unsafe { mxfp4_bf16_dot_rows::<2>(rs, &xb) })
         });
         println!("mxfp4, bf16 inputs  {bf16_rate:6.1} GB/s");
     } else {
@@ -88,7 +88,7 @@ fn main() {
         let xq = mxfp4_i16_contract::permute_input(&x);
         // SAFETY: AVX-512 VNNI present as well (checked); whole rows and one quantised input.
         let i16_rate = rate(mx_bytes, || {
-            sweep_pairs(&|rs| unsafe { mxfp4_i16_dot_x2(rs, &xq) })
+            sweep_pairs(&|rs| unsafe { mxfp4_i16_dot_rows::<2>(rs, &xq) })
         });
         println!("mxfp4, int16 inputs {i16_rate:6.1} GB/s");
     } else {

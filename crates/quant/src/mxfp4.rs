@@ -195,7 +195,7 @@ impl<'a> Mxfp4Matrix<'a> {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512() {
             // SAFETY: AVX-512F/BW, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted input.
-            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_dot_x2(rows, xps) };
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_dot_rows::<2>(rows, xps) };
             // SAFETY: as above; one whole row and `out.len()` permuted inputs of `xp_len` values.
             let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
                 crate::simd::avx512::mxfp4_row_multi(packed, scales, xps, xp_len, out)
@@ -225,7 +225,7 @@ impl<'a> Mxfp4Matrix<'a> {
         #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512_bf16() {
             // SAFETY: AVX-512F/BW/BF16, AVX2 and FMA present; two whole rows (checked in `new`) and one paired input.
-            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_bf16_dot_x2(rows, xbs) };
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_bf16_dot_rows::<2>(rows, xbs) };
             // SAFETY: as above; one whole row and `out.len()` paired inputs of `xb_len` words.
             let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
                 crate::simd::avx512::mxfp4_bf16_row_multi(packed, scales, xbs, xb_len, out)
@@ -250,7 +250,7 @@ impl<'a> Mxfp4Matrix<'a> {
         if crate::simd::has_avx512_vnni() {
             // SAFETY: AVX-512F/BW/VNNI, AVX2 and FMA present; two whole rows (checked in `new`) and one quantised
             // input.
-            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_i16_dot_x2(rows, xqs) };
+            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_i16_dot_rows::<2>(rows, xqs) };
             // SAFETY: as above; one whole row and `out.len()` quantised inputs of `xq_len` words.
             let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
                 crate::simd::avx512::mxfp4_i16_row_multi(packed, scales, xqs, xq_len, out)

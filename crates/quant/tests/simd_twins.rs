@@ -350,8 +350,9 @@ fn mxfp4_each_simd_level_matches_twin() {
                 && std::arch::is_x86_feature_detected!("fma")
             {
                 // SAFETY: AVX-512F/BW, AVX2 and FMA detected; two rows and their permuted input.
-                let got =
-                    unsafe { deltafin_quant::simd::avx512::mxfp4_dot_x2([row(0), row(1)], &xp) };
+                let got = unsafe {
+                    deltafin_quant::simd::avx512::mxfp4_dot_rows::<2>([row(0), row(1)], &xp)
+                };
                 let mut multi = [0.0f32; 2];
                 let xps: Vec<f32> = xp.iter().chain(xp.iter()).copied().collect();
                 // SAFETY: as above, two copies of the input.
@@ -437,7 +438,7 @@ fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
 #[test]
 fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
     use deltafin_quant::mxfp4_bf16_contract::{dot_row_ref, permute_input};
-    use deltafin_quant::simd::avx512::{mxfp4_bf16_dot_x2, mxfp4_bf16_row_multi};
+    use deltafin_quant::simd::avx512::{mxfp4_bf16_dot_rows, mxfp4_bf16_row_multi};
     if !deltafin_quant::simd::has_avx512_bf16() {
         // The dispatch test above then compares the scalar path with itself; say so in the log.
         eprintln!("no AVX-512 BF16 here: only the scalar contract was exercised");
@@ -462,7 +463,7 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
         };
         let want_tiny = [0, 1].map(|i| dot_row_ref(tiny_row(i).0, tiny_row(i).1, &xb_tiny));
         // SAFETY: AVX-512F/BW/BF16 with AVX2 and FMA detected; two whole rows and their paired input.
-        let got_tiny = unsafe { mxfp4_bf16_dot_x2([tiny_row(0), tiny_row(1)], &xb_tiny) };
+        let got_tiny = unsafe { mxfp4_bf16_dot_rows::<2>([tiny_row(0), tiny_row(1)], &xb_tiny) };
         for i in 0..2 {
             same_bits(
                 got_tiny[i],
@@ -478,7 +479,7 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
         };
         let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xb));
         // SAFETY: AVX-512F/BW/BF16 with AVX2 and FMA detected; two whole rows and their paired input.
-        let pair = unsafe { mxfp4_bf16_dot_x2([row(0), row(1)], &xb) };
+        let pair = unsafe { mxfp4_bf16_dot_rows::<2>([row(0), row(1)], &xb) };
         // Row 1 against two copies of the input, each decoded chunk used for both.
         let xbs: Vec<u32> = xb.iter().chain(xb.iter()).copied().collect();
         let mut multi = [0.0f32; 2];
@@ -568,7 +569,7 @@ fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
 #[test]
 fn mxfp4_i16_kernels_match_twin_where_the_cpu_has_them() {
     use deltafin_quant::mxfp4_i16_contract::{dot_row_ref, permute_input};
-    use deltafin_quant::simd::avx512::{mxfp4_i16_dot_x2, mxfp4_i16_row_multi};
+    use deltafin_quant::simd::avx512::{mxfp4_i16_dot_rows, mxfp4_i16_row_multi};
     if !deltafin_quant::simd::has_avx512_vnni() {
         // The dispatch test above then compares the scalar path with itself; say so in the log.
         eprintln!("no AVX-512 VNNI here: only the scalar contract was exercised");
@@ -587,7 +588,7 @@ fn mxfp4_i16_kernels_match_twin_where_the_cpu_has_them() {
         };
         let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xq));
         // SAFETY: AVX-512F/BW/VNNI with AVX2 and FMA detected; two whole rows and their quantised input.
-        let pair = unsafe { mxfp4_i16_dot_x2([row(0), row(1)], &xq) };
+        let pair = unsafe { mxfp4_i16_dot_rows::<2>([row(0), row(1)], &xq) };
         // Row 1 against two copies of the input, each decoded chunk used for both.
         let xqs: Vec<u32> = xq.iter().chain(xq.iter()).copied().collect();
         let mut multi = [0.0f32; 2];

@@ -1,7 +1,8 @@
 //! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails; BF16 and VNNI where named). Each follows
 //! its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows (one 16-lane register holds two of the
-//! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and
-//! [`crate::mxfp4_bf16_contract`] for MXFP4 rows. Two rows are computed per call so they share the input's loads.
+//! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
+//! [`crate::mxfp4_bf16_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4 rows. Two rows are computed per call
+//! so they share the input's loads (four were slower for every MXFP4 contract: `examples/kernel_compute.rs`).
 
 use std::arch::x86_64::*;
 
@@ -416,41 +417,23 @@ fn decode(words: __m512i, table: __m512i) -> [__m512; 8] {
 #[target_feature(enable = "avx512f")]
 unsafe fn chunk_sum(w: &[__m512; 8], xp: *const f32) -> __m512 {
     // SAFETY: the caller guarantees the 128 values.
-    unsafe {
-        let x = |s: usize| _mm512_loadu_ps(xp.add(s * CHUNK_LANES));
-        let mut te = _mm512_mul_ps(w[0], x(0));
-        let mut to = _mm512_mul_ps(w[1], x(1));
-        te = _mm512_fmadd_ps(w[2], x(2), te);
-        to = _mm512_fmadd_ps(w[3], x(3), to);
-        te = _mm512_fmadd_ps(w[4], x(4), te);
-        to = _mm512_fmadd_ps(w[5], x(5), to);
-        te = _mm512_fmadd_ps(w[6], x(6), te);
-        to = _mm512_fmadd_ps(w[7], x(7), to);
-        _mm512_add_ps(te, to)
-    }
-}
-
-/// [`chunk_sum`] for two rows' decoded weights, loading the input once.
-///
-/// # Safety
-/// As [`chunk_sum`].
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn chunk_sum_x2(w0: &[__m512; 8], w1: &[__m512; 8], xp: *const f32) -> (__m512, __m512) {
-    // SAFETY: the caller guarantees the 128 values.
     let x: [__m512; 8] =
         std::array::from_fn(|s| unsafe { _mm512_loadu_ps(xp.add(s * CHUNK_LANES)) });
-    let half = |w: &[__m512; 8], first: usize| {
+    chunk_sum_loaded(w, &x)
+}
+
+/// [`chunk_sum`] against an input chunk already loaded (code `s` of every lane in `x[s]`), for rows that share it.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn chunk_sum_loaded(w: &[__m512; 8], x: &[__m512; 8]) -> __m512 {
+    let half = |first: usize| {
         let mut t = _mm512_mul_ps(w[first], x[first]);
         for s in (first + 2..8).step_by(2) {
             t = _mm512_fmadd_ps(w[s], x[s], t);
         }
         t
     };
-    (
-        _mm512_add_ps(half(w0, 0), half(w0, 1)),
-        _mm512_add_ps(half(w1, 0), half(w1, 1)),
-    )
+    _mm512_add_ps(half(0), half(1))
 }
 
 /// The contract's reduction of two 16-lane accumulators.
@@ -528,109 +511,96 @@ pub unsafe fn mxfp4_row_multi(
     }
 }
 
-/// The scale vectors of the four chunks whose sixteen group multipliers `s16` holds (chunk `j` as [`chunk_scale`]).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn chunk_scales4(s16: __m512) -> [__m512; 4] {
-    [
-        chunk_scale(s16, 0),
-        chunk_scale(s16, 1),
-        chunk_scale(s16, 2),
-        chunk_scale(s16, 3),
-    ]
+/// `f` of each row's code words, in a plain loop (which the compiler unrolls and keeps in registers, where
+/// `array::map` went through memory and made the f32 kernel three times slower).
+#[inline(always)]
+fn per_row<const R: usize>(
+    words: [__m512i; R],
+    mut f: impl FnMut(__m512i) -> __m512,
+) -> [__m512; R] {
+    // SAFETY: an all-zero bit pattern is a valid vector.
+    let mut out = [unsafe { std::mem::zeroed::<__m512>() }; R];
+    for (o, w) in out.iter_mut().zip(words) {
+        *o = f(w);
+    }
+    out
 }
 
-/// Drives a two-row MXFP4 kernel: `sums(c, words)` gives both rows' unscaled sums `t` of chunk `c` from their code
-/// words; the driver applies the scales into the contracts' even and odd accumulators
-/// (`acc[c % 2] = fma(t, scale, acc[c % 2])`, in registers) and reduces. Chunks that lie whole in both rows run four
+/// Drives an MXFP4 kernel over `R` neighbouring rows: `sums(c, words)` gives every row's unscaled sum `t` of chunk
+/// `c` from its code words; the driver applies the scales into the contracts' even and odd accumulators
+/// (`acc[c % 2] = fma(t, scale, acc[c % 2])`, in registers) and reduces. Chunks that lie whole in every row run four
 /// at a time, with plain loads and one scale load per row; the rest (a row's partial last chunk) through masked loads.
 ///
 /// # Safety
 /// `n_chunks` chunks of input must be readable by `sums`; the CPU must support AVX-512F/BW, AVX2 and FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-unsafe fn mxfp4_two_rows(
-    rows: [(&[u8], &[u8]); 2],
+unsafe fn mxfp4_rows<const R: usize>(
+    rows: [(&[u8], &[u8]); R],
     n_chunks: usize,
-    mut sums: impl FnMut(usize, [__m512i; 2]) -> [__m512; 2],
-) -> [f32; 2] {
+    mut sums: impl FnMut(usize, [__m512i; R]) -> [__m512; R],
+) -> [f32; R] {
     let z = _mm512_setzero_ps();
-    // (row 0, row 1) × (even chunks, odd chunks).
-    let (mut e0, mut o0, mut e1, mut o1) = (z, z, z, z);
+    let (mut even, mut odd) = ([z; R], [z; R]);
     let whole = rows.iter().fold(n_chunks, |n, (p, sc)| {
         n.min(p.len() / CHUNK_BYTES)
             .min(sc.len() / GROUPS_PER_CHUNK)
     }) / 4
         * 4;
-    let (p0, p1) = (rows[0].0.as_ptr(), rows[1].0.as_ptr());
+    let p0 = rows[0].0.as_ptr();
     let mut c = 0;
     while c < whole {
-        // SAFETY: chunks c .. c + 4 lie whole in both rows, codes and scales (`whole` counts both).
-        let [s0, s1] =
-            rows.map(|(_, sc)| chunk_scales4(unsafe { scales16_at(sc.as_ptr().add(c * 4)) }));
+        // SAFETY: chunks c .. c + 4 lie whole in every row, codes and scales (`whole` counts both).
+        let s16 = rows.map(|(_, sc)| unsafe { scales16_at(sc.as_ptr().add(c * 4)) });
         for j in 0..4 {
             let at = (c + j) * CHUNK_BYTES;
-            // The pair's bytes in address order (see PREFETCH_BYTES): a chunk of both rows is 128 bytes.
+            // The rows' bytes in address order (see PREFETCH_BYTES): a chunk of R rows is R · 64 bytes.
             prefetch(
-                p0.wrapping_add(2 * at),
-                2 * CHUNK_BYTES,
+                p0.wrapping_add(R * at),
+                R * CHUNK_BYTES,
                 MXFP4_PREFETCH_BYTES,
             );
-            // SAFETY: chunk c + j < whole lies whole in both rows.
-            let words = unsafe {
-                [
-                    _mm512_loadu_si512(p0.add(at) as *const _),
-                    _mm512_loadu_si512(p1.add(at) as *const _),
-                ]
-            };
-            let [t0, t1] = sums(c + j, words);
-            if j % 2 == 0 {
-                e0 = _mm512_fmadd_ps(t0, s0[j], e0);
-                e1 = _mm512_fmadd_ps(t1, s1[j], e1);
-            } else {
-                o0 = _mm512_fmadd_ps(t0, s0[j], o0);
-                o1 = _mm512_fmadd_ps(t1, s1[j], o1);
+            let mut words = [_mm512_setzero_si512(); R];
+            for (w, (p, _)) in words.iter_mut().zip(&rows) {
+                // SAFETY: chunk c + j < whole lies whole in every row.
+                *w = unsafe { _mm512_loadu_si512(p.as_ptr().add(at) as *const _) };
+            }
+            let t = sums(c + j, words);
+            let acc = if j % 2 == 0 { &mut even } else { &mut odd };
+            for r in 0..R {
+                acc[r] = _mm512_fmadd_ps(t[r], chunk_scale(s16[r], j), acc[r]);
             }
         }
         c += 4;
     }
     while c < n_chunks {
-        let (s0, s1) = (
-            scales16(rows[0].1, c / 4 * 16),
-            scales16(rows[1].1, c / 4 * 16),
-        );
+        let s16 = rows.map(|(_, sc)| scales16(sc, c / 4 * 16));
         // SAFETY: chunk c of each row, masked at its end.
-        let words = unsafe { [chunk_words(rows[0].0, c), chunk_words(rows[1].0, c)] };
-        let [t0, t1] = sums(c, words);
-        let (a0, a1) = if c % 2 == 0 {
-            (&mut e0, &mut e1)
-        } else {
-            (&mut o0, &mut o1)
-        };
-        *a0 = _mm512_fmadd_ps(t0, chunk_scale(s0, c % 4), *a0);
-        *a1 = _mm512_fmadd_ps(t1, chunk_scale(s1, c % 4), *a1);
+        let words = rows.map(|(p, _)| unsafe { chunk_words(p, c) });
+        let t = sums(c, words);
+        let acc = if c % 2 == 0 { &mut even } else { &mut odd };
+        for r in 0..R {
+            acc[r] = _mm512_fmadd_ps(t[r], chunk_scale(s16[r], c % 4), acc[r]);
+        }
         c += 1;
     }
-    [reduce16(e0, o0), reduce16(e1, o1)]
+    std::array::from_fn(|r| reduce16(even[r], odd[r]))
 }
 
-/// Two MXFP4 rows against one permuted input `xp`, each bit-identical to
-/// [`crate::mxfp4_contract::dot_row_ref`].
+/// `R` neighbouring MXFP4 rows against one permuted input `xp`, each bit-identical to
+/// [`crate::mxfp4_contract::dot_row_ref`]; the input's loads are shared.
 ///
 /// # Safety
-/// As [`mxfp4_row_multi`] with one input row, for both rows.
+/// As [`mxfp4_row_multi`] with one input row, for every row.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-pub unsafe fn mxfp4_dot_x2(rows: [(&[u8], &[u8]); 2], xp: &[f32]) -> [f32; 2] {
+pub unsafe fn mxfp4_dot_rows<const R: usize>(rows: [(&[u8], &[u8]); R], xp: &[f32]) -> [f32; R] {
     let table = e2m1_table();
     // SAFETY: `xp` holds `n_chunks` whole chunks; features as required.
     unsafe {
-        mxfp4_two_rows(rows, xp.len() / CHUNK, |c, [w0, w1]| {
-            let (sum0, sum1) = chunk_sum_x2(
-                &decode(w0, table),
-                &decode(w1, table),
-                xp.as_ptr().add(c * CHUNK),
-            );
-            [sum0, sum1]
+        mxfp4_rows(rows, xp.len() / CHUNK, |c, words| {
+            let at = xp.as_ptr().add(c * CHUNK);
+            let x: [__m512; 8] = std::array::from_fn(|s| _mm512_loadu_ps(at.add(s * CHUNK_LANES)));
+            per_row(words, |w| chunk_sum_loaded(&decode(w, table), &x))
         })
     }
 }
@@ -686,23 +656,23 @@ unsafe fn input_pairs(xb: &[u32], c: usize) -> [__m512bh; 4] {
     })
 }
 
-/// Two MXFP4 rows against one paired bf16 input `xb`, each bit-identical to
+/// `R` neighbouring MXFP4 rows against one paired bf16 input `xb`, each bit-identical to
 /// [`crate::mxfp4_bf16_contract::dot_row_ref`].
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW, AVX-512 BF16, AVX2 and FMA; `xb.len() == chunks(cols) * 64`; each row
 /// is one row's `packed` and `scales` (no scale byte 255).
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx2,fma")]
-pub unsafe fn mxfp4_bf16_dot_x2(rows: [(&[u8], &[u8]); 2], xb: &[u32]) -> [f32; 2] {
+pub unsafe fn mxfp4_bf16_dot_rows<const R: usize>(
+    rows: [(&[u8], &[u8]); R],
+    xb: &[u32],
+) -> [f32; R] {
     let table = e2m1_table();
     // SAFETY: `xb` holds `n_chunks` whole chunks; features as required.
     unsafe {
-        mxfp4_two_rows(rows, xb.len() / CHUNK_WORDS, |c, [w0, w1]| {
+        mxfp4_rows(rows, xb.len() / CHUNK_WORDS, |c, words| {
             let x = input_pairs(xb, c);
-            [
-                pair_sum(&decode_pairs(w0, table), &x),
-                pair_sum(&decode_pairs(w1, table), &x),
-            ]
+            per_row(words, |w| pair_sum(&decode_pairs(w, table), &x))
         })
     }
 }
@@ -778,31 +748,52 @@ unsafe fn input_i16(xq: &[u32], c: usize) -> ([__m512i; 4], __m512) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 fn i16_chunk(w: &[__m512i; 4], (x, m): &([__m512i; 4], __m512)) -> __m512 {
-    let a = _mm512_madd_epi16(w[0], x[0]);
-    let b = _mm512_madd_epi16(w[1], x[1]);
-    let a = _mm512_dpwssd_epi32(a, w[2], x[2]);
-    let b = _mm512_dpwssd_epi32(b, w[3], x[3]);
-    _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), *m)
+    let mut t = _mm512_madd_epi16(w[0], x[0]);
+    for j in 1..4 {
+        t = dpwssd(t, w[j], x[j]);
+    }
+    _mm512_mul_ps(_mm512_cvtepi32_ps(t), *m)
 }
 
-/// Two MXFP4 rows against one quantised input `xq`, each bit-identical to
+/// `acc + Σ pairs of a · b` (`vpdpwssd`), as one instruction. The intrinsic is split by the compiler into a multiply
+/// (`vpmaddwd`) and an add unless it tunes for a CPU where the fused form is fast; the one-instruction form keeps the
+/// int16-input MXFP4 kernel 10–15% faster on AMD Zen 5 (`examples/kernel_compute.rs`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    let mut out = acc;
+    // SAFETY: `vpdpwssd` only reads its register operands and writes its destination; the caller's target features
+    // include AVX-512 VNNI, which the instruction needs.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(zmm_reg) out,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    out
+}
+
+/// `R` neighbouring MXFP4 rows against one quantised input `xq`, each bit-identical to
 /// [`crate::mxfp4_i16_contract::dot_row_ref`].
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX-512BW, AVX-512 VNNI, AVX2 and FMA; `xq.len() == chunks(cols) * 80`; each row
 /// is one row's `packed` and `scales` (no scale byte 255).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma")]
-pub unsafe fn mxfp4_i16_dot_x2(rows: [(&[u8], &[u8]); 2], xq: &[u32]) -> [f32; 2] {
+pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
+    rows: [(&[u8], &[u8]); R],
+    xq: &[u32],
+) -> [f32; R] {
     use crate::mxfp4_i16_contract::CHUNK_WORDS;
     let table = e2m1_doubled_table();
     // SAFETY: `xq` holds `n_chunks` whole chunks; features as required.
     unsafe {
-        mxfp4_two_rows(rows, xq.len() / CHUNK_WORDS, |c, [w0, w1]| {
+        mxfp4_rows(rows, xq.len() / CHUNK_WORDS, |c, words| {
             let x = input_i16(xq, c);
-            [
-                i16_chunk(&permute_codes(w0, table), &x),
-                i16_chunk(&permute_codes(w1, table), &x),
-            ]
+            per_row(words, |w| i16_chunk(&permute_codes(w, table), &x))
         })
     }
 }
