@@ -2,7 +2,7 @@
 //! its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows (one 16-lane register holds two of the
 //! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4 rows. Two rows are computed per call
-//! so they share the input's loads (four were slower for every MXFP4 contract: `examples/kernel_compute.rs`).
+//! so they share the input's loads (four were slower for every MXFP4 contract: `docs/PERFORMANCE.md`, seventh round).
 
 use std::arch::x86_64::*;
 
