@@ -226,35 +226,23 @@ unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
             *wd = _mm512_add_epi64(*wd, _mm512_add_epi64(lo, hi));
         }
     };
-    // One step: block `c` of every row into `acc`.
-    let step = |acc: &mut [__m512i; R], c: usize| {
-        prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
-        // SAFETY: c + 32 <= full <= n for every row (the callers' loop bounds); the caller pads xq past n.
-        unsafe {
-            let x = _mm512_loadu_si512(xp.add(c) as *const _);
-            for (a, q) in acc.iter_mut().zip(&rows) {
-                let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
-                *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
-            }
-        }
-    };
     let mut c = 0;
     while c < full {
         let end = full.min(c + 32 * SEGMENT_STEPS);
-        // Two accumulators a row, for even and odd blocks, so that consecutive `vpdpwssd` of a row do not wait on
-        // each other (the sum is exact, so its order is free). Each takes at most SEGMENT_STEPS steps.
-        let (mut even, mut odd) = ([_mm512_setzero_si512(); R], [_mm512_setzero_si512(); R]);
-        while c + 64 <= end {
-            step(&mut even, c);
-            step(&mut odd, c + 32);
-            c += 64;
-        }
-        if c < end {
-            step(&mut even, c);
+        let mut acc = [_mm512_setzero_si512(); R];
+        while c < end {
+            prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
+            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
+            unsafe {
+                let x = _mm512_loadu_si512(xp.add(c) as *const _);
+                for (a, q) in acc.iter_mut().zip(&rows) {
+                    let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
+                    *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
+                }
+            }
             c += 32;
         }
-        widen(&mut wide, even);
-        widen(&mut wide, odd);
+        widen(&mut wide, acc);
     }
     if full < n {
         // The partial last block, zero-padded (the input is zero past n).
