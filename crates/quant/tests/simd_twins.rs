@@ -405,12 +405,27 @@ fn edge_inputs(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 
 #[test]
 fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
+    dispatch_matches_twin(
+        Mxfp4Input::Bf16,
+        |_| {},
+        |m, row, x| m.dot_row_bf16_ref(row, x),
+    );
+}
+
+/// Every shape and batch of `gemm_batch_with(.., input)` on edge inputs (after `edit`) against `twin`, bit for bit
+/// (or both NaN).
+fn dispatch_matches_twin(
+    input: Mxfp4Input,
+    edit: impl Fn(&mut [f32]),
+    twin: impl Fn(&Mxfp4Matrix<'_>, usize, &[f32]) -> f32,
+) {
     let mut r = rng();
     for &cols in MXFP4_COLS {
         let rows = 37; // odd: the last row of a pair runs alone
         let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 253, 254]);
         for t_rows in [1, 2, 5] {
-            let xs = edge_inputs(&mut r, t_rows * cols);
+            let mut xs = edge_inputs(&mut r, t_rows * cols);
+            edit(&mut xs[..cols]);
             let mut y = vec![f32::NAN; t_rows * rows];
             let mut products = [Mxfp4Product {
                 matrix: Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid"),
@@ -418,15 +433,15 @@ fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
                 t_rows,
                 y: &mut y,
             }];
-            gemm_batch_with(&mut products, Mxfp4Input::Bf16).expect("gemm");
+            gemm_batch_with(&mut products, input).expect("gemm");
             let m = products[0].matrix;
             for t in 0..t_rows {
                 let x = &xs[t * cols..(t + 1) * cols];
                 for row in 0..rows {
-                    let (a, b) = (y[t * rows + row], m.dot_row_bf16_ref(row, x));
+                    let (a, b) = (y[t * rows + row], twin(&m, row, x));
                     assert!(
                         a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                        "{input} cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
                     );
                 }
             }
@@ -533,36 +548,13 @@ fn f32_and_other_path(
 
 #[test]
 fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
-    let mut r = rng();
-    for &cols in MXFP4_COLS {
-        let rows = 37; // odd: the last row of a pair runs alone
-        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 253, 254]);
-        for t_rows in [1, 2, 5] {
-            let mut xs = edge_inputs(&mut r, t_rows * cols);
-            // A group with an infinity and one of zeros: NaN and nothing.
-            xs[3] = f32::INFINITY;
-            xs[cols.min(64)..cols.min(96)].fill(0.0);
-            let mut y = vec![f32::NAN; t_rows * rows];
-            let mut products = [Mxfp4Product {
-                matrix: Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid"),
-                x: &xs,
-                t_rows,
-                y: &mut y,
-            }];
-            gemm_batch_with(&mut products, Mxfp4Input::I16).expect("gemm");
-            let m = products[0].matrix;
-            for t in 0..t_rows {
-                let x = &xs[t * cols..(t + 1) * cols];
-                for row in 0..rows {
-                    let (a, b) = (y[t * rows + row], m.dot_row_i16_ref(row, x));
-                    assert!(
-                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
-                    );
-                }
-            }
-        }
-    }
+    // The first input also has a group with an infinity and one of zeros: NaN and nothing.
+    let edit = |x: &mut [f32]| {
+        x[3] = f32::INFINITY;
+        let n = x.len();
+        x[n.min(64)..n.min(96)].fill(0.0);
+    };
+    dispatch_matches_twin(Mxfp4Input::I16, edit, |m, row, x| m.dot_row_i16_ref(row, x));
 }
 
 #[cfg(target_arch = "x86_64")]
