@@ -104,6 +104,12 @@ const PREFETCH_BYTES: usize = 16 << 10;
 /// as well, 12–32 KiB a few per cent worse (`docs/PERFORMANCE.md`, fifth and sixth rounds).
 const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
+/// How many rows ahead the MXFP4 kernels prefetch the rows' scales, which lie apart from the codes, out of reach of
+/// the codes' prefetch: read on demand they cost the bf16- and int16-input kernels about 3% of their rate from
+/// memory (`docs/PERFORMANCE.md`, seventh round). For a K3 expert that is 1.8 KB of scales, read while the kernels
+/// go through 28 KB of codes.
+const SCALE_LEAD_ROWS: usize = 16;
+
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -536,6 +542,9 @@ unsafe fn mxfp4_rows<const R: usize>(
     }) / 4
         * 4;
     let p0 = rows[0].0.as_ptr();
+    // The scales of the rows SCALE_LEAD_ROWS ahead (neighbouring rows' scales are contiguous too).
+    let sc0 = rows[0].1;
+    prefetch(sc0.as_ptr(), R * sc0.len(), SCALE_LEAD_ROWS * sc0.len());
     let mut c = 0;
     while c < whole {
         // SAFETY: chunks c .. c + 4 lie whole in every row, codes and scales (`whole` counts both).
