@@ -167,6 +167,7 @@ impl DenseMatrix {
             ),
             DenseData::Int8 { q, scales } => {
                 let xq = int8_input(x, xq);
+                crate::simd::prefetch_slice(scales.get(r0..r0 + out.len()).unwrap_or(&[]));
                 let pair = |r: usize| {
                     let [ya, yb] = int8_contract::dot_x2(row(q, r, c), row(q, r + 1, c), &xq);
                     [xq.finish(ya, scales[r]), xq.finish(yb, scales[r + 1])]

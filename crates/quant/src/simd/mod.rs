@@ -59,6 +59,23 @@ pub fn has_avx512_vnni() -> bool {
     *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512vnni"))
 }
 
+/// Asks the CPU to start loading the cache lines of `v` (a hint; nothing on other architectures). For small data the
+/// kernels read apart from their weights, such as a task's row scales: read on demand, each line would stall the
+/// core for a memory round trip in the middle of its arithmetic.
+pub fn prefetch_slice<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let p = v.as_ptr() as *const i8;
+        for off in (0..std::mem::size_of_val(v)).step_by(64) {
+            // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint that never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
 /// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16); without one they run
 /// their scalar reference, far slower than the f32 path.
 pub fn mxfp4_bf16_is_fast() -> bool {
