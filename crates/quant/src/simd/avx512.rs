@@ -595,8 +595,9 @@ pub unsafe fn mxfp4_dot_rows<const R: usize>(rows: [(&[u8], &[u8]); R], xp: &[f3
     // SAFETY: `xp` holds `n_chunks` whole chunks; features as required.
     unsafe {
         mxfp4_rows(rows, xp.len() / CHUNK, |c, words| {
-            // Every row decoded before any is summed: in this order the two-row kernel computes about 3% faster
-            // than decoding and summing row by row (`examples/kernel_compute.rs`).
+            // Every row decoded before any is summed: in this order the two-row kernel computes 5–7% faster than
+            // decoding and summing row by row, and faster than with the rows' FMA chains interleaved
+            // (`examples/kernel_compute.rs`; docs/PERFORMANCE.md, seventh round).
             let mut decoded = [[_mm512_setzero_ps(); 8]; R];
             for (d, w) in decoded.iter_mut().zip(words) {
                 *d = decode(w, table);
