@@ -8,7 +8,8 @@
 //! layers (and so that no pass finds an earlier one's bytes in the 32 MB L3):
 //! - MXFP4 GEMV over [`LAYERS`] layers of 16 experts of K3's real shape (w1 `[3072, 3584]`, the largest of an
 //!   expert's three matrices), one threaded call per layer for its sixteen experts as the engine runs experts that
-//!   are ready together, and again one call per matrix (as an expert read from disk is multiplied when it lands);
+//!   are ready together, with f32, bf16 and int16 inputs (`K3_EXPERT_INPUT`), and again one call per matrix with
+//!   f32 inputs (as an expert read from disk is multiplied when it lands);
 //! - row-wise int8 and bf16 GEMV over K3 spine matrices `[7168, 7168]` (eight int8 ones, four bf16 ones: 411 MB
 //!   each), one call per matrix.
 //!
