@@ -218,48 +218,59 @@ impl<'a> Mxfp4Matrix<'a> {
 
     /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
     fn rows_bf16(&self, r0: usize, xbs: &[u32], t_rows: usize, out: &mut [f32]) {
-        let xb_len = mxfp4_bf16_contract::chunks(self.cols) * mxfp4_bf16_contract::CHUNK_WORDS;
-        if t_rows == 0 || xbs.len() != t_rows * xb_len {
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx512_bf16() {
-            // SAFETY: AVX-512F/BW/BF16, AVX2 and FMA present; two whole rows (checked in `new`) and one paired input.
-            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_bf16_dot_rows::<2>(rows, xbs) };
-            // SAFETY: as above; one whole row and `out.len()` paired inputs of `xb_len` words.
-            let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
-                crate::simd::avx512::mxfp4_bf16_row_multi(packed, scales, xbs, xb_len, out)
-            };
-            return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
-        }
-        let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
-            for (o, xb) in out.iter_mut().zip(xbs.chunks_exact(xb_len)) {
-                *o = mxfp4_bf16_contract::dot_row_ref(packed, scales, xb);
-            }
+        let kernels = WordKernels {
+            chunk_words: mxfp4_bf16_contract::CHUNK_WORDS,
+            reference: mxfp4_bf16_contract::dot_row_ref,
+            #[cfg(target_arch = "x86_64")]
+            simd: crate::simd::has_avx512_bf16().then_some((
+                crate::simd::avx512::mxfp4_bf16_dot_rows::<2>,
+                crate::simd::avx512::mxfp4_bf16_row_multi,
+            )),
         };
-        self.run_rows(r0, t_rows, out, None, &each);
+        self.rows_words(r0, xbs, t_rows, out, &kernels);
     }
 
     /// [`Self::rows_permuted`] for inputs quantised to int16 ([`mxfp4_i16_contract`]).
     fn rows_i16(&self, r0: usize, xqs: &[u32], t_rows: usize, out: &mut [f32]) {
-        let xq_len = mxfp4_i16_contract::chunks(self.cols) * mxfp4_i16_contract::CHUNK_WORDS;
-        if t_rows == 0 || xqs.len() != t_rows * xq_len {
+        let kernels = WordKernels {
+            chunk_words: mxfp4_i16_contract::CHUNK_WORDS,
+            reference: mxfp4_i16_contract::dot_row_ref,
+            #[cfg(target_arch = "x86_64")]
+            simd: crate::simd::has_avx512_vnni().then_some((
+                crate::simd::avx512::mxfp4_i16_dot_rows::<2>,
+                crate::simd::avx512::mxfp4_i16_row_multi,
+            )),
+        };
+        self.rows_words(r0, xqs, t_rows, out, &kernels);
+    }
+
+    /// [`Self::rows_permuted`] for a contract whose permuted inputs are 32-bit words (`xs`, `t_rows` of them).
+    fn rows_words(
+        &self,
+        r0: usize,
+        xs: &[u32],
+        t_rows: usize,
+        out: &mut [f32],
+        kernels: &WordKernels,
+    ) {
+        let x_len = mxfp4_contract::chunks(self.cols) * kernels.chunk_words;
+        if t_rows == 0 || xs.len() != t_rows * x_len {
             return;
         }
         #[cfg(target_arch = "x86_64")]
-        if crate::simd::has_avx512_vnni() {
-            // SAFETY: AVX-512F/BW/VNNI, AVX2 and FMA present; two whole rows (checked in `new`) and one quantised
-            // input.
-            let pair = |rows| unsafe { crate::simd::avx512::mxfp4_i16_dot_rows::<2>(rows, xqs) };
-            // SAFETY: as above; one whole row and `out.len()` quantised inputs of `xq_len` words.
+        if let Some((pair_kernel, multi_kernel)) = kernels.simd {
+            // SAFETY: `simd` is set only where the CPU has the kernels' features (`rows_bf16`, `rows_i16`); two
+            // whole rows (checked in `new`) and one permuted input of `x_len` words.
+            let pair = |rows| unsafe { pair_kernel(rows, xs) };
+            // SAFETY: as above; one whole row and `out.len()` permuted inputs of `x_len` words.
             let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| unsafe {
-                crate::simd::avx512::mxfp4_i16_row_multi(packed, scales, xqs, xq_len, out)
+                multi_kernel(packed, scales, xs, x_len, out)
             };
             return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
         }
         let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
-            for (o, xq) in out.iter_mut().zip(xqs.chunks_exact(xq_len)) {
-                *o = mxfp4_i16_contract::dot_row_ref(packed, scales, xq);
+            for (o, x) in out.iter_mut().zip(xs.chunks_exact(x_len)) {
+                *o = (kernels.reference)(packed, scales, x);
             }
         };
         self.run_rows(r0, t_rows, out, None, &each);
@@ -385,6 +396,27 @@ impl std::fmt::Display for Mxfp4Input {
         })
     }
 }
+
+/// The kernels of an MXFP4 contract whose permuted input is 32-bit words (bf16 pairs, or int16 pairs and lane
+/// multipliers).
+struct WordKernels {
+    /// Words per chunk of one permuted input.
+    chunk_words: usize,
+    /// The scalar reference of one row against one input.
+    reference: fn(&[u8], &[u8], &[u32]) -> f32,
+    /// The AVX-512 kernels (two rows against one input; one row against several inputs), set only where the CPU
+    /// has the features they need.
+    #[cfg(target_arch = "x86_64")]
+    simd: Option<(PairKernel, MultiKernel)>,
+}
+
+/// An AVX-512 kernel of two neighbouring rows against one permuted input of words.
+#[cfg(target_arch = "x86_64")]
+type PairKernel = unsafe fn([RowBytes<'_>; 2], &[u32]) -> [f32; 2];
+
+/// An AVX-512 kernel of one row against several permuted inputs of words (`(packed, scales, xs, x_len, out)`).
+#[cfg(target_arch = "x86_64")]
+type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
 enum PermutedInput {

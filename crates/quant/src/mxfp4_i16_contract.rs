@@ -23,7 +23,6 @@
 //! multipliers `m` as f32 bits, so a kernel reads one buffer. A group with a NaN or an infinity gets the multiplier
 //! NaN, so its rows' results are NaN as in f32 arithmetic.
 
-use crate::mxfp4::E2M1_TABLE;
 use crate::mxfp4::MXFP4_GROUP;
 use crate::mxfp4_contract::{
     CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK, group_scale, reduce16,
@@ -43,33 +42,35 @@ pub fn chunks(cols: usize) -> usize {
     crate::mxfp4_contract::chunks(cols)
 }
 
-/// One group's quantisation: the int16 values and the step `s` (`x ≈ s · q`; NaN for a non-finite group, 0 for an
-/// all-zero one).
-fn quantise_group(x: &[f32]) -> (Vec<i16>, f32) {
+/// One group's quantisation into `q` (as long as `x`): returns the step `s` (`x ≈ s · q`; NaN for a non-finite
+/// group, 0 for an all-zero one, whose values are then all 0).
+fn quantise_group(x: &[f32], q: &mut [i16]) -> f32 {
     if x.iter().any(|v| !v.is_finite()) {
-        return (vec![0; x.len()], f32::NAN);
+        q.fill(0);
+        return f32::NAN;
     }
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
-        return (vec![0; x.len()], 0.0);
+        q.fill(0);
+        return 0.0;
     }
     let step = amax / Q_MAX;
-    let q = x
-        .iter()
-        .map(|&v| (v / step).round().clamp(-Q_MAX, Q_MAX) as i16)
-        .collect();
-    (q, step)
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v / step).round().clamp(-Q_MAX, Q_MAX) as i16;
+    }
+    step
 }
 
 /// `x` as this contract reads it: each group of 32 quantised and scaled back (`s · q`). Dense experts use it so that
 /// the int16 mode means one thing for every kind of expert.
 pub fn dequantised(x: &[f32]) -> Vec<f32> {
-    x.chunks(MXFP4_GROUP)
-        .flat_map(|g| {
-            let (q, step) = quantise_group(g);
-            q.into_iter().map(move |v| f32::from(v) * step)
-        })
-        .collect()
+    let mut q = [0i16; MXFP4_GROUP];
+    let mut out = Vec::with_capacity(x.len());
+    for group in x.chunks(MXFP4_GROUP) {
+        let step = quantise_group(group, &mut q[..group.len()]);
+        out.extend(q[..group.len()].iter().map(|&v| f32::from(v) * step));
+    }
+    out
 }
 
 /// The input `x` quantised and laid out in the contract's chunks of [`CHUNK_WORDS`] words: word `80c + 16j + k`
@@ -80,9 +81,7 @@ pub fn permute_input(x: &[f32]) -> Vec<u32> {
     let mut q = vec![0i16; n * CHUNK];
     let mut half_steps = vec![0.0f32; n * GROUPS_PER_CHUNK];
     for (g, group) in x.chunks(MXFP4_GROUP).enumerate() {
-        let (values, step) = quantise_group(group);
-        q[g * MXFP4_GROUP..][..values.len()].copy_from_slice(&values);
-        half_steps[g] = step * 0.5;
+        half_steps[g] = quantise_group(group, &mut q[g * MXFP4_GROUP..][..group.len()]) * 0.5;
     }
     let mut out = vec![0u32; n * CHUNK_WORDS];
     for (c, words) in out.chunks_exact_mut(CHUNK_WORDS).enumerate() {
@@ -99,11 +98,13 @@ pub fn permute_input(x: &[f32]) -> Vec<u32> {
     out
 }
 
-/// Twice the E2M1 value of a code (an integer).
+/// Twice the E2M1 values, indexed by code: integers, since every E2M1 value is a multiple of 0.5.
+pub const E2M1_DOUBLED: [i16; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Twice the E2M1 value of a code (only its low four bits are read).
 #[inline]
 pub fn doubled(code: u32) -> i32 {
-    // Exact: every E2M1 value is a multiple of 0.5 below 8.
-    (E2M1_TABLE[(code & 15) as usize] * 2.0) as i32
+    i32::from(E2M1_DOUBLED[(code & 15) as usize])
 }
 
 /// Scalar reference: one row (`packed`: `cols / 2` bytes, `scales`: `cols / 32` bytes) times the quantised input
@@ -134,6 +135,14 @@ pub fn dot_row_ref(packed: &[u8], scales: &[u8], xq: &[u32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mxfp4::E2M1_TABLE;
+
+    #[test]
+    fn doubled_table_is_twice_the_e2m1_values() {
+        for (code, &v) in E2M1_DOUBLED.iter().enumerate() {
+            assert_eq!(f32::from(v), 2.0 * E2M1_TABLE[code], "code {code}");
+        }
+    }
 
     #[test]
     fn quantises_each_group_to_its_largest_magnitude() {
@@ -158,7 +167,7 @@ mod tests {
 
     #[test]
     fn layout_places_every_input_once() {
-        // Integers up to 160 in one group each of 32 quantise to themselves scaled: check positions via signs.
+        // 1..=160, five groups of 32: each value comes back within its group's step, from one place only.
         let x: Vec<f32> = (0..160).map(|i| i as f32 + 1.0).collect();
         let xq = permute_input(&x);
         assert_eq!(xq.len(), 2 * CHUNK_WORDS);
@@ -230,6 +239,10 @@ mod tests {
         let mut x = vec![0.0f32; 64];
         assert_eq!(dot_row_ref(&packed, &scales, &permute_input(&x)), 0.0);
         x[33] = f32::INFINITY;
+        assert!(dot_row_ref(&packed, &scales, &permute_input(&x)).is_nan());
+        // A NaN among zeros, where the largest magnitude is 0, is still NaN.
+        let mut x = vec![0.0f32; 64];
+        x[1] = f32::NAN;
         assert!(dot_row_ref(&packed, &scales, &permute_input(&x)).is_nan());
         assert_eq!(dequantised(&[0.0, 3.0, -1.5])[1], 3.0);
     }

@@ -720,11 +720,10 @@ pub unsafe fn mxfp4_bf16_row_multi(
 fn e2m1_doubled_table() -> __m512i {
     // A constant, so that the compiler keeps it in the binary instead of building it on every call.
     const BOTH: [i16; 32] = {
-        const DOUBLED: [i16; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
         let mut both = [0i16; 32];
         let mut i = 0;
         while i < 32 {
-            both[i] = DOUBLED[i % 16];
+            both[i] = crate::mxfp4_i16_contract::E2M1_DOUBLED[i % 16];
             i += 1;
         }
         both
