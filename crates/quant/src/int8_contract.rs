@@ -14,8 +14,10 @@
 //! weights' own rounding (`max|w| / 254` per weight), so the int8 spine's accuracy is set by its weights. An input
 //! with a NaN or an infinity gives NaN results, as the f32 arithmetic would.
 
+use crate::quantise;
+
 /// Largest magnitude of a quantised input value.
-pub const X_MAX: f32 = 32767.0;
+pub const X_MAX: f32 = quantise::Q_MAX;
 
 /// Steps of two products per 32-bit lane that cannot overflow it: `256 · 2 · 128 · 32767 < 2^31`.
 pub const SEGMENT_STEPS: usize = 256;
@@ -35,26 +37,17 @@ impl QuantizedInput {
 
     /// Quantises `x` as the contract says.
     pub fn new(x: &[f32]) -> Self {
-        let finite = x.iter().all(|v| v.is_finite());
-        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = if !finite {
-            f32::NAN
-        } else if amax > 0.0 {
-            amax / X_MAX
-        } else {
-            0.0
-        };
         let padded = x.len().div_ceil(Self::PAD) * Self::PAD;
-        let mut q = Vec::with_capacity(padded);
-        if finite && amax > 0.0 {
-            q.extend(
-                x.iter()
-                    .map(|&v| (v / scale).round().clamp(-X_MAX, X_MAX) as i16),
-            );
-        } else {
-            q.resize(x.len(), 0);
-        }
-        q.resize(padded, 0);
+        let mut q = vec![0i16; padded];
+        let scale = match quantise::abs_max(x) {
+            None => f32::NAN,
+            Some(amax) if amax > 0.0 => {
+                let scale = amax / X_MAX;
+                quantise::quantise(x, scale, &mut q[..x.len()]);
+                scale
+            }
+            Some(_) => 0.0,
+        };
         Self {
             q,
             len: x.len(),

@@ -16,6 +16,7 @@ pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
 pub mod mxfp4_i16_contract;
 pub mod pages;
+pub mod quantise;
 pub mod simd;
 
 pub use dense::{DenseData, DenseMatrix};

@@ -27,6 +27,7 @@ use crate::mxfp4::MXFP4_GROUP;
 use crate::mxfp4_contract::{
     CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK, group_scale, reduce16,
 };
+use crate::quantise;
 
 /// Input pairs per lane of a chunk.
 pub const PAIRS: usize = 4;
@@ -35,7 +36,7 @@ pub const PAIR_WORDS: usize = CHUNK_LANES * PAIRS;
 /// Words per chunk of a permuted input: the pairs, then one multiplier per lane.
 pub const CHUNK_WORDS: usize = PAIR_WORDS + CHUNK_LANES;
 /// Largest magnitude of a quantised input.
-pub const Q_MAX: f32 = 32767.0;
+pub const Q_MAX: f32 = quantise::Q_MAX;
 
 /// Chunks of a row of `cols` weights (the last one may be partial).
 pub fn chunks(cols: usize) -> usize {
@@ -45,20 +46,16 @@ pub fn chunks(cols: usize) -> usize {
 /// One group's quantisation into `q` (as long as `x`): returns the step `s` (`x ≈ s · q`; NaN for a non-finite
 /// group, 0 for an all-zero one, whose values are then all 0).
 fn quantise_group(x: &[f32], q: &mut [i16]) -> f32 {
-    if x.iter().any(|v| !v.is_finite()) {
-        q.fill(0);
-        return f32::NAN;
+    q.fill(0);
+    match quantise::abs_max(x) {
+        None => f32::NAN,
+        Some(amax) if amax > 0.0 => {
+            let step = amax / Q_MAX;
+            quantise::quantise(x, step, q);
+            step
+        }
+        Some(_) => 0.0,
     }
-    let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    if amax == 0.0 {
-        q.fill(0);
-        return 0.0;
-    }
-    let step = amax / Q_MAX;
-    for (o, &v) in q.iter_mut().zip(x) {
-        *o = (v / step).round().clamp(-Q_MAX, Q_MAX) as i16;
-    }
-    step
 }
 
 /// `x` as this contract reads it: each group of 32 quantised and scaled back (`s · q`). Dense experts use it so that

@@ -833,3 +833,71 @@ pub unsafe fn mxfp4_i16_row_multi(
         )
     }
 }
+
+/// AVX-512 twin of [`crate::quantise::abs_max_ref`]: the maximum is exact, so its order is free.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn abs_max(x: &[f32]) -> Option<f32> {
+    let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+    let inf = _mm512_set1_ps(f32::INFINITY);
+    let mut amax = _mm512_setzero_ps();
+    let mut bad: __mmask16 = 0;
+    for at in (0..x.len()).step_by(16) {
+        let mask = lanes_mask(x.len() - at);
+        // SAFETY: only the lanes in the mask are read, all inside `x`; the others are 0.
+        let v = unsafe { _mm512_maskz_loadu_ps(mask, x.as_ptr().add(at)) };
+        let a = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+        // NaN compares unordered, so "not less than infinity" catches NaN and both infinities.
+        bad |= _mm512_cmp_ps_mask::<_CMP_NLT_UQ>(a, inf);
+        amax = _mm512_max_ps(amax, a);
+    }
+    (bad == 0).then(|| _mm512_reduce_max_ps(amax))
+}
+
+/// AVX-512 twin of [`crate::quantise::quantise_ref`]: the same IEEE division, then ties away from zero as the
+/// truncation plus one step towards the sign where the (exact) fraction is at least a half.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn quantise(x: &[f32], step: f32, q: &mut [i16]) {
+    let n = x.len().min(q.len());
+    let steps = _mm512_set1_ps(step);
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let one = _mm512_set1_ps(1.0);
+    let half = _mm512_set1_ps(0.5);
+    let magnitude = _mm512_set1_epi32(0x7fff_ffff);
+    let (lo, hi) = (
+        _mm512_set1_ps(-crate::quantise::Q_MAX),
+        _mm512_set1_ps(crate::quantise::Q_MAX),
+    );
+    for at in (0..n).step_by(16) {
+        let mask = lanes_mask(n - at);
+        // SAFETY: only the lanes in the mask are read and written, all inside `x` and `q`.
+        unsafe {
+            let y = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, x.as_ptr().add(at)), steps);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(y, t)), magnitude);
+            let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_castsi512_ps(frac), half);
+            let away = _mm512_or_si512(
+                _mm512_castps_si512(one),
+                _mm512_and_si512(_mm512_castps_si512(y), sign),
+            );
+            let r = _mm512_mask_add_ps(t, up, t, _mm512_castsi512_ps(away));
+            let i = _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            _mm512_mask_cvtsepi32_storeu_epi16(q.as_mut_ptr().add(at), mask, i);
+        }
+    }
+}
+
+/// The mask of the first `left.min(16)` lanes.
+#[inline]
+fn lanes_mask(left: usize) -> __mmask16 {
+    if left >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << left) - 1
+    }
+}
