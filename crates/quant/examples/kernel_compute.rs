@@ -5,7 +5,8 @@
 //! Loops the AVX-512 two-row kernels over a matrix small enough for L2 (MXFP4 `[128, 3584]`: 229 KB of codes;
 //! int8 `[48, 7168]`: 344 KB; bf16 `[48, 7168]`: 688 KB) on the calling thread, and reports weight bytes per second,
 //! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16 or VNNI, for
-//! the kernels that need them) it says so and skips the kernel.
+//! the kernels that need them) it says so and skips the kernel. Last, the time to quantise one 7168-wide input to
+//! int16 (as an int8 product does on one thread before its rows start), scalar reference against the fastest path.
 
 use std::time::Instant;
 
@@ -45,7 +46,7 @@ fn main() {
         dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_rows, mxfp4_dot_rows, mxfp4_i16_dot_rows,
     };
     use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
-    use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
+    use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract, quantise};
 
     if !has_avx512() {
         println!("no AVX-512 on this CPU: nothing to measure");
@@ -126,6 +127,41 @@ fn main() {
         None => println!("int8                (no AVX-512 VNNI)"),
     }
     println!("bf16                {bf_rate:6.1} GB/s");
+
+    let mut q16 = vec![0i16; cols];
+    let mut quantise_us = |fast: bool| {
+        micros(|| {
+            let (amax, quantise): (_, fn(&[f32], f32, &mut [i16])) = if fast {
+                (quantise::abs_max(&x), quantise::quantise)
+            } else {
+                (quantise::abs_max_ref(&x), quantise::quantise_ref)
+            };
+            quantise(&x, amax.unwrap_or(1.0) / quantise::Q_MAX, &mut q16);
+            q16[0]
+        })
+    };
+    let (slow, fast) = (quantise_us(false), quantise_us(true));
+    println!(
+        "int16 quantisation of a {cols}-wide input: scalar {slow:.2} us, fastest path {fast:.2} us"
+    );
+}
+
+/// Median microseconds of one call of `f`, over [`PASSES`] passes of [`SWEEPS`] calls after a warm-up pass.
+#[cfg(target_arch = "x86_64")]
+fn micros(mut f: impl FnMut() -> i16) -> f64 {
+    let mut sink = 0i16;
+    let mut pass = || {
+        let t = Instant::now();
+        for _ in 0..SWEEPS {
+            sink = sink.wrapping_add(f());
+        }
+        t.elapsed().as_secs_f64() / SWEEPS as f64 * 1e6
+    };
+    pass();
+    let mut v: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
+    std::hint::black_box(sink);
+    v.sort_by(f64::total_cmp);
+    v[PASSES / 2]
 }
 
 #[cfg(not(target_arch = "x86_64"))]
