@@ -131,12 +131,13 @@ fn main() {
     let mut q16 = vec![0i16; cols];
     let mut quantise_us = |fast: bool| {
         micros(|| {
-            let (amax, quantise): (_, fn(&[f32], f32, &mut [i16])) = if fast {
-                (quantise::abs_max(&x), quantise::quantise)
+            if fast {
+                let step = quantise::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
+                quantise::quantise(&x, step, &mut q16);
             } else {
-                (quantise::abs_max_ref(&x), quantise::quantise_ref)
-            };
-            quantise(&x, amax.unwrap_or(1.0) / quantise::Q_MAX, &mut q16);
+                let step = quantise::abs_max_ref(&x).unwrap_or(1.0) / quantise::Q_MAX;
+                quantise::quantise_ref(&x, step, &mut q16);
+            }
             q16[0]
         })
     };
