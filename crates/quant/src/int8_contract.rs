@@ -39,15 +39,7 @@ impl QuantizedInput {
     pub fn new(x: &[f32]) -> Self {
         let padded = x.len().div_ceil(Self::PAD) * Self::PAD;
         let mut q = vec![0i16; padded];
-        let scale = match quantise::abs_max(x) {
-            None => f32::NAN,
-            Some(amax) if amax > 0.0 => {
-                let scale = amax / X_MAX;
-                quantise::quantise(x, scale, &mut q[..x.len()]);
-                scale
-            }
-            Some(_) => 0.0,
-        };
+        let scale = quantise::symmetric(x, &mut q[..x.len()]);
         Self {
             q,
             len: x.len(),

@@ -43,28 +43,13 @@ pub fn chunks(cols: usize) -> usize {
     crate::mxfp4_contract::chunks(cols)
 }
 
-/// One group's quantisation into `q` (as long as `x`): returns the step `s` (`x ≈ s · q`; NaN for a non-finite
-/// group, 0 for an all-zero one, whose values are then all 0).
-fn quantise_group(x: &[f32], q: &mut [i16]) -> f32 {
-    q.fill(0);
-    match quantise::abs_max(x) {
-        None => f32::NAN,
-        Some(amax) if amax > 0.0 => {
-            let step = amax / Q_MAX;
-            quantise::quantise(x, step, q);
-            step
-        }
-        Some(_) => 0.0,
-    }
-}
-
 /// `x` as this contract reads it: each group of 32 quantised and scaled back (`s · q`). Dense experts use it so that
 /// the int16 mode means one thing for every kind of expert.
 pub fn dequantised(x: &[f32]) -> Vec<f32> {
     let mut q = [0i16; MXFP4_GROUP];
     let mut out = Vec::with_capacity(x.len());
     for group in x.chunks(MXFP4_GROUP) {
-        let step = quantise_group(group, &mut q[..group.len()]);
+        let step = quantise::symmetric(group, &mut q[..group.len()]);
         out.extend(q[..group.len()].iter().map(|&v| f32::from(v) * step));
     }
     out
@@ -78,7 +63,7 @@ pub fn permute_input(x: &[f32]) -> Vec<u32> {
     let mut q = vec![0i16; n * CHUNK];
     let mut half_steps = vec![0.0f32; n * GROUPS_PER_CHUNK];
     for (g, group) in x.chunks(MXFP4_GROUP).enumerate() {
-        half_steps[g] = quantise_group(group, &mut q[g * MXFP4_GROUP..][..group.len()]) * 0.5;
+        half_steps[g] = quantise::symmetric(group, &mut q[g * MXFP4_GROUP..][..group.len()]) * 0.5;
     }
     let mut out = vec![0u32; n * CHUNK_WORDS];
     for (c, words) in out.chunks_exact_mut(CHUNK_WORDS).enumerate() {

@@ -12,6 +12,22 @@
 /// Largest magnitude of a quantised value.
 pub const Q_MAX: f32 = 32767.0;
 
+/// Quantises `x` into `q` (as long as `x`) with the step `s = max|x| / Q_MAX`, and returns `s` (`x ≈ s · q`). An
+/// input with a NaN or an infinity gives NaN and an all-zero one 0; `q` is then all zero.
+pub fn symmetric(x: &[f32], q: &mut [i16]) -> f32 {
+    match abs_max(x) {
+        Some(amax) if amax > 0.0 => {
+            let step = amax / Q_MAX;
+            quantise(x, step, q);
+            step
+        }
+        other => {
+            q.fill(0);
+            other.map_or(f32::NAN, |_| 0.0)
+        }
+    }
+}
+
 /// The largest magnitude of `x` (0 for an empty or all-zero input), or `None` when a value is NaN or infinite.
 pub fn abs_max(x: &[f32]) -> Option<f32> {
     #[cfg(target_arch = "x86_64")]
@@ -110,6 +126,19 @@ mod tests {
         let mut q = [0i16; 9];
         quantise(&x, 1.0, &mut q);
         assert_eq!(q, [1, 2, 3, -1, -3, 0, 32767, -32767, 0]);
+    }
+
+    #[test]
+    fn symmetric_steps_and_clears_what_it_cannot_quantise() {
+        let mut q = [5i16; 3];
+        assert_eq!(symmetric(&[0.5, -2.0, 1.0], &mut q), 2.0 / Q_MAX);
+        assert_eq!(q, [8192, -32767, 16384]);
+        let mut q = [5i16; 2];
+        assert_eq!(symmetric(&[0.0, -0.0], &mut q), 0.0);
+        assert_eq!(q, [0, 0]);
+        let mut q = [5i16; 2];
+        assert!(symmetric(&[1.0, f32::NAN], &mut q).is_nan());
+        assert_eq!(q, [0, 0]);
     }
 
     #[test]
