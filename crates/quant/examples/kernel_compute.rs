@@ -6,7 +6,7 @@
 //! int8 `[48, 7168]`: 344 KB; bf16 `[48, 7168]`: 688 KB) on the calling thread, and reports weight bytes per second,
 //! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16 or VNNI, for
 //! the kernels that need them) it says so and skips the kernel. Last, the time to quantise one 7168-wide input to
-//! int16 (as an int8 product does on one thread before its rows start), scalar reference against the fastest path.
+//! int16 (as an int8 product does on one thread before its rows start) with the scalar reference, AVX2 and AVX-512.
 
 use std::time::Instant;
 
@@ -129,21 +129,25 @@ fn main() {
     println!("bf16                {bf_rate:6.1} GB/s");
 
     let mut q16 = vec![0i16; cols];
-    let mut quantise_us = |fast: bool| {
-        micros(|| {
-            if fast {
-                let step = quantise::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
-                quantise::quantise(&x, step, &mut q16);
-            } else {
-                let step = quantise::abs_max_ref(&x).unwrap_or(1.0) / quantise::Q_MAX;
-                quantise::quantise_ref(&x, step, &mut q16);
-            }
-            q16[0]
-        })
-    };
-    let (slow, fast) = (quantise_us(false), quantise_us(true));
+    let scalar = micros(|| {
+        let step = quantise::abs_max_ref(&x).unwrap_or(1.0) / quantise::Q_MAX;
+        quantise::quantise_ref(&x, step, &mut q16);
+        q16[0]
+    });
+    // SAFETY: AVX-512F present (checked above), so AVX2 too.
+    let avx2 = micros(|| unsafe {
+        let step = deltafin_quant::simd::x86::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
+        deltafin_quant::simd::x86::quantise(&x, step, &mut q16);
+        q16[0]
+    });
+    // SAFETY: AVX-512F present (checked above).
+    let avx512 = micros(|| unsafe {
+        let step = deltafin_quant::simd::avx512::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
+        deltafin_quant::simd::avx512::quantise(&x, step, &mut q16);
+        q16[0]
+    });
     println!(
-        "int16 quantisation of a {cols}-wide input: scalar {slow:.2} us, fastest path {fast:.2} us"
+        "int16 quantisation of a {cols}-wide input: scalar {scalar:.2} us, AVX2 {avx2:.2} us, AVX-512 {avx512:.2} us"
     );
 }
 

@@ -205,3 +205,70 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
     let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
     _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
 }
+
+/// AVX2 twin of [`crate::quantise::abs_max_ref`]: eight values a step, the rest by the reference.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+pub unsafe fn abs_max(x: &[f32]) -> Option<f32> {
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    let (mut amax, mut bad) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let eights = x.chunks_exact(8);
+    let rest = crate::quantise::abs_max_ref(eights.remainder())?;
+    for v in eights {
+        // SAFETY: `v` holds 8 values.
+        let a = _mm256_and_ps(unsafe { _mm256_loadu_ps(v.as_ptr()) }, magnitude);
+        // NaN compares unordered, so "not less than infinity" catches NaN and both infinities.
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps::<_CMP_NLT_UQ>(a, inf));
+        amax = _mm256_max_ps(amax, a);
+    }
+    if _mm256_movemask_ps(bad) != 0 {
+        return None;
+    }
+    let mut lanes = [0.0f32; 8];
+    // SAFETY: `lanes` holds 8 values.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), amax) };
+    Some(lanes.iter().fold(rest, |m, &v| m.max(v)))
+}
+
+/// AVX2 twin of [`crate::quantise::quantise_ref`], as the AVX-512 one: eight values a step, the rest by the
+/// reference.
+///
+/// # Safety
+/// The CPU must support AVX2; `q.len() >= x.len()`.
+#[target_feature(enable = "avx2")]
+pub unsafe fn quantise(x: &[f32], step: f32, q: &mut [i16]) {
+    let n = x.len().min(q.len());
+    let whole = n / 8 * 8;
+    let steps = _mm256_set1_ps(step);
+    let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+    let (one, half) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
+    let (lo, hi) = (
+        _mm256_set1_ps(-crate::quantise::Q_MAX),
+        _mm256_set1_ps(crate::quantise::Q_MAX),
+    );
+    for at in (0..whole).step_by(8) {
+        // SAFETY: values at .. at + 8 lie in `x` and `q` (at + 8 <= whole <= n).
+        unsafe {
+            let y = _mm256_div_ps(_mm256_loadu_ps(x.as_ptr().add(at)), steps);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_and_ps(_mm256_sub_ps(y, t), magnitude);
+            let up = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, half);
+            let away = _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(y, sign)));
+            let r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(t, away), lo), hi);
+            let i = _mm256_cvttps_epi32(r);
+            // The eight int32 values are within ±32767, so the saturating pack is exact; it packs within 128-bit
+            // halves, so values 0..4 and 4..8 are the low words of each half.
+            let packed = _mm256_packs_epi32(i, i);
+            let words = _mm256_permute4x64_epi64::<0b1000>(packed);
+            _mm_storeu_si128(
+                q.as_mut_ptr().add(at) as *mut __m128i,
+                _mm256_castsi256_si128(words),
+            );
+        }
+    }
+    crate::quantise::quantise_ref(&x[whole..n], step, &mut q[whole..n]);
+}
