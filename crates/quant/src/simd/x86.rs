@@ -163,13 +163,18 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
     for c in 0..xp.len() / CHUNK {
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
             let at = c * CHUNK_BYTES + 32 * half;
-            let mut buf = [0u8; 32];
-            let have = packed.len().saturating_sub(at).min(32);
-            if have > 0 {
-                buf[..have].copy_from_slice(&packed[at..at + have]);
-            }
-            // SAFETY: `buf` holds 32 bytes.
-            let words = unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) };
+            let words = if at + 32 <= packed.len() {
+                // SAFETY: 32 bytes from `at` lie in `packed`.
+                unsafe { _mm256_loadu_si256(packed.as_ptr().add(at) as *const __m256i) }
+            } else {
+                let mut buf = [0u8; 32];
+                let have = packed.len().saturating_sub(at).min(32);
+                if have > 0 {
+                    buf[..have].copy_from_slice(&packed[at..at + have]);
+                }
+                // SAFETY: `buf` holds 32 bytes.
+                unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) }
+            };
             let w = |s: i32| {
                 let codes = _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s));
                 let mag = _mm256_permutevar8x32_ps(mags, codes);
