@@ -34,7 +34,7 @@ pub struct BenchArgs {
     prompt_len: usize,
     /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded
     /// as the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI).
+    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2).
     #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
     expert_input: deltafin_model::ExpertInput,
 }

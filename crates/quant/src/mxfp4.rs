@@ -236,10 +236,19 @@ impl<'a> Mxfp4Matrix<'a> {
             chunk_words: mxfp4_i16_contract::CHUNK_WORDS,
             reference: mxfp4_i16_contract::dot_row_ref,
             #[cfg(target_arch = "x86_64")]
-            simd: crate::simd::has_avx512_vnni().then_some((
-                crate::simd::avx512::mxfp4_i16_dot_rows::<2>,
-                crate::simd::avx512::mxfp4_i16_row_multi,
-            )),
+            simd: if crate::simd::has_avx512_vnni() {
+                Some((
+                    crate::simd::avx512::mxfp4_i16_dot_rows::<2>,
+                    crate::simd::avx512::mxfp4_i16_row_multi,
+                ))
+            } else if crate::simd::has_avx2_fma() {
+                Some((
+                    crate::simd::x86::mxfp4_i16_dot_rows::<2>,
+                    crate::simd::x86::mxfp4_i16_row_multi,
+                ))
+            } else {
+                None
+            },
         };
         self.rows_words(r0, xqs, t_rows, out, &kernels);
     }
@@ -369,8 +378,8 @@ pub enum Mxfp4Input {
     /// others.
     Bf16,
     /// Quantised to int16 per group of 32 ([`crate::mxfp4_i16_contract`]): each input moves by at most 1/65534 of
-    /// its group's largest magnitude, and the products sum exactly in integers; the fast kernel needs AVX-512 VNNI,
-    /// and others run the scalar reference (slow).
+    /// its group's largest magnitude, and the products sum exactly in integers; the fast kernels need AVX-512 VNNI
+    /// or AVX2, and others run the scalar reference (slow).
     I16,
 }
 
@@ -404,8 +413,8 @@ struct WordKernels {
     chunk_words: usize,
     /// The scalar reference of one row against one input.
     reference: fn(&[u8], &[u8], &[u32]) -> f32,
-    /// The AVX-512 kernels (two rows against one input; one row against several inputs), set only where the CPU
-    /// has the features they need.
+    /// The SIMD kernels (two rows against one input; one row against several inputs), set only where the CPU has
+    /// the features they need.
     #[cfg(target_arch = "x86_64")]
     simd: Option<(PairKernel, MultiKernel)>,
 }

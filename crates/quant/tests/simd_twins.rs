@@ -557,14 +557,37 @@ fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
     dispatch_matches_twin(Mxfp4Input::I16, edit, |m, row, x| m.dot_row_i16_ref(row, x));
 }
 
+/// An int16-input MXFP4 kernel pair: two rows against one input, and one row against several inputs.
+#[cfg(target_arch = "x86_64")]
+type I16Kernels = (
+    &'static str,
+    unsafe fn([(&[u8], &[u8]); 2], &[u32]) -> [f32; 2],
+    unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]),
+);
+
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn mxfp4_i16_kernels_match_twin_where_the_cpu_has_them() {
     use deltafin_quant::mxfp4_i16_contract::{dot_row_ref, permute_input};
-    use deltafin_quant::simd::avx512::{mxfp4_i16_dot_rows, mxfp4_i16_row_multi};
-    if !deltafin_quant::simd::has_avx512_vnni() {
+    use deltafin_quant::simd::{avx512, x86};
+    let mut kernels: Vec<I16Kernels> = Vec::new();
+    if deltafin_quant::simd::has_avx512_vnni() {
+        kernels.push((
+            "avx512",
+            avx512::mxfp4_i16_dot_rows::<2>,
+            avx512::mxfp4_i16_row_multi,
+        ));
+    }
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        kernels.push((
+            "avx2",
+            x86::mxfp4_i16_dot_rows::<2>,
+            x86::mxfp4_i16_row_multi,
+        ));
+    }
+    if kernels.is_empty() {
         // The dispatch test above then compares the scalar path with itself; say so in the log.
-        eprintln!("no AVX-512 VNNI here: only the scalar contract was exercised");
+        eprintln!("no AVX2 or AVX-512 VNNI here: only the scalar contract was exercised");
         return;
     }
     let mut r = rng();
@@ -579,16 +602,22 @@ fn mxfp4_i16_kernels_match_twin_where_the_cpu_has_them() {
             )
         };
         let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xq));
-        // SAFETY: AVX-512F/BW/VNNI with AVX2 and FMA detected; two whole rows and their quantised input.
-        let pair = unsafe { mxfp4_i16_dot_rows::<2>([row(0), row(1)], &xq) };
         // Row 1 against two copies of the input, each decoded chunk used for both.
         let xqs: Vec<u32> = xq.iter().chain(xq.iter()).copied().collect();
-        let mut multi = [0.0f32; 2];
-        // SAFETY: as above, one row and two inputs of `xq.len()` words.
-        unsafe { mxfp4_i16_row_multi(row(1).0, row(1).1, &xqs, xq.len(), &mut multi) };
-        for i in 0..2 {
-            same_bits(pair[i], want[i], &format!("x2 cols {cols} row {i}"));
-            same_bits(multi[i], want[1], &format!("multi cols {cols} input {i}"));
+        for &(name, pair_kernel, multi_kernel) in &kernels {
+            // SAFETY: the kernel's features were detected; two whole rows and their quantised input.
+            let pair = unsafe { pair_kernel([row(0), row(1)], &xq) };
+            let mut multi = [0.0f32; 2];
+            // SAFETY: as above, one row and two inputs of `xq.len()` words.
+            unsafe { multi_kernel(row(1).0, row(1).1, &xqs, xq.len(), &mut multi) };
+            for i in 0..2 {
+                same_bits(pair[i], want[i], &format!("{name} x2 cols {cols} row {i}"));
+                same_bits(
+                    multi[i],
+                    want[1],
+                    &format!("{name} multi cols {cols} input {i}"),
+                );
+            }
         }
     }
 }

@@ -85,11 +85,11 @@ pub fn mxfp4_bf16_is_fast() -> bool {
     false
 }
 
-/// Whether the int16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 VNNI); without one they run
-/// their scalar reference, far slower than the f32 path.
+/// Whether the int16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 VNNI, or AVX2); without one
+/// they run their scalar reference, far slower than the f32 path.
 pub fn mxfp4_i16_is_fast() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return has_avx512_vnni();
+    return has_avx512_vnni() || has_avx2_fma();
     #[allow(unreachable_code)]
     false
 }

@@ -155,26 +155,15 @@ pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
 /// bytes (no scale byte 255).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
-    use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK, group_scale};
+    use crate::mxfp4_contract::{CHUNK, CHUNK_LANES};
     let mags = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
     let sign = _mm256_set1_epi32(i32::MIN);
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xp.len() / CHUNK {
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
-            let at = c * CHUNK_BYTES + 32 * half;
-            let words = if at + 32 <= packed.len() {
-                // SAFETY: 32 bytes from `at` lie in `packed`.
-                unsafe { _mm256_loadu_si256(packed.as_ptr().add(at) as *const __m256i) }
-            } else {
-                let mut buf = [0u8; 32];
-                let have = packed.len().saturating_sub(at).min(32);
-                if have > 0 {
-                    buf[..have].copy_from_slice(&packed[at..at + have]);
-                }
-                // SAFETY: `buf` holds 32 bytes.
-                unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) }
-            };
+            // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
+            let words = unsafe { half_chunk_codes(packed, c, half) };
             let w = |s: i32| {
                 let codes = _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s));
                 let mag = _mm256_permutevar8x32_ps(mags, codes);
@@ -193,14 +182,18 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
             to = _mm256_fmadd_ps(w(5), x(5), to);
             te = _mm256_fmadd_ps(w(6), x(6), te);
             to = _mm256_fmadd_ps(w(7), x(7), to);
-            let g = c * GROUPS_PER_CHUNK + 2 * half;
-            let scale = _mm256_set_m128(
-                _mm_set1_ps(group_scale(scales, g + 1)),
-                _mm_set1_ps(group_scale(scales, g)),
-            );
+            let scale = half_chunk_scales(scales, c, half);
             *a = _mm256_fmadd_ps(_mm256_add_ps(te, to), scale, *a);
         }
     }
+    reduce16(acc)
+}
+
+/// The MXFP4 contracts' reduction ([`crate::mxfp4_contract::reduce16`]) of `acc[c % 2][half]`, the sixteen lanes of
+/// each accumulator as two 8-lane halves.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn reduce16(acc: [[__m256; 2]; 2]) -> f32 {
     // v[k] = acc0[k] + acc1[k]; then lanes k and k + 8 (the two halves), k + 4, k + 2, k + 1.
     let v8 = _mm256_add_ps(
         _mm256_add_ps(acc[0][0], acc[1][0]),
@@ -209,6 +202,144 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
     let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
     let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
     _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
+}
+
+/// The 32 code bytes of half `half` of chunk `c` of a row (zero past its end).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn half_chunk_codes(packed: &[u8], c: usize, half: usize) -> __m256i {
+    use crate::mxfp4_contract::CHUNK_BYTES;
+    let at = c * CHUNK_BYTES + 32 * half;
+    if at + 32 <= packed.len() {
+        // SAFETY: 32 bytes from `at` lie in `packed`.
+        return unsafe { _mm256_loadu_si256(packed.as_ptr().add(at) as *const __m256i) };
+    }
+    let mut buf = [0u8; 32];
+    let have = packed.len().saturating_sub(at).min(32);
+    if have > 0 {
+        buf[..have].copy_from_slice(&packed[at..at + have]);
+    }
+    // SAFETY: `buf` holds 32 bytes.
+    unsafe { _mm256_loadu_si256(buf.as_ptr() as *const __m256i) }
+}
+
+/// The multipliers of half `half` of chunk `c`: lanes 0..4 use group `4c + 2·half`, lanes 4..8 the next.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn half_chunk_scales(scales: &[u8], c: usize, half: usize) -> __m256 {
+    use crate::mxfp4_contract::{GROUPS_PER_CHUNK, group_scale};
+    let g = c * GROUPS_PER_CHUNK + 2 * half;
+    _mm256_set_m128(
+        _mm_set1_ps(group_scale(scales, g + 1)),
+        _mm_set1_ps(group_scale(scales, g)),
+    )
+}
+
+/// The pair contract's four weight vectors of one half chunk: vector `j` holds, in every 16-bit word of `codes`
+/// (the low word of a lane holds its codes 0..4, the high word codes 4..8), twice the E2M1 value of the word's nibble
+/// `j`, as int16. Two byte shuffles replace the low and the high nibble of every byte by its signed value; each
+/// word's two bytes are then brought down with their sign by arithmetic shifts.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn doubled_pair_weights(codes: __m256i, table: __m256i) -> [__m256i; 4] {
+    let nibbles = _mm256_set1_epi8(0x0f);
+    // Bytes (n1 n0, n3 n2) of a word become (v(n0), v(n2)) and (v(n1), v(n3)); the index bytes' bit 7 is clear, so
+    // no byte is zeroed.
+    let low = _mm256_shuffle_epi8(table, _mm256_and_si256(codes, nibbles));
+    let high = _mm256_shuffle_epi8(
+        table,
+        _mm256_and_si256(_mm256_srli_epi16::<4>(codes), nibbles),
+    );
+    let low_byte = |v: __m256i| _mm256_srai_epi16::<8>(_mm256_slli_epi16::<8>(v));
+    let high_byte = |v: __m256i| _mm256_srai_epi16::<8>(v);
+    [
+        low_byte(low),
+        low_byte(high),
+        high_byte(low),
+        high_byte(high),
+    ]
+}
+
+/// AVX2 twin of [`crate::mxfp4_i16_contract::dot_row_ref`] for `R` neighbouring rows against one quantised input
+/// `xq`, whose loads they share; the contract's sixteen lanes as two 8-lane halves. `vpmaddwd` gives each lane's
+/// pair products summed, an exact integer like every sum of the contract before its conversion to f32.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `xq.len() == chunks(cols) * 80`; each row is one row's `packed` and `scales`
+/// (no scale byte 255).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
+    rows: [(&[u8], &[u8]); R],
+    xq: &[u32],
+) -> [f32; R] {
+    use crate::mxfp4_contract::{CHUNK_BYTES, CHUNK_LANES};
+    use crate::mxfp4_i16_contract::{CHUNK_WORDS, E2M1_DOUBLED, PAIR_WORDS};
+    let mut bytes = [0i8; 32];
+    for (b, &v) in bytes.iter_mut().zip(E2M1_DOUBLED.iter().cycle()) {
+        *b = v as i8;
+    }
+    // SAFETY: `bytes` holds 32 bytes.
+    let table = unsafe { _mm256_loadu_si256(bytes.as_ptr() as *const __m256i) };
+    let p0 = rows[0].0.as_ptr();
+    let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
+    for c in 0..xq.len() / CHUNK_WORDS {
+        // The rows' bytes in address order, one chunk of each ahead (see the AVX-512 kernels' prefetch).
+        for line in (0..R * CHUNK_BYTES).step_by(64) {
+            let ahead = p0.wrapping_add(R * c * CHUNK_BYTES + (8 << 10) + line);
+            // A hint: it never faults, even past the rows.
+            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        }
+        for half in 0..2 {
+            // SAFETY: chunk c of `xq` is whole (c < len / CHUNK_WORDS); lanes 8·half .. 8·half + 8 of each vector.
+            let (x, m) = unsafe {
+                let at = xq.as_ptr().add(c * CHUNK_WORDS + 8 * half);
+                let x: [__m256i; 4] = std::array::from_fn(|j| {
+                    _mm256_loadu_si256(at.add(j * CHUNK_LANES) as *const __m256i)
+                });
+                (x, _mm256_loadu_ps(at.add(PAIR_WORDS) as *const f32))
+            };
+            for (a, &(packed, scales)) in acc.iter_mut().zip(&rows) {
+                // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
+                let codes = unsafe { half_chunk_codes(packed, c, half) };
+                let w = doubled_pair_weights(codes, table);
+                let t = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(w[0], x[0]), _mm256_madd_epi16(w[1], x[1])),
+                    _mm256_add_epi32(_mm256_madd_epi16(w[2], x[2]), _mm256_madd_epi16(w[3], x[3])),
+                );
+                let u = _mm256_mul_ps(_mm256_cvtepi32_ps(t), m);
+                let scale = half_chunk_scales(scales, c, half);
+                a[c % 2][half] = _mm256_fmadd_ps(u, scale, a[c % 2][half]);
+            }
+        }
+    }
+    let mut out = [0.0f32; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = reduce16(a);
+    }
+    out
+}
+
+/// One MXFP4 row against rows of the quantised input, each bit-identical to
+/// [`crate::mxfp4_i16_contract::dot_row_ref`]: `out[t] = row · x_t`, where `x_t` is `xqs[t * xq_len ..][.. xq_len]`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `xq_len == chunks(cols) * 80`, `xqs.len() >= out.len() * xq_len`; `packed`
+/// and `scales` are one row's bytes (no scale byte 255).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_i16_row_multi(
+    packed: &[u8],
+    scales: &[u8],
+    xqs: &[u32],
+    xq_len: usize,
+    out: &mut [f32],
+) {
+    for (o, xq) in out.iter_mut().zip(xqs.chunks_exact(xq_len.max(1))) {
+        // SAFETY: forwarded from the caller, one input of `xq_len` words.
+        *o = unsafe { mxfp4_i16_dot_rows([(packed, scales)], xq) }[0];
+    }
 }
 
 /// AVX2 twin of [`crate::quantise::abs_max_ref`]: eight values a step, the rest by the reference.
