@@ -102,7 +102,7 @@ const PREFETCH_BYTES: usize = 16 << 10;
 /// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
 /// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB about
 /// as well, 12–32 KiB a few per cent worse (`docs/PERFORMANCE.md`, fifth and sixth rounds).
-const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
+pub(crate) const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
 /// How many rows ahead the MXFP4 kernels prefetch the rows' scales, which lie apart from the codes, out of reach of
 /// the codes' prefetch: read on demand they cost the bf16- and int16-input kernels about 3% of their rate from

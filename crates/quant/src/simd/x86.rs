@@ -277,6 +277,7 @@ pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
 ) -> [f32; R] {
     use crate::mxfp4_contract::{CHUNK_BYTES, CHUNK_LANES};
     use crate::mxfp4_i16_contract::{CHUNK_WORDS, E2M1_DOUBLED, PAIR_WORDS};
+    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
     let mut bytes = [0i8; 32];
     for (b, &v) in bytes.iter_mut().zip(E2M1_DOUBLED.iter().cycle()) {
         *b = v as i8;
@@ -286,9 +287,9 @@ pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
     let p0 = rows[0].0.as_ptr();
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
     for c in 0..xq.len() / CHUNK_WORDS {
-        // The rows' bytes in address order, one chunk of each ahead (see the AVX-512 kernels' prefetch).
+        // The rows' bytes in address order, as the AVX-512 kernels prefetch them.
         for line in (0..R * CHUNK_BYTES).step_by(64) {
-            let ahead = p0.wrapping_add(R * c * CHUNK_BYTES + (8 << 10) + line);
+            let ahead = p0.wrapping_add(R * c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES + line);
             // A hint: it never faults, even past the rows.
             _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
         }
