@@ -156,8 +156,19 @@ pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
     use crate::mxfp4_contract::{CHUNK, CHUNK_LANES};
-    let mags = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
-    let sign = _mm256_set1_epi32(i32::MIN);
+    // The magnitude of code m (0..8), with m's three bits already xored into bits 28..31: xoring the code shifted to
+    // bits 28..32 then takes them out again and puts the code's sign bit on bit 31, one instruction for both.
+    const MAGS: [u32; 8] = {
+        let mut bits = [0u32; 8];
+        let mut m = 0;
+        while m < 8 {
+            bits[m] = crate::mxfp4::E2M1_TABLE[m].to_bits() ^ ((m as u32) << 28);
+            m += 1;
+        }
+        bits
+    };
+    // SAFETY: `MAGS` holds 8 values.
+    let mags = _mm256_castsi256_ps(unsafe { _mm256_loadu_si256(MAGS.as_ptr() as *const __m256i) });
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xp.len() / CHUNK {
@@ -167,8 +178,7 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
             let w = |s: i32| {
                 let codes = _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s));
                 let mag = _mm256_permutevar8x32_ps(mags, codes);
-                let bit = _mm256_and_si256(_mm256_slli_epi32::<28>(codes), sign);
-                _mm256_xor_ps(mag, _mm256_castsi256_ps(bit))
+                _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(codes)))
             };
             // SAFETY: chunk c of `xp` is whole; lanes 8·half .. 8·half + 8 of each code vector.
             let x = |s: usize| unsafe {
