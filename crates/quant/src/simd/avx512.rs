@@ -97,7 +97,7 @@ fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) 
 /// runs on into the next pairs, and every line is asked for once. A prefetch per row at its own read point (two
 /// interleaved streams) fed the same kernels 10–15% slower whenever memory was the limit, and 12, 24 or 32 KiB
 /// instead of 16 were no better (`docs/PERFORMANCE.md`, fifth round).
-const PREFETCH_BYTES: usize = 16 << 10;
+pub(crate) const PREFETCH_BYTES: usize = 16 << 10;
 
 /// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
 /// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB about

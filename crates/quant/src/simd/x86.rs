@@ -4,6 +4,7 @@ use std::arch::x86_64::*;
 
 use crate::dot::{BLOCK, LANES};
 use crate::int8_contract::SEGMENT_STEPS;
+use crate::simd::avx512::PREFETCH_BYTES;
 
 /// Reduces four accumulators in the contract's order.
 #[inline]
@@ -38,6 +39,18 @@ unsafe fn load_bf16(p: *const u16) -> __m256 {
     }
 }
 
+/// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of the `len` bytes at `p`, a streaming kernel's weights (a
+/// hint: it never faults). The AVX-512 kernels read the same way; without a software prefetch the hardware
+/// prefetchers keep too few lines in flight on this project's machine (`docs/PERFORMANCE.md`, fifth round).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prefetch_ahead<T>(p: *const T, len: usize) {
+    let ahead = (p as *const i8).wrapping_add(PREFETCH_BYTES);
+    for off in (0..len).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
+    }
+}
+
 /// The dot contract over weights read by `$load` from `$w` (a slice) and f32 `$x`; `$get` converts one weight for
 /// the zero-padded tail.
 macro_rules! dot_body {
@@ -54,6 +67,7 @@ macro_rules! dot_body {
         );
         let mut b = 0;
         while b < full {
+            prefetch_ahead(wp.wrapping_add(b), BLOCK * size_of_val(&w[0]));
             // SAFETY: b + 32 <= full <= n for both slices.
             unsafe {
                 a0 = _mm256_fmadd_ps($load(wp.add(b)), _mm256_loadu_ps(xp.add(b)), a0);
@@ -119,6 +133,9 @@ pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
         let mut acc = _mm256_setzero_si256();
         let mut step = 0;
         while step < SEGMENT_STEPS && c < n {
+            if c % 64 == 0 {
+                prefetch_ahead(qp.wrapping_add(c), 64);
+            }
             let w = if c + 16 <= n {
                 // SAFETY: 16 weights from c lie in q.
                 unsafe { _mm_loadu_si128(qp.add(c) as *const __m128i) }
