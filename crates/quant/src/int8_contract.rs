@@ -106,6 +106,11 @@ pub fn dot_x2(q0: &[i8], q1: &[i8], x: &QuantizedInput) -> [i64; 2] {
         // SAFETY: AVX-512F/BW and VNNI present; equal lengths, `x` padded to a multiple of 64.
         return unsafe { crate::simd::avx512::int8_dot_x2(q0, q1, x.values()) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() && q0.len() == x.len() && q1.len() == x.len() {
+        // SAFETY: AVX2 present; equal lengths, `x` padded to a multiple of 64.
+        return unsafe { crate::simd::x86::int8_dot_x2(q0, q1, x.values()) };
+    }
     [dot(q0, x), dot(q1, x)]
 }
 

@@ -62,6 +62,9 @@ fn int8_sums_stay_exact_at_the_extremes() {
             // SAFETY: AVX2 detected; the input is padded past n.
             let avx2 = unsafe { deltafin_quant::simd::x86::int8_dot(&q, xq.values()) };
             assert_eq!(avx2, exact, "avx2 n={n}");
+            // SAFETY: as above, two rows of n.
+            let pair = unsafe { deltafin_quant::simd::x86::int8_dot_x2(&q, &q, xq.values()) };
+            assert_eq!(pair, [exact; 2], "avx2 pair n={n}");
         }
     }
 }
@@ -767,6 +770,11 @@ fn dense_row_pairs_match_twins() {
                 let xq = QuantizedInput::new(&x);
                 let want = int8_contract::dot_ref(&q0, &xq);
                 assert_eq!(x86::int8_dot(&q0, xq.values()), want, "avx2 i8 n={n}");
+                assert_eq!(
+                    x86::int8_dot_x2(&q0, &q1, xq.values()),
+                    [want, int8_contract::dot_ref(&q1, &xq)],
+                    "avx2 i8 x2 n={n}"
+                );
             }
         }
     }

@@ -118,49 +118,115 @@ pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     dot_body!(w, x, load_bf16, crate::dot::bf16_to_f32)
 }
 
-/// AVX2 twin of [`crate::int8_contract::dot_ref`]: sixteen products per step with `vpmaddwd` (pairs summed into
-/// eight 32-bit lanes), widened to 64 bits every [`SEGMENT_STEPS`] steps.
+/// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, two
+/// sign extensions to int16 and two `vpmaddwd` (each adds two products to every 32-bit lane), widened to 64 bits
+/// every [`SEGMENT_STEPS`] of those steps. The rows share the input's loads and are prefetched as one stream in
+/// address order, as the AVX-512 kernels do.
 ///
 /// # Safety
-/// The CPU must support AVX2; `xq` holds at least `q.len()` values rounded up to a multiple of 16.
+/// The CPU must support AVX2; every row has the same length `n`, and `xq` holds at least `n` values rounded up to a
+/// multiple of 32.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
+    let n = rows.iter().fold(usize::MAX, |n, q| n.min(q.len()));
+    let full = n / 32 * 32;
+    let xp = xq.as_ptr();
+    let p0 = rows[0].as_ptr();
+    let mut wide = [_mm256_setzero_si256(); R];
+    // Adds one segment's 32-bit lanes into the 64-bit sums.
+    let widen = |wide: &mut [__m256i; R], acc: [__m256i; R]| {
+        for (wd, a) in wide.iter_mut().zip(acc) {
+            let lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(a));
+            let hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256::<1>(a));
+            *wd = _mm256_add_epi64(*wd, _mm256_add_epi64(lo, hi));
+        }
+    };
+    // One block of 32 columns of every row: `w(row)` gives the row's 32 weights.
+    let block = |acc: &mut [__m256i; R], x: [__m256i; 2], w: &dyn Fn(usize) -> [__m128i; 2]| {
+        for (r, a) in acc.iter_mut().enumerate() {
+            let [w0, w1] = w(r);
+            let p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(w0), x[0]);
+            let p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(w1), x[1]);
+            *a = _mm256_add_epi32(*a, _mm256_add_epi32(p0, p1));
+        }
+    };
+    let mut c = 0;
+    while c < full {
+        // Two steps per block of 32 columns.
+        let end = full.min(c + 32 * (SEGMENT_STEPS / 2));
+        let mut acc = [_mm256_setzero_si256(); R];
+        while c < end {
+            prefetch_ahead(p0.wrapping_add(R * c), R * 32);
+            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
+            unsafe {
+                let x = [
+                    _mm256_loadu_si256(xp.add(c) as *const __m256i),
+                    _mm256_loadu_si256(xp.add(c + 16) as *const __m256i),
+                ];
+                block(&mut acc, x, &|r| {
+                    let q = rows[r].as_ptr().add(c);
+                    [
+                        _mm_loadu_si128(q as *const __m128i),
+                        _mm_loadu_si128(q.add(16) as *const __m128i),
+                    ]
+                });
+            }
+            c += 32;
+        }
+        widen(&mut wide, acc);
+    }
+    if full < n {
+        // The partial last block, zero-padded (the input is zero past n).
+        let mut acc = [_mm256_setzero_si256(); R];
+        // SAFETY: the caller pads xq to a multiple of 32 past n.
+        let x = unsafe {
+            [
+                _mm256_loadu_si256(xp.add(full) as *const __m256i),
+                _mm256_loadu_si256(xp.add(full + 16) as *const __m256i),
+            ]
+        };
+        block(&mut acc, x, &|r| {
+            let mut tail = [0i8; 32];
+            tail[..n - full].copy_from_slice(&rows[r][full..n]);
+            // SAFETY: `tail` holds 32 bytes.
+            unsafe {
+                [
+                    _mm_loadu_si128(tail.as_ptr() as *const __m128i),
+                    _mm_loadu_si128(tail.as_ptr().add(16) as *const __m128i),
+                ]
+            }
+        });
+        widen(&mut wide, acc);
+    }
+    let mut out = [0i64; R];
+    for (o, wd) in out.iter_mut().zip(wide) {
+        let mut lanes = [0i64; 4];
+        // SAFETY: `lanes` holds 32 bytes.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, wd) };
+        *o = lanes.iter().sum();
+    }
+    out
+}
+
+/// AVX2 twin of [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// As [`int8_rows`] with one row.
 #[target_feature(enable = "avx2")]
 pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
-    let n = q.len();
-    let (qp, xp) = (q.as_ptr(), xq.as_ptr());
-    let mut wide = _mm256_setzero_si256();
-    let mut c = 0;
-    while c < n {
-        let mut acc = _mm256_setzero_si256();
-        let mut step = 0;
-        while step < SEGMENT_STEPS && c < n {
-            if c % 64 == 0 {
-                prefetch_ahead(qp.wrapping_add(c), 64);
-            }
-            let w = if c + 16 <= n {
-                // SAFETY: 16 weights from c lie in q.
-                unsafe { _mm_loadu_si128(qp.add(c) as *const __m128i) }
-            } else {
-                let mut tail = [0i8; 16];
-                tail[..n - c].copy_from_slice(&q[c..]);
-                // SAFETY: `tail` holds 16 bytes.
-                unsafe { _mm_loadu_si128(tail.as_ptr() as *const __m128i) }
-            };
-            // SAFETY: the caller pads xq to a multiple of 16 past n.
-            let x = unsafe { _mm256_loadu_si256(xp.add(c) as *const __m256i) };
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_cvtepi8_epi16(w), x));
-            c += 16;
-            step += 1;
-        }
-        wide = _mm256_add_epi64(wide, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(acc)));
-        wide = _mm256_add_epi64(
-            wide,
-            _mm256_cvtepi32_epi64(_mm256_extracti128_si256::<1>(acc)),
-        );
-    }
-    let mut lanes = [0i64; 4];
-    // SAFETY: `lanes` holds 32 bytes.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, wide) };
-    lanes.iter().sum()
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_rows([q], xq)[0] }
+}
+
+/// Two neighbouring int8 rows against one quantised input, each equal to [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// As [`int8_rows`] with two rows.
+#[target_feature(enable = "avx2")]
+pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_rows([q0, q1], xq) }
 }
 
 /// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves. The
