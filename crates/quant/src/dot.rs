@@ -118,6 +118,11 @@ pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
         // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
         return unsafe { crate::simd::avx512::dot_f32_x2(w0, w1, x) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() && w0.len() == x.len() && w1.len() == x.len() {
+        // SAFETY: AVX2 and FMA present; lengths checked.
+        return unsafe { crate::simd::x86::dot_f32_x2(w0, w1, x) };
+    }
     [dot_f32(w0, x), dot_f32(w1, x)]
 }
 
@@ -127,6 +132,11 @@ pub fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
     if crate::simd::has_avx512() && w0.len() == x.len() && w1.len() == x.len() {
         // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
         return unsafe { crate::simd::avx512::dot_bf16_x2(w0, w1, x) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() && w0.len() == x.len() && w1.len() == x.len() {
+        // SAFETY: AVX2 and FMA present; lengths checked.
+        return unsafe { crate::simd::x86::dot_bf16_x2(w0, w1, x) };
     }
     [dot_bf16(w0, x), dot_bf16(w1, x)]
 }

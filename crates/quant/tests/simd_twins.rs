@@ -767,6 +767,20 @@ fn dense_row_pairs_match_twins() {
             unsafe {
                 same_bits(x86::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
                 same_bits(x86::dot_bf16(&b0, &x), dot_bf16_ref(&b0, &x), "avx2 bf16");
+                let pairs = [
+                    (
+                        x86::dot_f32_x2(&w0, &w1, &x),
+                        [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
+                    ),
+                    (
+                        x86::dot_bf16_x2(&b0, &b1, &x),
+                        [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
+                    ),
+                ];
+                for (got, want) in pairs {
+                    same_bits(got[0], want[0], &format!("avx2 x2 row 0 n={n}"));
+                    same_bits(got[1], want[1], &format!("avx2 x2 row 1 n={n}"));
+                }
                 let xq = QuantizedInput::new(&x);
                 let want = int8_contract::dot_ref(&q0, &xq);
                 assert_eq!(x86::int8_dot(&q0, xq.values()), want, "avx2 i8 n={n}");

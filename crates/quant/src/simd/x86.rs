@@ -20,22 +20,42 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// Loads 8 f32 weights.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn load_f32(p: *const f32) -> __m256 {
-    // SAFETY: the caller guarantees 8 readable values at p.
-    unsafe { _mm256_loadu_ps(p) }
+/// 8 weights as f32 (exact), for each dense element type.
+trait Load8: Copy {
+    /// Loads 8 values at `p` as f32.
+    ///
+    /// # Safety
+    /// 8 values must be readable at `p`; the CPU must support AVX2.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// The value as f32 (for the tail).
+    fn to_f32(self) -> f32;
 }
 
-/// Loads 8 bf16 weights (raw bits) as f32: zero-extend and shift into the high half (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn load_bf16(p: *const u16) -> __m256 {
-    // SAFETY: the caller guarantees 8 readable values (16 bytes) at p.
-    unsafe {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+impl Load8 for f32 {
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable values at p.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl Load8 for u16 {
+    /// bf16 bits: zero-extended and shifted into the high half (exact).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable values (16 bytes) at p.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        }
+    }
+    fn to_f32(self) -> f32 {
+        crate::dot::bf16_to_f32(self)
     }
 }
 
@@ -51,39 +71,43 @@ fn prefetch_ahead<T>(p: *const T, len: usize) {
     }
 }
 
-/// The dot contract over weights read by `$load` from `$w` (a slice) and f32 `$x`; `$get` converts one weight for
-/// the zero-padded tail.
-macro_rules! dot_body {
-    ($w:expr, $x:expr, $load:ident, $get:expr) => {{
-        let (w, x) = ($w, $x);
-        let n = w.len().min(x.len());
-        let full = n / BLOCK * BLOCK;
-        let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        let (mut a0, mut a1, mut a2, mut a3) = (
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-        );
-        let mut b = 0;
-        while b < full {
-            prefetch_ahead(wp.wrapping_add(b), BLOCK * size_of_val(&w[0]));
-            // SAFETY: b + 32 <= full <= n for both slices.
+/// `R` neighbouring rows of the dot contract ([`crate::dot`]) against one input, sharing its loads: the whole
+/// blocks of 32 into four 8-lane accumulators a row, then each row's zero-padded tail into its accumulator 0 and the
+/// contract's reduction. The rows are prefetched as one stream in address order (row `r + 1` starts where row `r`
+/// ends), as the AVX-512 kernels do.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; every row is as long as `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f32; R] {
+    let n = rows.iter().fold(x.len(), |n, w| n.min(w.len()));
+    let full = n / BLOCK * BLOCK;
+    let (p0, xp) = (rows[0].as_ptr(), x.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut b = 0;
+    while b < full {
+        prefetch_ahead(p0.wrapping_add(R * b), R * BLOCK * size_of::<W>());
+        for k in 0..4 {
+            // SAFETY: b + 32 <= full <= n for the input and every row.
             unsafe {
-                a0 = _mm256_fmadd_ps($load(wp.add(b)), _mm256_loadu_ps(xp.add(b)), a0);
-                a1 = _mm256_fmadd_ps($load(wp.add(b + 8)), _mm256_loadu_ps(xp.add(b + 8)), a1);
-                a2 = _mm256_fmadd_ps($load(wp.add(b + 16)), _mm256_loadu_ps(xp.add(b + 16)), a2);
-                a3 = _mm256_fmadd_ps($load(wp.add(b + 24)), _mm256_loadu_ps(xp.add(b + 24)), a3);
+                let xv = _mm256_loadu_ps(xp.add(b + 8 * k));
+                for (a, w) in acc.iter_mut().zip(&rows) {
+                    a[k] = _mm256_fmadd_ps(W::load8(w.as_ptr().add(b + 8 * k)), xv, a[k]);
+                }
             }
-            b += BLOCK;
         }
+        b += BLOCK;
+    }
+    let mut out = [0.0f32; R];
+    for ((o, [mut a0, a1, a2, a3]), w) in out.iter_mut().zip(acc).zip(&rows) {
         let mut c = full;
         while c < n {
             // Zero-padded chunk of 8 into accumulator 0, as in the contract.
             let mut wb = [0.0f32; LANES];
             let mut xb = [0.0f32; LANES];
             for l in 0..LANES.min(n - c) {
-                wb[l] = $get(w[c + l]);
+                wb[l] = w[c + l].to_f32();
                 xb[l] = x[c + l];
             }
             // SAFETY: both buffers hold 8 f32.
@@ -96,8 +120,9 @@ macro_rules! dot_body {
             }
             c += LANES;
         }
-        reduce(a0, a1, a2, a3)
-    }};
+        *o = reduce(a0, a1, a2, a3);
+    }
+    out
 }
 
 /// AVX2 twin of [`crate::dot::dot_f32_ref`].
@@ -106,7 +131,8 @@ macro_rules! dot_body {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
-    dot_body!(w, x, load_f32, |v: f32| v)
+    // SAFETY: forwarded from the caller; one row.
+    unsafe { dense_rows([w], x)[0] }
 }
 
 /// AVX2 twin of [`crate::dot::dot_bf16_ref`].
@@ -115,7 +141,28 @@ pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    dot_body!(w, x, load_bf16, crate::dot::bf16_to_f32)
+    // SAFETY: forwarded from the caller; one row.
+    unsafe { dense_rows([w], x)[0] }
+}
+
+/// Two neighbouring f32 rows against one input, each bit-identical to [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { dense_rows([w0, w1], x) }
+}
+
+/// Two neighbouring bf16 rows against one input, each bit-identical to [`crate::dot::dot_bf16_ref`].
+///
+/// # Safety
+/// As [`dot_f32_x2`].
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { dense_rows([w0, w1], x) }
 }
 
 /// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, two
