@@ -1,4 +1,7 @@
-//! AVX2/FMA kernels (x86-64-v3). Each follows the contract in [`crate::dot`] exactly.
+//! AVX2/FMA kernels (x86-64-v3). Each follows its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16
+//! rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and [`crate::mxfp4_i16_contract`] for
+//! MXFP4 rows, [`crate::quantise`] for the int16 quantisation. The dense and int8 kernels take two neighbouring rows
+//! per call and, like the AVX-512 ones, prefetch the weights ahead as one stream in address order.
 
 use std::arch::x86_64::*;
 
