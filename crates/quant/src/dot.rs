@@ -75,6 +75,25 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
+/// A dense weight element (f32, or bf16 as raw `u16` bits) and its exact f32 value; the SIMD kernels' loaders build
+/// on it and use it for a row's zero-padded tail.
+pub(crate) trait DenseWeight: Copy {
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+}
+
+impl DenseWeight for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl DenseWeight for u16 {
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self)
+    }
+}
+
 /// `Σ w·x` for f32 weights, on the fastest path this CPU has (bit-identical to [`dot_f32_ref`]).
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]

@@ -25,14 +25,12 @@ fn split(a01: __m512, a23: __m512) -> [__m256; 4] {
 }
 
 /// 16 weights as f32 (exact), for each dense element type.
-trait Load16: Copy {
+trait Load16: crate::dot::DenseWeight {
     /// Loads 16 values at `p` as f32.
     ///
     /// # Safety
     /// 16 values must be readable at `p`; the CPU must support AVX-512F.
     unsafe fn load16(p: *const Self) -> __m512;
-    /// The value as f32 (for the tail).
-    fn to_f32(self) -> f32;
 }
 
 impl Load16 for f32 {
@@ -41,9 +39,6 @@ impl Load16 for f32 {
     unsafe fn load16(p: *const Self) -> __m512 {
         // SAFETY: the caller guarantees 16 readable values.
         unsafe { _mm512_loadu_ps(p) }
-    }
-    fn to_f32(self) -> f32 {
-        self
     }
 }
 
@@ -56,9 +51,6 @@ impl Load16 for u16 {
             let h = _mm256_loadu_si256(p as *const __m256i);
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
-    }
-    fn to_f32(self) -> f32 {
-        crate::dot::bf16_to_f32(self)
     }
 }
 

@@ -24,14 +24,12 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
 }
 
 /// 8 weights as f32 (exact), for each dense element type.
-trait Load8: Copy {
+trait Load8: crate::dot::DenseWeight {
     /// Loads 8 values at `p` as f32.
     ///
     /// # Safety
     /// 8 values must be readable at `p`; the CPU must support AVX2.
     unsafe fn load8(p: *const Self) -> __m256;
-    /// The value as f32 (for the tail).
-    fn to_f32(self) -> f32;
 }
 
 impl Load8 for f32 {
@@ -40,9 +38,6 @@ impl Load8 for f32 {
     unsafe fn load8(p: *const Self) -> __m256 {
         // SAFETY: the caller guarantees 8 readable values at p.
         unsafe { _mm256_loadu_ps(p) }
-    }
-    fn to_f32(self) -> f32 {
-        self
     }
 }
 
@@ -56,9 +51,6 @@ impl Load8 for u16 {
             let h = _mm_loadu_si128(p as *const __m128i);
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
         }
-    }
-    fn to_f32(self) -> f32 {
-        crate::dot::bf16_to_f32(self)
     }
 }
 
@@ -421,12 +413,18 @@ pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
     use crate::mxfp4_contract::{CHUNK_BYTES, CHUNK_LANES};
     use crate::mxfp4_i16_contract::{CHUNK_WORDS, E2M1_DOUBLED, PAIR_WORDS};
     use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
-    let mut bytes = [0i8; 32];
-    for (b, &v) in bytes.iter_mut().zip(E2M1_DOUBLED.iter().cycle()) {
-        *b = v as i8;
-    }
-    // SAFETY: `bytes` holds 32 bytes.
-    let table = unsafe { _mm256_loadu_si256(bytes.as_ptr() as *const __m256i) };
+    // The byte table in each 128-bit half, a constant so that it is not rebuilt on every call.
+    const BYTES: [i8; 32] = {
+        let mut bytes = [0i8; 32];
+        let mut i = 0;
+        while i < 32 {
+            bytes[i] = E2M1_DOUBLED[i % 16] as i8;
+            i += 1;
+        }
+        bytes
+    };
+    // SAFETY: `BYTES` holds 32 bytes.
+    let table = unsafe { _mm256_loadu_si256(BYTES.as_ptr() as *const __m256i) };
     let p0 = rows[0].0.as_ptr();
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
     for c in 0..xq.len() / CHUNK_WORDS {
