@@ -9,7 +9,7 @@ use clap::Args;
 /// Arguments of `make-synthetic`.
 #[derive(Args, Debug)]
 pub struct SyntheticArgs {
-    /// Preset: demo, demo-cyclic, large, large-cyclic.
+    /// Preset: demo, demo-cyclic, large, large-cyclic, k3 (the released K3 text configuration at full size).
     #[arg(long)]
     preset: String,
     /// Output directory.
@@ -24,6 +24,10 @@ pub struct SyntheticArgs {
     /// Override the seed.
     #[arg(long)]
     seed: Option<u64>,
+    /// Leave the large matrices (all but router, embedding and head) and every expert as file holes: full
+    /// apparent size, a few GB on disk; for memory, open time and compute, not disk.
+    #[arg(long)]
+    sparse: bool,
 }
 
 /// Writes the model and reports its size.
@@ -45,13 +49,19 @@ pub fn run(args: SyntheticArgs) -> anyhow::Result<()> {
     if let Some(s) = args.seed {
         p.seed = s;
     }
+    p.sparse = args.sparse;
     let started = Instant::now();
     let bytes = deltafin_synth::write_model(&p, &args.out)
         .with_context(|| format!("writing {}", args.out.display()))?;
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "wrote {} ({:.2} GB of tensors, {:.2} GB of experts, {} bytes per expert, top-{}) in {secs:.1} s ({:.2} GB/s)",
+        "wrote {}{} ({:.2} GB of tensors, {:.2} GB of experts, {} bytes per expert, top-{}) in {secs:.1} s ({:.2} GB/s)",
         args.out.display(),
+        if p.sparse {
+            " (sparse: large matrices are holes)"
+        } else {
+            ""
+        },
         bytes as f64 / 1e9,
         p.total_expert_bytes() as f64 / 1e9,
         p.expert_bytes(),

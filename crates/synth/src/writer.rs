@@ -2,7 +2,7 @@
 //! the tokenizer. Every file is written to a temporary name and renamed, so a crash leaves no half file behind.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use rand::{Rng, RngExt, SeedableRng};
@@ -18,10 +18,13 @@ const TOKENIZER_CONFIG: &[u8] =
     include_bytes!("../../../tests/fixtures/k3/k3-tiny-a/tokenizer_config.json");
 /// Mergeable ranks of that tokenizer; the vocabulary adds 256 special slots.
 const N_RANKS: usize = 556;
-const VOCAB: usize = N_RANKS + 256;
 const BOS: usize = N_RANKS;
 const EOS: usize = N_RANKS + 2;
-const PAD: usize = VOCAB - 1;
+const PAD: usize = crate::params::TOY_VOCAB - 1;
+/// Random tensors larger than this are generated in pieces on every core (each piece seeded by its index).
+const PIECE_BYTES: usize = 64 << 20;
+/// In a sparse model, bf16 matrices with at least this many values are holes (except router, embedding, head).
+const SPARSE_MIN_VALUES: usize = 1 << 22;
 
 /// Experts generated in parallel before being written in order.
 const EXPERT_BATCH: usize = 16;
@@ -63,6 +66,8 @@ enum Gen {
     Bytes(Vec<u8>),
     /// One whole expert: six tensors back to back.
     Expert(Vec<Spec>),
+    /// Zeros left as a file hole (sparse models): nothing is written.
+    Hole,
 }
 
 #[derive(Clone, Debug)]
@@ -119,6 +124,7 @@ fn generate(fill: &Gen, len: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
             })
             .collect(),
         Gen::Bytes(b) => b.clone(),
+        Gen::Hole => vec![0; len],
         Gen::Expert(parts) => {
             let mut v = Vec::with_capacity(len);
             for part in parts {
@@ -277,6 +283,9 @@ fn layer_specs(p: &SynthParams, l: usize) -> Vec<Spec> {
     if p.cycle > 0 {
         quiet_outputs(&mut v);
     }
+    if p.sparse {
+        make_sparse(&mut v);
+    }
     v.sort_by(|a, b| a.name.cmp(&b.name));
     v
 }
@@ -299,7 +308,50 @@ fn quiet_outputs(specs: &mut [Spec]) {
     }
 }
 
-/// One expert of layer `l`: its six tensors in storage order, as one spec.
+/// Whether a spec is all hole (a hole, or an expert whose parts all are).
+fn is_hole(s: &Spec) -> bool {
+    match &s.fill {
+        Gen::Hole => true,
+        Gen::Expert(parts) => parts.iter().all(is_hole),
+        _ => false,
+    }
+}
+
+/// A spec's bytes: in one piece, or for a large random bf16 tensor in pieces of [`PIECE_BYTES`] generated on every
+/// core, each from its own seed (so the bytes do not depend on the thread count).
+fn generate_spec(seed: u64, s: &Spec) -> Vec<Vec<u8>> {
+    let base = seed_of(seed, &s.name);
+    if s.len <= PIECE_BYTES || !matches!(s.fill, Gen::Bf16 { .. }) {
+        let mut rng = ChaCha8Rng::seed_from_u64(base);
+        return vec![generate(&s.fill, s.len, &mut rng)];
+    }
+    let pieces: Vec<(usize, usize)> = (0..s.len)
+        .step_by(PIECE_BYTES)
+        .map(|at| (at, PIECE_BYTES.min(s.len - at)))
+        .collect();
+    pieces
+        .par_iter()
+        .map(|&(at, len)| {
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(base ^ (at as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            generate(&s.fill, len, &mut rng)
+        })
+        .collect()
+}
+
+/// In a sparse model: every large matrix except the router, the embedding and the head becomes a hole.
+fn make_sparse(specs: &mut [Spec]) {
+    for s in specs.iter_mut() {
+        let keep = s.name.ends_with("gate.weight") && s.name.contains("block_sparse_moe")
+            || s.name.ends_with("embed_tokens.weight")
+            || s.name.ends_with("lm_head.weight");
+        if !keep && matches!(s.fill, Gen::Bf16 { .. }) && s.len / 2 >= SPARSE_MIN_VALUES {
+            s.fill = Gen::Hole;
+        }
+    }
+}
+
+/// One expert of layer `l`: its six tensors in storage order, as one spec (a hole in a sparse model).
 fn expert_spec(p: &SynthParams, l: usize, e: usize) -> Spec {
     let (lat, inn) = (p.latent, p.moe_inter);
     let pre = format!("language_model.model.layers.{l}.block_sparse_moe.experts.{e}");
@@ -322,11 +374,17 @@ fn expert_spec(p: &SynthParams, l: usize, e: usize) -> Spec {
             },
         });
     }
+    let len = parts.iter().map(|x| x.len).sum();
+    if p.sparse {
+        for part in &mut parts {
+            part.fill = Gen::Hole;
+        }
+    }
     Spec {
         name: pre,
         dtype: "U8",
         shape: Vec::new(),
-        len: parts.iter().map(|x| x.len).sum(),
+        len,
         fill: Gen::Expert(parts),
     }
 }
@@ -370,11 +428,22 @@ fn write_shard(path: &Path, seed: u64, specs: &[Spec], experts: &[Spec]) -> Resu
         .map_err(io_err(&tmp))?;
     w.write_all(&json).map_err(io_err(&tmp))?;
     for s in specs {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed_of(seed, &s.name));
-        w.write_all(&generate(&s.fill, s.len, &mut rng))
-            .map_err(io_err(&tmp))?;
+        if is_hole(s) {
+            w.seek(SeekFrom::Current(s.len as i64))
+                .map_err(io_err(&tmp))?;
+            continue;
+        }
+        for piece in generate_spec(seed, s) {
+            w.write_all(&piece).map_err(io_err(&tmp))?;
+        }
     }
     for batch in experts.chunks(EXPERT_BATCH) {
+        if batch.iter().all(is_hole) {
+            let len: usize = batch.iter().map(|s| s.len).sum();
+            w.seek(SeekFrom::Current(len as i64))
+                .map_err(io_err(&tmp))?;
+            continue;
+        }
         let bufs: Vec<Vec<u8>> = batch
             .par_iter()
             .map(|s| {
@@ -387,7 +456,11 @@ fn write_shard(path: &Path, seed: u64, specs: &[Spec], experts: &[Spec]) -> Resu
         }
     }
     w.flush().map_err(io_err(&tmp))?;
-    drop(w);
+    let file = w.into_inner().map_err(|e| io_err(&tmp)(e.into_error()))?;
+    // A hole at the end is not written: the length makes it.
+    file.set_len((8 + json.len() + offset) as u64)
+        .map_err(io_err(&tmp))?;
+    drop(file);
     std::fs::rename(&tmp, path).map_err(io_err(path))?;
     Ok(offset as u64)
 }
@@ -404,16 +477,17 @@ fn cyclic_head(p: &SynthParams, specs: &mut [Spec]) {
     else {
         return;
     };
-    let mut rng = ChaCha8Rng::seed_from_u64(seed_of(p.seed, &embed.name));
-    let emb: Vec<f32> = generate(&embed.fill, embed.len, &mut rng)
+    let emb: Vec<f32> = generate_spec(p.seed, embed)
+        .concat()
         .chunks_exact(2)
         .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
         .collect();
     let k = p.cycle;
+    let vocab = p.vocab;
     let mut head = Vec::with_capacity(embed.len);
-    for j in 0..VOCAB {
+    for j in 0..vocab {
         let base = j / k * k;
-        let prev = (base + (j - base + k - 1) % k).min(VOCAB - 1);
+        let prev = (base + (j - base + k - 1) % k).min(vocab - 1);
         for d in 0..h {
             head.extend(half::bf16::from_f32(HEAD_GAIN * emb[prev * h + d]).to_le_bytes());
         }
@@ -441,7 +515,7 @@ fn config(p: &SynthParams) -> Value {
             "model_type": "kimi_linear",
             "hidden_size": p.hidden,
             "num_hidden_layers": p.layers,
-            "vocab_size": VOCAB,
+            "vocab_size": p.vocab,
             "intermediate_size": p.dense_inter,
             "hidden_act": "situ",
             "activation_situ_beta": 4.0,
@@ -492,9 +566,10 @@ pub fn write_model(p: &SynthParams, out: &Path) -> Result<u64> {
         || p.top_k == 0
         || p.top_k > p.experts
         || p.layers < 2
+        || p.vocab < crate::params::TOY_VOCAB
     {
         return Err(SynthError::Params(
-            "latent and moe_inter must be multiples of 32, 0 < top_k <= experts, layers >= 2"
+            "latent and moe_inter must be multiples of 32, 0 < top_k <= experts, layers >= 2, vocab >= 812"
                 .to_string(),
         ));
     }
@@ -522,10 +597,10 @@ pub fn write_model(p: &SynthParams, out: &Path) -> Result<u64> {
     let mut last = vec![
         bf16_matrix(
             "language_model.model.embed_tokens.weight".to_string(),
-            VOCAB,
+            p.vocab,
             h,
         ),
-        bf16_matrix("language_model.lm_head.weight".to_string(), VOCAB, h),
+        bf16_matrix("language_model.lm_head.weight".to_string(), p.vocab, h),
         bf16_norm("language_model.model.norm.weight".to_string(), h),
     ];
     last.extend(res_pair("language_model.model.output_attn".to_string(), h));
