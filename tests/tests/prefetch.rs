@@ -85,15 +85,3 @@ fn prefetch_is_bit_identical_and_accounts_for_every_read() {
         );
     }
 }
-
-#[test]
-fn k3_prefetch_setting_is_checked() {
-    // SAFETY of the test: no other test in this binary reads K3_PREFETCH.
-    unsafe { std::env::set_var("K3_PREFETCH", "maybe") };
-    let err = EngineOptions::from_env().expect_err("a bad value is an error");
-    assert!(err.to_string().contains("K3_PREFETCH"), "{err}");
-    unsafe { std::env::set_var("K3_PREFETCH", "on") };
-    assert!(EngineOptions::from_env().expect("valid").prefetch);
-    unsafe { std::env::remove_var("K3_PREFETCH") };
-    assert!(!EngineOptions::from_env().expect("valid").prefetch);
-}

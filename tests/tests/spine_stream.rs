@@ -62,6 +62,25 @@ fn outputs(engine: &Engine, ids: &[u32]) -> Outputs {
     }
 }
 
+/// The smallest budget (GiB) that runs `dir` with every layer streamed, as the engine's plan computes it.
+fn least_budget(dir: &Path, spine: SpineMode) -> f64 {
+    let all_streamed = open(dir, PinLayers::None, None, spine);
+    budget_of(all_streamed.memory_plan().committed())
+}
+
+/// `bytes` as GiB for `EngineOptions::ram_gb`, rounded up by a KiB so the conversion back loses nothing.
+fn budget_of(bytes: u64) -> f64 {
+    (bytes + 1024) as f64 / (1u64 << 30) as f64
+}
+
+/// Bytes of one embedding row, which a model with streamed layers reads per token.
+fn embed_row_bytes(engine: &Engine, dir: &Path) -> u64 {
+    let files = ModelFiles::open(dir).expect("files");
+    let name = engine.config().model_tensor("model.embed_tokens.weight");
+    let t = files.get(&name).expect("embedding");
+    t.len / t.shape[0] as u64
+}
+
 fn ids_of(dir: &Path) -> Vec<u32> {
     Golden::load(dir)
         .expect("golden")
@@ -105,13 +124,31 @@ fn streamed_spine_is_bit_identical_to_the_resident_one() {
             .config()
             .n_layers;
         let all: Vec<usize> = (0..n).collect();
-        // Everything streamed: by the pin list, and by a budget of zero under `auto`.
+        // Everything streamed: by the pin list, and by the least budget that can stream under `auto`.
         check(&dir, SpineMode::Bf16, PinLayers::None, None, &all);
-        check(&dir, SpineMode::Bf16, PinLayers::Auto, Some(0.0), &all);
-        // Some layers pinned (first, last, one in the middle), the rest streamed.
+        // At that budget `auto` streams a suffix of the layers (pinning a large first layer can pay for itself by
+        // shrinking the streaming buffers, so the suffix may start past layer 0).
+        let least = least_budget(&dir, SpineMode::Bf16);
+        let auto = open(&dir, PinLayers::Auto, Some(least), SpineMode::Bf16);
+        let streamed = auto.streamed_layers().to_vec();
+        assert!(
+            !streamed.is_empty()
+                && streamed.ends_with(&[n - 1])
+                && streamed.windows(2).all(|w| w[1] == w[0] + 1),
+            "{name}: {streamed:?}"
+        );
+        assert!(auto.memory_plan().committed() <= auto.memory_budget());
+        check(
+            &dir,
+            SpineMode::Bf16,
+            PinLayers::Auto,
+            Some(least),
+            &streamed,
+        );
+        // Some layers pinned (first, last, one in the middle), the rest streamed, whatever the budget.
         let pins = PinLayers::Ranges(vec![0..=0, 2..=2, n - 1..=n - 1]);
         let rest: Vec<usize> = (0..n).filter(|l| ![0, 2, n - 1].contains(l)).collect();
-        check(&dir, SpineMode::Bf16, pins, Some(0.0), &rest);
+        check(&dir, SpineMode::Bf16, pins, Some(least), &rest);
         check(&dir, SpineMode::Bf16, PinLayers::First(3), None, &all[3..]);
     }
 }
@@ -121,14 +158,24 @@ fn auto_keeps_the_spine_resident_when_it_fits_and_pins_a_prefix_otherwise() {
     let dir = fixture("k3/k3-tiny-b");
     let roomy = open(&dir, PinLayers::Auto, None, SpineMode::Bf16);
     assert!(roomy.streamed_layers().is_empty());
-    let layer_bytes = roomy.layer_spine_bytes().to_vec();
-    let fixed = roomy.spine_bytes() - layer_bytes.iter().sum::<u64>();
-    // Room for the fixed part and the first two layers only.
-    let budget = fixed + layer_bytes[0] + layer_bytes[1];
-    let gib = budget as f64 / (1u64 << 30) as f64;
-    let tight = open(&dir, PinLayers::Auto, Some(gib), SpineMode::Bf16);
-    let streamed: Vec<usize> = (2..layer_bytes.len()).collect();
+    let n = roomy.config().n_layers;
+    // Room for the first two layers pinned and the rest streamed, by the engine's own plan of that.
+    let two = open(&dir, PinLayers::First(2), None, SpineMode::Bf16);
+    let three = open(&dir, PinLayers::First(3), None, SpineMode::Bf16);
+    let budget = two.memory_plan().committed();
+    assert!(
+        three.memory_plan().committed() > budget,
+        "the third layer costs more than the streaming it saves"
+    );
+    let tight = open(
+        &dir,
+        PinLayers::Auto,
+        Some(budget_of(budget)),
+        SpineMode::Bf16,
+    );
+    let streamed: Vec<usize> = (2..n).collect();
     assert_eq!(tight.streamed_layers(), streamed);
+    assert!(tight.memory_plan().committed() <= tight.memory_budget());
     let ids = ids_of(&dir);
     assert_eq!(outputs(&tight, &ids), outputs(&roomy, &ids));
 }
@@ -138,8 +185,9 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
     for name in ["k3/k3-tiny-a", "k3/k3-tiny-b"] {
         let dir = fixture(name);
         let pins = PinLayers::Ranges(vec![1..=1, 4..=4]);
-        let engine = open(&dir, pins, Some(0.0), SpineMode::Bf16);
+        let engine = open(&dir, pins, None, SpineMode::Bf16);
         let files = ModelFiles::open(&dir).expect("files");
+        let row = embed_row_bytes(&engine, &dir);
         let cfg = engine.config();
         // Every non-expert tensor of every layer that is not pinned, as stored in the shards.
         let expected: u64 = engine
@@ -163,15 +211,18 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
             s.step(id).expect("step");
             assert_eq!(
                 engine.spine_reads().bytes - before,
-                expected,
-                "{name}: spine bytes read by decode step {t}"
+                expected + row,
+                "{name}: spine bytes read by decode step {t} (the streamed layers and one embedding row)"
             );
         }
         // A prefill chunk reads each streamed layer once, however many tokens it holds.
         let chunks = ids.len().div_ceil(engine.options().prefill_chunk) as u64;
         let before = engine.spine_reads().bytes;
         engine.session().prefill(&ids).expect("prefill");
-        assert_eq!(engine.spine_reads().bytes - before, chunks * expected);
+        assert_eq!(
+            engine.spine_reads().bytes - before,
+            chunks * expected + ids.len() as u64 * row
+        );
         assert!(engine.profile().spine_wait > std::time::Duration::ZERO);
     }
 }
@@ -180,24 +231,27 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
 fn streamed_int8_spine_is_bit_identical_to_the_resident_int8_spine() {
     let m = ScratchModel::copy_of(&fixture("k3/k3-tiny-a")).expect("copy");
     convert_spine_int8(&m.dir).expect("convert");
-    let engine = open(&m.dir, PinLayers::None, Some(0.0), SpineMode::Int8);
+    let engine = open(&m.dir, PinLayers::None, None, SpineMode::Int8);
     assert!(engine.spine_is_int8());
     let n = engine.config().n_layers;
     let all: Vec<usize> = (0..n).collect();
-    check(&m.dir, SpineMode::Int8, PinLayers::None, Some(0.0), &all);
+    check(&m.dir, SpineMode::Int8, PinLayers::None, None, &all);
     check(
         &m.dir,
         SpineMode::Int8,
         PinLayers::First(2),
-        Some(0.0),
+        None,
         &all[2..],
     );
     // The bytes served come from the int8 copy: fewer than the shards' bf16 bytes.
     let before = engine.spine_reads().bytes;
     engine.session().step(1).expect("step");
     let read = engine.spine_reads().bytes - before;
-    assert_eq!(read, engine.layer_spine_bytes().iter().sum::<u64>());
-    let bf16 = open(&m.dir, PinLayers::None, Some(0.0), SpineMode::Bf16);
+    assert_eq!(
+        read,
+        engine.layer_spine_bytes().iter().sum::<u64>() + embed_row_bytes(&engine, &m.dir)
+    );
+    let bf16 = open(&m.dir, PinLayers::None, None, SpineMode::Bf16);
     assert!(read < bf16.layer_spine_bytes().iter().sum::<u64>());
 }
 

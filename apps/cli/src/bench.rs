@@ -8,7 +8,9 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use deltafin_model::ProfileSnapshot;
-use deltafin_runtime::{Engine, EngineOptions, GenerateOptions, PinLayers, SpineReadStats};
+use deltafin_runtime::{DevicePref, Engine, GenerateOptions, SpineReadStats};
+
+use crate::engine_args::EngineArgs;
 use serde::Serialize;
 
 /// Arguments of `deltafin bench-decode`.
@@ -20,23 +22,11 @@ pub struct BenchArgs {
     /// Tokens to decode.
     #[arg(long, default_value_t = 8)]
     tokens: usize,
-    /// RAM for weights (resident spine, then the expert cache), in GiB.
-    #[arg(long)]
-    ram_gb: Option<f64>,
-    /// Decoder layers kept in RAM (auto, all, none, N, or ranges); the rest are streamed.
-    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
-    pin_layers: String,
-    /// Look-ahead expert prefetch.
-    #[arg(long, default_value = "off", value_parser = crate::run::parse_on_off, action = clap::ArgAction::Set)]
-    prefetch: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
-    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded
-    /// as the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2).
-    #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
-    expert_input: deltafin_model::ExpertInput,
 }
 
 #[derive(Serialize)]
@@ -57,6 +47,8 @@ struct Report {
     expert_bytes: u64,
     spine_bytes: u64,
     peak_rss_bytes: u64,
+    /// The engine's memory budget.
+    budget_bytes: u64,
     expert_wait_s: f64,
     expert_compute_s: f64,
     attention_s: f64,
@@ -81,8 +73,8 @@ fn proc_read_bytes() -> u64 {
         .unwrap_or(0)
 }
 
-/// `VmHWM` of `/proc/self/status`, in bytes.
-fn peak_rss() -> u64 {
+/// `VmHWM` of `/proc/self/status` (the peak resident set), in bytes; `None` where there is no such file.
+pub fn peak_rss() -> Option<u64> {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|t| {
@@ -91,7 +83,7 @@ fn peak_rss() -> u64 {
                     .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
             })
         })
-        .map_or(0, |kb| kb * 1024)
+        .map(|kb| kb * 1024)
 }
 
 /// The prefetch counters (zero when prefetch is off).
@@ -100,14 +92,8 @@ fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
 }
 
 /// Runs `deltafin bench-decode`.
-pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let options = EngineOptions {
-        ram_gb: args.ram_gb,
-        ..EngineOptions::default()
-    }
-    .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
-    .with_prefetch(args.prefetch)
-    .with_expert_input(args.expert_input);
+pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
+    let options = args.engine.options(dev)?;
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
@@ -169,7 +155,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         cache_budget_bytes: stats.cache.budget,
         expert_bytes,
         spine_bytes: engine.spine_bytes(),
-        peak_rss_bytes: peak_rss(),
+        peak_rss_bytes: peak_rss().unwrap_or(0),
+        budget_bytes: engine.memory_budget(),
         expert_wait_s: p.expert_wait.as_secs_f64(),
         expert_compute_s: p.expert_compute.as_secs_f64(),
         attention_s: p.attention.as_secs_f64(),

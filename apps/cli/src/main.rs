@@ -5,6 +5,7 @@
 
 mod bench;
 mod demo;
+mod engine_args;
 mod ids;
 mod nll;
 mod out;
@@ -21,9 +22,10 @@ use deltafin_runtime::DevicePref;
 #[derive(Parser, Debug)]
 #[command(name = "deltafin", version, about)]
 struct Cli {
-    /// Where the model runs: cpu, cuda, or auto (CUDA when this build has it and a GPU is usable, else the CPU).
-    #[arg(long, global = true, env = "K3_DEV", default_value = "auto", value_parser = parse_dev)]
-    dev: DevicePref,
+    /// Where the model runs: cpu, cuda, or auto (CUDA when this build has it and a GPU is usable, else the CPU)
+    /// [K3_DEV; default cpu].
+    #[arg(long, global = true, value_parser = parse_dev)]
+    dev: Option<DevicePref>,
     #[command(subcommand)]
     command: Command,
 }
@@ -63,17 +65,14 @@ fn main() -> std::process::ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
-    // The engine reads its device from K3_DEV (EngineOptions::default), so the flag is handed on that way.
-    // SAFETY: still single-threaded here: nothing has started a thread yet (the log subscriber starts none).
-    unsafe { std::env::set_var("K3_DEV", cli.dev.to_string()) };
+    let dev = cli.dev;
     let result = match cli.command {
-        Command::Run(a) => run::run(a),
-        Command::Nll(a) => nll::run(a),
-        Command::BenchDecode(a) => bench::run(a),
+        Command::Run(a) => run::run(a, dev),
+        Command::Nll(a) => nll::run(a, dev),
+        Command::BenchDecode(a) => bench::run(a, dev),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Setup(a) => setup::run(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(a, dev),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

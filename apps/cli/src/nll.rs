@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use deltafin_runtime::{Engine, EngineOptions, PinLayers, SpineMode};
+use deltafin_runtime::{DevicePref, Engine};
+
+use crate::engine_args::EngineArgs;
 use serde::Serialize;
 
 use crate::ids::parse_ids;
@@ -33,17 +35,8 @@ pub struct NllArgs {
     /// Print one JSON object (the only output format).
     #[arg(long)]
     json: bool,
-    /// Spine precision: bf16, int8 or auto.
-    #[arg(long, env = "K3_SPINE", default_value = "auto")]
-    spine: String,
-    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92.
-    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
-    pin_layers: String,
-    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded
-    /// as the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2).
-    #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
-    expert_input: deltafin_model::ExpertInput,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 #[derive(Serialize)]
@@ -56,15 +49,12 @@ struct NllReport {
 }
 
 /// Runs `deltafin nll`.
-pub fn run(args: NllArgs) -> anyhow::Result<()> {
+pub fn run(args: NllArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     if !args.json {
         bail!("nll prints JSON only: pass --json");
     }
     let ids = parse_ids(&args.ids)?;
-    let options = EngineOptions::default()
-        .with_spine(SpineMode::parse(&args.spine)?)
-        .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
-        .with_expert_input(args.expert_input);
+    let options = args.engine.options(dev)?;
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let mut session = engine.session();

@@ -4,9 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use deltafin_runtime::{
-    Engine, EngineOptions, GenerateOptions, PinLayers, SamplingParams, Session,
-};
+use deltafin_runtime::{DevicePref, Engine, GenerateOptions, SamplingParams, Session};
+
+use crate::engine_args::EngineArgs;
 
 use crate::text::{TextMode, TextPrinter};
 use serde::Serialize;
@@ -57,14 +57,11 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// n-gram speculation for greedy decoding (lossless).
-    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
+    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = crate::engine_args::parse_on_off, action = clap::ArgAction::Set)]
     spec: bool,
     /// Draft tokens verified per pass.
     #[arg(long, env = "K3_SPEC_DEPTH", default_value_t = 1)]
     spec_depth: usize,
-    /// Tokens per prefill pass.
-    #[arg(long, env = "K3_PREFILL_CHUNK", default_value_t = deltafin_runtime::DEFAULT_PREFILL_CHUNK)]
-    prefill_chunk: usize,
     /// Restore this snapshot first; the prompt then continues it.
     #[arg(long)]
     load_snapshot: Option<PathBuf>,
@@ -74,28 +71,8 @@ pub struct RunArgs {
     /// Print per-run counters to stderr.
     #[arg(long)]
     stats: bool,
-    /// RAM for weights, in GiB: the resident spine first, the expert cache gets the rest (default: half of
-    /// physical memory).
-    #[arg(long, env = "K3_RAM_GB")]
-    ram_gb: Option<f64>,
-    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92; the rest are
-    /// streamed from disk at every forward pass.
-    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
-    pin_layers: String,
-    /// Look-ahead prefetch: guess the next MoE layer's experts from the current layer's input and start reading
-    /// them early (a wrong guess costs a read; the recall is printed with --stats).
-    #[arg(long, env = "K3_PREFETCH", default_value = "off", value_parser = parse_on_off, action = clap::ArgAction::Set)]
-    prefetch: bool,
-    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded
-    /// as the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2).
-    #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
-    expert_input: deltafin_model::ExpertInput,
-}
-
-/// `on`/`off` (also `1`/`0`, `true`/`false`).
-pub fn parse_on_off(s: &str) -> Result<bool, String> {
-    deltafin_runtime::parse_on_off(s).ok_or_else(|| format!("expected on or off, got `{s}`"))
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 #[derive(Serialize)]
@@ -105,19 +82,12 @@ struct RunReport {
 }
 
 /// Runs `deltafin run`.
-pub fn run(args: RunArgs) -> anyhow::Result<()> {
+pub fn run(args: RunArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let model_dir = match &args.model {
         Some(dir) => dir.clone(),
         None => demo::default_model_dir()?,
     };
-    let options = EngineOptions {
-        ram_gb: args.ram_gb,
-        ..EngineOptions::default()
-    }
-    .with_prefill_chunk(args.prefill_chunk)
-    .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
-    .with_prefetch(args.prefetch)
-    .with_expert_input(args.expert_input);
+    let options = args.engine.options(dev)?;
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     if let Some(missing) = engine.missing_experts() {
@@ -268,4 +238,12 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     );
     eprintln!("expert requests      {}", reads.total_reads());
     eprintln!("prefix reuse         {} tokens", s.reused_tokens);
+    eprintln!("memory budget        {}", engine.memory_plan());
+    if let Some(peak) = crate::bench::peak_rss() {
+        eprintln!(
+            "peak RSS             {:.2} GiB ({:.2}x the budget)",
+            peak as f64 / (1u64 << 30) as f64,
+            peak as f64 / engine.memory_budget() as f64
+        );
+    }
 }

@@ -4,10 +4,11 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use deltafin_runtime::{Engine, EngineOptions, PinLayers};
+use deltafin_runtime::{DevicePref, Engine};
 use deltafin_server::{AppState, ServerConfig};
 
 use crate::demo;
+use crate::engine_args::EngineArgs;
 
 /// Arguments of `deltafin serve`.
 #[derive(Args, Debug)]
@@ -37,39 +38,22 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = deltafin_server::DEFAULT_CHAT_MAX_TOKENS)]
     default_max_tokens: usize,
     /// n-gram speculation for greedy requests (lossless).
-    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = crate::run::parse_on_off)]
+    #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = crate::engine_args::parse_on_off)]
     spec: bool,
     /// Draft tokens verified per pass.
     #[arg(long, env = "K3_SPEC_DEPTH", default_value_t = 1)]
     spec_depth: usize,
-    /// Tokens per prefill pass.
-    #[arg(long, env = "K3_PREFILL_CHUNK", default_value_t = deltafin_runtime::DEFAULT_PREFILL_CHUNK)]
-    prefill_chunk: usize,
-    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92.
-    #[arg(long, env = "K3_PIN_LAYERS", default_value = "auto")]
-    pin_layers: String,
-    /// Look-ahead expert prefetch (off by default: a wrong guess costs a read).
-    #[arg(long, env = "K3_PREFETCH", default_value = "off", value_parser = crate::run::parse_on_off, action = clap::ArgAction::Set)]
-    prefetch: bool,
-    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded
-    /// as the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2).
-    #[arg(long, env = "K3_EXPERT_INPUT", default_value = "f32")]
-    expert_input: deltafin_model::ExpertInput,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 /// Runs `deltafin serve` until Ctrl-C or SIGTERM.
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(args: ServeArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let model_dir = match &args.model {
         Some(dir) => dir.clone(),
         None => demo::default_model_dir()?,
     };
-    let options = EngineOptions::from_env()
-        .context("reading K3_* settings")?
-        .with_prefill_chunk(args.prefill_chunk)
-        .with_pin_layers(PinLayers::parse(&args.pin_layers)?)
-        .with_prefetch(args.prefetch)
-        .with_expert_input(args.expert_input);
+    let options = args.engine.options(dev)?;
     let engine = Engine::open(&model_dir, options)
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {

@@ -233,7 +233,7 @@ fn log_startup(engine: &Engine, config: &ServerConfig) {
         engine.config().n_layers,
         engine.config().vocab_size,
         engine.expert_input(),
-        memory_budget(),
+        memory_budget(engine),
     );
     if let Some(missing) = engine.missing_experts() {
         tracing::warn!(
@@ -248,20 +248,10 @@ fn log_startup(engine: &Engine, config: &ServerConfig) {
     }
 }
 
-/// `K3_RAM_GB` if set, else the memory available now.
-fn memory_budget() -> String {
-    if let Ok(gb) = std::env::var("K3_RAM_GB") {
-        return format!("{gb} GB (K3_RAM_GB)");
-    }
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| {
-            let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(format!(
-                "{:.1} GiB (available memory)",
-                kib as f64 / (1u64 << 20) as f64
-            ))
-        })
-        .unwrap_or_else(|| "unknown".to_owned())
+/// The engine's memory budget, for the start-up line.
+fn memory_budget(engine: &Engine) -> String {
+    format!(
+        "{:.1} GiB",
+        engine.memory_budget() as f64 / (1u64 << 30) as f64
+    )
 }

@@ -1,4 +1,4 @@
-//! Where the graph runs: `K3_DEV` (`cpu`, `cuda`, `auto`) and the size of the GPU expert cache (`K3_GPU_CACHE_GB`).
+//! Where the graph runs (`cpu`, `cuda`, `auto`; the runtime reads `K3_DEV`) and the size of the GPU expert cache.
 //!
 //! `auto` means CUDA when this build has the `cuda` feature and a usable GPU, the CPU otherwise. Asking for `cuda`
 //! where it cannot run is an error that says why.
@@ -52,26 +52,6 @@ pub struct DeviceOptions {
 }
 
 impl DeviceOptions {
-    /// `K3_DEV` (default `cpu`; an unknown value is reported and ignored) and `K3_GPU_CACHE_GB`.
-    pub fn from_env() -> Self {
-        let pref = match std::env::var("K3_DEV") {
-            Ok(v) => v.parse().unwrap_or_else(|e| {
-                tracing::warn!("K3_DEV: {e}; using the CPU");
-                DevicePref::Cpu
-            }),
-            Err(_) => DevicePref::Cpu,
-        };
-        let gpu_cache_bytes = std::env::var("K3_GPU_CACHE_GB")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|gb| *gb > 0.0)
-            .map(|gb| (gb * (1u64 << 30) as f64) as u64);
-        Self {
-            pref,
-            gpu_cache_bytes,
-        }
-    }
-
     /// These options on device `pref`.
     pub fn with_pref(mut self, pref: DevicePref) -> Self {
         self.pref = pref;

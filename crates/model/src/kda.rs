@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
+use rayon::prelude::*;
 
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
@@ -116,16 +117,22 @@ impl Kda {
     }
 
     /// Runs `x` (`[T, hidden]`, already normed) through the layer, advancing `state`.
+    ///
+    /// The new state is written to fresh memory while the old one is read, so the caller's old state (kept for a
+    /// rollback, a snapshot or a speculative pass) is never copied first: the first token's decay reads the old
+    /// matrices and writes the new ones in one pass, and later tokens update the new ones in place.
     pub fn forward(&self, x: &Tensor, state: &mut Arc<KdaState>) -> Result<Tensor> {
         let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
         let c = h * d;
         let t_len = x.dim(0)?;
-        let st = Arc::make_mut(state);
+        let old: &KdaState = state;
+        // The conv windows are small ((K-1) rows of C values each): copied and advanced.
+        let mut conv = old.conv.clone();
 
         // [T, C] each, after conv + SiLU.
         let proj = [&self.q_proj, &self.k_proj, &self.v_proj];
         let mut qkv: Vec<Vec<f32>> = Vec::with_capacity(3);
-        for ((w, window), taps) in proj.iter().zip(st.conv.iter_mut()).zip(&self.conv) {
+        for ((w, window), taps) in proj.iter().zip(conv.iter_mut()).zip(&self.conv) {
             let raw = values(&linear(x, w)?)?;
             qkv.push(causal_conv_silu(&raw, window, taps, c, kern));
         }
@@ -164,24 +171,12 @@ impl Kda {
             l2_normalize(row);
         }
 
-        let device_out = self.recurrence_on_device(&mut st.s, [&q, &k, &v, &g, &beta], t_len)?;
-        let on_device = device_out.is_some();
-        let mut out = device_out.unwrap_or_else(|| vec![0.0f32; t_len * c]);
-        for head in (0..h).filter(|_| !on_device) {
-            let s = &mut st.s[head * d * d..(head + 1) * d * d];
-            for t in 0..t_len {
-                let off = t * c + head * d;
-                delta_rule_step(
-                    s,
-                    &q[off..off + d],
-                    &k[off..off + d],
-                    &v[off..off + d],
-                    &g[off..off + d],
-                    beta[t * h + head],
-                    &mut out[off..off + d],
-                );
-            }
-        }
+        let (s, mut out) =
+            match self.recurrence_on_device(&old.s, [&q, &k, &v, &g, &beta], t_len)? {
+                Some(done) => done,
+                None => recurrence(&old.s, [&q, &k, &v, &g], &beta, t_len, h, d),
+            };
+        *state = Arc::new(KdaState { conv, s });
 
         // Gated per-head RMSNorm.
         let og = values(&match &self.gate {
@@ -199,31 +194,32 @@ impl Kda {
 }
 
 impl Kda {
-    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU). `qkvgb` are q, k, v, the
-    /// log decay and β.
+    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU): the new state and the
+    /// output. `qkvgb` are q, k, v, the log decay and β.
     #[cfg(feature = "cuda")]
     fn recurrence_on_device(
         &self,
-        s: &mut [f32],
+        s_old: &[f32],
         qkvgb: [&[f32]; 5],
         t_len: usize,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         let Some(gpu) = &self.gpu else {
             return Ok(None);
         };
         let [q, k, v, g, beta] = qkvgb;
         let dims = (t_len, self.cfg.n_heads, self.cfg.head_dim);
-        crate::gpu::kda_recurrent(gpu, s, q, k, v, g, beta, dims)
+        let mut s = s_old.to_vec();
+        Ok(crate::gpu::kda_recurrent(gpu, &mut s, q, k, v, g, beta, dims)?.map(|out| (s, out)))
     }
 
     /// Without the `cuda` feature the recurrence always runs on the CPU.
     #[cfg(not(feature = "cuda"))]
     fn recurrence_on_device(
         &self,
-        _s: &mut [f32],
+        _s_old: &[f32],
         _qkvgb: [&[f32]; 5],
         _t_len: usize,
-    ) -> Result<Option<Vec<f32>>> {
+    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         Ok(None)
     }
 }
@@ -282,21 +278,77 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// One step of the delta rule for one head; `s` is `[D_k, D_v]`.
-fn delta_rule_step(
-    s: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: f32,
-    out: &mut [f32],
-) {
-    let d = k.len();
+/// The delta-rule recurrence of every head over `t_len` tokens, heads in parallel: the new states (`[H, D, D]`)
+/// and the outputs (`[T, H·D]`). `qkvg` are `[T, H·D]` each, `beta` is `[T, H]`. The old states are only read.
+fn recurrence(
+    s_old: &[f32],
+    [q, k, v, g]: [&[f32]; 4],
+    beta: &[f32],
+    t_len: usize,
+    h: usize,
+    d: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let c = h * d;
+    // Zeroed memory the kernel hands over untouched; every value is written by the first token's decay.
+    let mut s_new = vec![0.0f32; s_old.len()];
+    let per_head: Vec<Vec<f32>> = s_new
+        .par_chunks_mut(d * d)
+        .zip(s_old.par_chunks(d * d))
+        .enumerate()
+        .map(|(head, (s, s_prev))| {
+            let mut out = vec![0.0f32; t_len * d];
+            for t in 0..t_len {
+                let off = t * c + head * d;
+                let gate = &g[off..off + d];
+                if t == 0 {
+                    decay_from(s, s_prev, gate);
+                } else {
+                    decay(s, gate);
+                }
+                delta_rule_update(
+                    s,
+                    &q[off..off + d],
+                    &k[off..off + d],
+                    &v[off..off + d],
+                    beta[t * h + head],
+                    &mut out[t * d..(t + 1) * d],
+                );
+            }
+            out
+        })
+        .collect();
+    let mut out = vec![0.0f32; t_len * c];
+    for (head, o) in per_head.iter().enumerate() {
+        for t in 0..t_len {
+            out[t * c + head * d..t * c + (head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
+        }
+    }
+    (s_new, out)
+}
+
+/// `s ← s_prev` with row `i` scaled by `exp(g[i])` (the decay of a head's first token, read from the old state).
+fn decay_from(s: &mut [f32], s_prev: &[f32], g: &[f32]) {
+    let d = g.len();
+    for ((row, prev), &gk) in s.chunks_exact_mut(d).zip(s_prev.chunks_exact(d)).zip(g) {
+        let decay = gk.exp();
+        for (x, &p) in row.iter_mut().zip(prev) {
+            *x = p * decay;
+        }
+    }
+}
+
+/// Row `i` of `s` scaled by `exp(g[i])`, in place.
+fn decay(s: &mut [f32], g: &[f32]) {
+    let d = g.len();
     for (row, &gk) in s.chunks_exact_mut(d).zip(g) {
         let decay = gk.exp();
         row.iter_mut().for_each(|x| *x *= decay);
     }
+}
+
+/// The rest of one delta-rule step for one head after the decay; `s` is `[D_k, D_v]`.
+fn delta_rule_update(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, out: &mut [f32]) {
+    let d = k.len();
     // u = Sᵀ k
     let mut u = vec![0.0f32; d];
     for (row, &kk) in s.chunks_exact(d).zip(k) {

@@ -29,7 +29,9 @@ pub enum LogitRows {
 /// [`Model::load_streamed`]); routed experts come from an [`ExpertSource`] per call.
 pub struct Model {
     cfg: ModelConfig,
-    embed: DenseMatrix,
+    /// The embedding in memory, or `None` when it is read by rows from `stream` at every call (a model whose
+    /// spine does not all fit keeps its 163,840 × 7168 table on disk: one row per token is all a call reads).
+    embed: Option<DenseMatrix>,
     /// Resident layers; `None` for a layer streamed from `stream` at every forward call.
     layers: Vec<Option<Layer>>,
     /// Indices of the streamed layers, ascending.
@@ -72,9 +74,10 @@ impl Model {
 
     /// Like [`Self::load_on`], but only the layers with `resident[layer] == true` stay in memory; the others are
     /// read from `src` again at every forward call, by a background thread one layer ahead of the compute (at
-    /// most two streamed layers in memory at once). Every layer is still read once here, so a bad or missing
-    /// weight fails at load. The embedding, the final mix and norm and the head stay resident. On CUDA every
-    /// layer stays resident (streaming is CPU-only). `resident` must have one entry per layer.
+    /// most two streamed layers in memory at once). A streamed layer's names and shapes are checked here from the
+    /// source's headers without reading its values. When any layer is streamed the embedding is read by rows at
+    /// every call too; the final mix, norm and head stay resident. On CUDA every layer stays resident (streaming
+    /// is CPU-only). `resident` must have one entry per layer.
     pub fn load_streamed(
         cfg: ModelConfig,
         src: SharedWeightSource,
@@ -155,11 +158,17 @@ impl Model {
         #[cfg(feature = "cuda")]
         let resident = resident.filter(|_| ld.gpu.is_none());
         let keep = |l: usize| resident.is_none_or(|r| r[l]);
+        let streaming = (0..cfg.n_layers).any(|l| !keep(l));
+        let checker = Loader::shapes_only(src);
         let layers = (0..cfg.n_layers)
             .map(|l| {
-                // A streamed layer is read once here too, so its shapes are checked at open.
-                let layer = Layer::load(&ld, &cfg, l)?;
-                Ok(keep(l).then_some(layer))
+                if keep(l) {
+                    return Layer::load(&ld, &cfg, l).map(Some);
+                }
+                // A streamed layer's names and shapes are checked here from the headers, reading nothing; its
+                // values are read at every forward call.
+                Layer::load(&checker, &cfg, l)?;
+                Ok(None)
             })
             .collect::<Result<Vec<_>>>()?;
         let streamed = (0..cfg.n_layers).filter(|&l| !keep(l)).collect();
@@ -173,7 +182,12 @@ impl Model {
             None => None,
         };
         Ok(Self {
-            embed: ld.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?,
+            embed: if streaming {
+                checker.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?;
+                None
+            } else {
+                Some(ld.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?)
+            },
             norm: ld.vec(&cfg.model_tensor("model.norm.weight"), &[h])?,
             head: ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?,
             layers,
@@ -187,6 +201,33 @@ impl Model {
             #[cfg(feature = "cuda")]
             gpu: ld.gpu.clone(),
         })
+    }
+
+    /// The embedding rows of `ids` (`[T, hidden]`), from memory or read from the spine source.
+    fn embed_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(m) = &self.embed {
+            return Ok(ids.iter().flat_map(|&id| m.row_f32(id as usize)).collect());
+        }
+        let name = self.cfg.model_tensor("model.embed_tokens.weight");
+        let src = self
+            .stream
+            .as_deref()
+            .ok_or_else(|| ModelError::SpineStream {
+                layer: 0,
+                msg: "the embedding is not resident and there is no source to read it from"
+                    .to_string(),
+            })?;
+        let rows: Vec<usize> = ids.iter().map(|&id| id as usize).collect();
+        let v = src
+            .rows_f32(&name, &rows)?
+            .ok_or_else(|| ModelError::MissingWeight(name.clone()))?;
+        if v.len() != ids.len() * self.cfg.hidden_size {
+            return Err(ModelError::BadWeight {
+                name,
+                msg: format!("{} values for {} rows", v.len(), ids.len()),
+            });
+        }
+        Ok(v)
     }
 
     /// The configuration the model was built from.
@@ -252,10 +293,7 @@ impl Model {
             return Err(ModelError::TokenOutOfRange { id, vocab });
         }
         let hidden = self.cfg.hidden_size;
-        let rows: Vec<f32> = ids
-            .iter()
-            .flat_map(|&id| self.embed.row_f32(id as usize))
-            .collect();
+        let rows = self.embed_rows(ids)?;
         let mut p = tensor(rows, ids.len(), hidden)?; // [T, hidden]
         let mut bank = ResidualBank::default();
         // Work on a copy so a failed call leaves `state` untouched.

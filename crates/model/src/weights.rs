@@ -57,6 +57,36 @@ pub trait WeightSource {
     fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
         Ok(self.load(name)?.map(|t| t.shape))
     }
+
+    /// Rows `rows` of the 2-D tensor `name` as f32 (`[rows.len(), cols]`, row-major), or `None` when the
+    /// checkpoint has no such tensor. The default loads the whole tensor; sources over files override it to read
+    /// only those rows (how the embedding is read when it is not kept in memory).
+    fn rows_f32(&self, name: &str, rows: &[usize]) -> Result<Option<Vec<f32>>> {
+        let Some(t) = self.load(name)? else {
+            return Ok(None);
+        };
+        let [n, cols] = t.shape[..] else {
+            return Err(ModelError::BadWeight {
+                name: name.to_string(),
+                msg: format!("rows of a tensor of shape {:?}", t.shape),
+            });
+        };
+        let m = DenseMatrix::new(n, cols, t.data).map_err(|e| ModelError::BadWeight {
+            name: name.to_string(),
+            msg: e.to_string(),
+        })?;
+        let mut out = Vec::with_capacity(rows.len() * cols);
+        for &r in rows {
+            if r >= n {
+                return Err(ModelError::BadWeight {
+                    name: name.to_string(),
+                    msg: format!("row {r} of {n}"),
+                });
+            }
+            out.extend(m.row_f32(r));
+        }
+        Ok(Some(out))
+    }
 }
 
 /// A weight source a background thread can read from: how a streamed spine reaches the model (see
@@ -193,6 +223,10 @@ pub trait ExpertSource: Send + Sync {
 /// Loads weights with shape checks, naming the tensor in every error.
 pub(crate) struct Loader<'a> {
     pub src: &'a dyn WeightSource,
+    /// Check names and shapes only: every tensor comes back as zeros of its stored shape, and no values are read
+    /// (how a streamed layer is checked at open without reading it). The zeros are never written, so the memory
+    /// behind them is never touched.
+    shapes_only: bool,
     /// When the model runs on CUDA: every matrix is uploaded as it is loaded.
     #[cfg(feature = "cuda")]
     pub gpu: Option<crate::gpu::GpuHandles>,
@@ -203,13 +237,30 @@ impl<'a> Loader<'a> {
     pub fn new(src: &'a dyn WeightSource) -> Self {
         Self {
             src,
+            shapes_only: false,
             #[cfg(feature = "cuda")]
             gpu: None,
         }
     }
 
+    /// A CPU loader that checks names and shapes but reads no values (see `shapes_only`).
+    pub fn shapes_only(src: &'a dyn WeightSource) -> Self {
+        Self {
+            shapes_only: true,
+            ..Self::new(src)
+        }
+    }
+
     /// The raw tensor, or `MissingWeight`.
     pub fn host(&self, name: &str) -> Result<HostTensor> {
+        if self.shapes_only {
+            let shape = self.shape(name)?;
+            let n = shape.iter().product();
+            return Ok(HostTensor {
+                shape,
+                data: DenseData::F32(vec![0.0; n]),
+            });
+        }
         self.src
             .load(name)?
             .ok_or_else(|| ModelError::MissingWeight(name.to_string()))

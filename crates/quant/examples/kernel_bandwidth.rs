@@ -216,7 +216,7 @@ fn main() {
             let bits = collect_on_huge_pages(
                 (0..r * c).map(|i| u16::from_le_bytes([raw(2 * i), raw(2 * i + 1) & 0x3f])),
             );
-            DenseMatrix::new(r, c, DenseData::Bf16(bits)).expect("shape")
+            DenseMatrix::new(r, c, DenseData::Bf16(bits.into())).expect("shape")
         })
         .collect();
     let int8: Vec<DenseMatrix> = (0..8)
@@ -224,7 +224,15 @@ fn main() {
             let raw = pseudo_random(50 + m);
             let q = collect_on_huge_pages((0..r * c).map(|i| (raw(i) as i8).max(-127)));
             let scales = (0..r).map(|i| 1e-3 * (1 + i % 7) as f32).collect();
-            DenseMatrix::new(r, c, DenseData::Int8 { q, scales }).expect("shape")
+            DenseMatrix::new(
+                r,
+                c,
+                DenseData::Int8 {
+                    q: q.into(),
+                    scales,
+                },
+            )
+            .expect("shape")
         })
         .collect();
     let xs: Vec<f32> = (0..c).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();

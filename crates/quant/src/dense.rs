@@ -15,18 +15,19 @@ use crate::dot::{
 use crate::error::{QuantError, Result};
 use crate::int8_contract::{self, QuantizedInput};
 use crate::pages::huge_page_vec;
+use crate::words::Words;
 
 /// Storage of a dense `[rows, cols]` weight, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub enum DenseData {
     /// f32 values.
     F32(Vec<f32>),
-    /// Raw bf16 bits.
-    Bf16(Vec<u16>),
+    /// Raw bf16 bits (owned, or in place in the buffer they were read into).
+    Bf16(Words<u16>),
     /// Row-wise int8: `w[r, c] = q[r, c] · scales[r]`.
     Int8 {
-        /// Quantised values.
-        q: Vec<i8>,
+        /// Quantised values (owned, or in place in the buffer they were read into).
+        q: Words<i8>,
         /// One scale per row.
         scales: Vec<f32>,
     },
@@ -256,7 +257,10 @@ impl DenseMatrix {
         DenseMatrix {
             rows: self.rows,
             cols: self.cols,
-            data: DenseData::Int8 { q, scales },
+            data: DenseData::Int8 {
+                q: q.into(),
+                scales,
+            },
             #[cfg(feature = "cuda")]
             cuda: Default::default(),
         }

@@ -18,8 +18,10 @@ pub mod mxfp4_i16_contract;
 pub mod pages;
 pub mod quantise;
 pub mod simd;
+pub mod words;
 
 pub use dense::{DenseData, DenseMatrix};
 pub use error::{QuantError, Result};
 pub use mxfp4::{MXFP4_GROUP, Mxfp4Input, Mxfp4Matrix, e2m1_value, e8m0_scale};
 pub use pages::{collect_on_huge_pages, huge_page_vec};
+pub use words::{SharedBytes, Words};

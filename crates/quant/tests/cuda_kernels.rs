@@ -320,7 +320,7 @@ fn dense_gemm_matches_cpu() {
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let bf16s: Vec<u16> = f32s.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-        for data in [DenseData::F32(f32s.clone()), DenseData::Bf16(bf16s)] {
+        for data in [DenseData::F32(f32s.clone()), DenseData::Bf16(bf16s.into())] {
             let m = DenseMatrix::new(rows, cols, data).expect("matrix");
             assert!(m.attach_cuda(&gpu).expect("upload"));
             let x: Vec<f32> = (0..t_len * cols)

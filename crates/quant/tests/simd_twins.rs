@@ -103,7 +103,7 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
     let f32m = DenseMatrix::new(rows, cols, DenseData::F32(w)).expect("shape");
     for m in [
         f32m.clone(),
-        DenseMatrix::new(rows, cols, DenseData::Bf16(wb)).expect("shape"),
+        DenseMatrix::new(rows, cols, DenseData::Bf16(wb.into())).expect("shape"),
         f32m.to_int8(),
     ] {
         let fast = m.gemm(&x, 5).expect("gemm");

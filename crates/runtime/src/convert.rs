@@ -1,20 +1,53 @@
-//! Conversion of stored dense tensors (f32, bf16, f16) to f32.
+//! Conversion of stored dense tensors (f32, bf16, f16, int8) to the precision the engine keeps them in, in place
+//! where the bytes allow.
 
-use deltafin_quant::{DenseData, collect_on_huge_pages};
-use deltafin_storage::Dtype;
+use std::sync::Arc;
+
+use deltafin_quant::{DenseData, SharedBytes, Words, collect_on_huge_pages};
+use deltafin_storage::{Dtype, SpanBytes};
 use half::{bf16, f16};
 
 /// Little-endian bytes of a dense weight in the precision the engine keeps it: bf16 stays bf16 (half the memory
 /// of f32, converted exactly inside the kernels), f32 stays f32, f16 becomes f32. `None` for non-float dtypes.
 pub fn dense_data(bytes: &[u8], dtype: Dtype) -> Option<DenseData> {
     match dtype {
-        Dtype::BF16 => Some(DenseData::Bf16(collect_on_huge_pages(
-            bytes
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]])),
-        ))),
+        Dtype::BF16 => Some(DenseData::Bf16(
+            collect_on_huge_pages(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]])),
+            )
+            .into(),
+        )),
         _ => to_f32(bytes, dtype).map(DenseData::F32),
     }
+}
+
+/// As [`dense_data`], but bf16 bytes are used in place (no copy) when they are aligned: the read buffer then
+/// lives as long as the weight. Misaligned bytes (a checkpoint whose tensors start at odd offsets) are copied.
+pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> {
+    let aligned = (bytes.as_ptr() as usize).is_multiple_of(2) && cfg!(target_endian = "little");
+    if dtype == Dtype::BF16 && aligned {
+        let n = bytes.len() / 2;
+        let owner: SharedBytes = Arc::new(bytes);
+        // Cannot fail: aligned, little-endian and in range were checked above.
+        return Words::<u16>::in_place(owner, 0, n).map(DenseData::Bf16);
+    }
+    dense_data(&bytes, dtype)
+}
+
+/// int8 values stored in `bytes`, in place on little-endian machines (one-byte elements are always aligned),
+/// else copied.
+pub fn int8_in_place(bytes: SpanBytes) -> Words<i8> {
+    if cfg!(target_endian = "little") {
+        let n = bytes.len();
+        let owner: SharedBytes = Arc::new(bytes);
+        if let Some(w) = Words::<i8>::in_place(owner, 0, n) {
+            return w;
+        }
+        return Vec::new().into();
+    }
+    bytes.iter().map(|&b| b as i8).collect::<Vec<_>>().into()
 }
 
 /// Little-endian bytes of `dtype` as f32 values, or `None` for a dtype that is not a float.

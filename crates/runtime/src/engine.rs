@@ -4,179 +4,32 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use deltafin_model::tokenizer::Tokenizer;
-use deltafin_model::{DeviceOptions, DevicePref, ExpertInput, ExpertSource, Model, ModelConfig};
+use deltafin_model::{ExpertInput, ExpertSource, Model, ModelConfig};
 use deltafin_storage::{
-    ExpertFormat, ExpertMap, HubOptions, Missing, ModelFiles, NoProgress, ReadPoolOptions,
-    SpanReader, StreamInstall, is_stream_install,
+    ExpertFormat, ExpertMap, Missing, ModelFiles, NoProgress, ReadPoolOptions, SpanReader,
+    StreamInstall, is_stream_install,
 };
 
+use crate::budget::{self, MemoryPlan, PlanInputs};
 use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
-use crate::pinning::PinLayers;
+use crate::options::EngineOptions;
 use crate::session::Session;
-use crate::sources::{ExpertStats, ExpertStore};
-use crate::spine::{SpineMode, SpineReadStats, SpineSource};
+use crate::sources::{ExpertStats, ExpertStore, READ_WINDOW};
+use crate::spine::{SpineReadStats, SpineSource};
 
 /// The tokenizer's rank file in a model directory.
 const TOKENIZER_FILE: &str = "tiktoken.model";
 
-/// Default prefill chunk: tokens per pass, so each expert a chunk needs is read once per layer.
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
-
-/// Options for [`Engine::open`].
-#[derive(Clone, Debug)]
-pub struct EngineOptions {
-    /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, default 64).
-    pub prefill_chunk: usize,
-    /// Spine precision (`K3_SPINE`: bf16, int8, auto).
-    pub spine: SpineMode,
-    /// RAM for weights, in GiB: the resident spine first, the expert cache gets the rest. `None` means
-    /// `K3_RAM_GB`, else half of physical memory.
-    pub ram_gb: Option<f64>,
-    /// Which decoder layers stay in RAM (`K3_PIN_LAYERS`, default `auto`); the others are streamed.
-    pub pin_layers: PinLayers,
-    /// Reader threads (reads in flight) for expert spans; `None` means the read pool's default.
-    pub read_threads: Option<usize>,
-    /// Look-ahead prefetch of the next MoE layer's guessed experts (`K3_PREFETCH`, default off).
-    pub prefetch: bool,
-    /// How routed experts read their inputs on the CPU (`K3_EXPERT_INPUT`: `f32`, the default, matches the f32
-    /// reference; `bf16` rounds them as the reference's native dtype does, with faster MXFP4 kernels on CPUs
-    /// with AVX-512 BF16).
-    pub expert_input: ExpertInput,
-    /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
-    pub hub: HubOptions,
-    /// Where the model runs (`K3_DEV`, default cpu) and the GPU expert cache size (`K3_GPU_CACHE_GB`).
-    pub device: DeviceOptions,
-}
-
-impl Default for EngineOptions {
-    fn default() -> Self {
-        Self {
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
-            spine: SpineMode::Auto,
-            ram_gb: None,
-            pin_layers: PinLayers::Auto,
-            read_threads: None,
-            prefetch: false,
-            expert_input: ExpertInput::F32,
-            hub: HubOptions::default(),
-            device: DeviceOptions::from_env(),
-        }
-    }
-}
-
-impl EngineOptions {
-    /// These options with `prefill_chunk` set to `n` (at least 1).
-    pub fn with_prefill_chunk(mut self, n: usize) -> Self {
-        self.prefill_chunk = n.max(1);
-        self
-    }
-
-    /// These options on device `pref` (`cpu`, `cuda` or `auto`).
-    pub fn with_device(mut self, pref: DevicePref) -> Self {
-        self.device.pref = pref;
-        self
-    }
-
-    /// These options with the spine precision set to `mode`.
-    pub fn with_spine(mut self, mode: SpineMode) -> Self {
-        self.spine = mode;
-        self
-    }
-
-    /// These options with the layer pinning set to `pins`.
-    pub fn with_pin_layers(mut self, pins: PinLayers) -> Self {
-        self.pin_layers = pins;
-        self
-    }
-
-    /// These options with look-ahead expert prefetch on or off.
-    pub fn with_prefetch(mut self, on: bool) -> Self {
-        self.prefetch = on;
-        self
-    }
-
-    /// These options with routed experts reading their inputs as `input`.
-    pub fn with_expert_input(mut self, input: ExpertInput) -> Self {
-        self.expert_input = input;
-        self
-    }
-
-    /// Defaults overridden by the environment (`K3_PREFILL_CHUNK`, `K3_SPINE`, `K3_PIN_LAYERS`, `K3_PREFETCH`,
-    /// `K3_EXPERT_INPUT`).
-    pub fn from_env() -> Result<Self> {
-        let expert_input = match std::env::var("K3_EXPERT_INPUT") {
-            Ok(v) => v
-                .parse()
-                .map_err(|e| RuntimeError::Usage(format!("K3_EXPERT_INPUT: {e}")))?,
-            Err(_) => ExpertInput::F32,
-        };
-        let mut o = Self {
-            spine: SpineMode::from_env()?,
-            pin_layers: PinLayers::from_env()?,
-            prefetch: crate::prefetch::prefetch_from_env()?,
-            expert_input,
-            ..Self::default()
-        };
-        if let Some(n) = std::env::var("K3_PREFILL_CHUNK")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-        {
-            o.prefill_chunk = n;
-        }
-        Ok(o)
-    }
-}
-
-/// Copies of a streamed layer's bytes in memory at once, charged to the RAM budget when layers are streamed.
-const STREAM_LAYER_COPIES: u64 = 6;
-
-/// Default share of physical memory for weights (resident spine + expert cache) when no budget is given.
-const DEFAULT_RAM_SHARE: f64 = 0.5;
-/// Budget when physical memory cannot be read.
-const FALLBACK_RAM_GB: f64 = 4.0;
-
-impl EngineOptions {
-    /// The RAM budget for weights in bytes: `ram_gb`, else `K3_RAM_GB`, else half of physical memory. The
-    /// resident spine is charged to it first; the expert cache gets the rest.
-    pub fn ram_budget_bytes(&self) -> Result<u64> {
-        let gb = match self.ram_gb {
-            Some(gb) => gb,
-            None => match std::env::var("K3_RAM_GB") {
-                Ok(v) => v.trim().parse::<f64>().map_err(|_| {
-                    RuntimeError::Usage(format!("K3_RAM_GB={v:?} is not a number of GiB"))
-                })?,
-                Err(_) => meminfo_bytes("MemTotal")
-                    .map_or(FALLBACK_RAM_GB, |b| b as f64 / GIB * DEFAULT_RAM_SHARE),
-            },
-        };
-        if !gb.is_finite() || gb < 0.0 {
-            return Err(RuntimeError::Usage(format!(
-                "RAM budget {gb} GiB is not a non-negative number"
-            )));
-        }
-        Ok((gb * GIB) as u64)
-    }
-}
-
 const GIB: f64 = (1u64 << 30) as f64;
-
-/// A field of `/proc/meminfo` (`MemTotal`, `MemAvailable`, …) in bytes; `None` where it cannot be read.
-fn meminfo_bytes(field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text
-        .lines()
-        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
 
 /// An opened model.
 pub struct Engine {
     dir: PathBuf,
     tokenizer: Option<Arc<Tokenizer>>,
     options: EngineOptions,
+    /// How the memory budget is spent.
+    plan: MemoryPlan,
     spine_int8: bool,
     spine_bytes: u64,
     spine: Arc<SpineSource>,
@@ -221,7 +74,7 @@ impl Engine {
         let spine = Arc::new(SpineSource::open(
             Arc::clone(&files),
             options.spine,
-            meminfo_bytes("MemAvailable"),
+            Some(budget),
         )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
@@ -230,17 +83,51 @@ impl Engine {
             .iter()
             .map(|p| spine.served_bytes(p))
             .collect();
+        let embed_bytes = spine.served_bytes(&cfg.model_tensor("model.embed_tokens.weight"));
         let fixed_bytes = spine
             .served_bytes("")
-            .saturating_sub(layer_bytes.iter().sum());
-        let resident = options
-            .pin_layers
-            .resolve(&layer_bytes, fixed_bytes, budget)?;
-        let mut model = if resident.iter().all(|&r| r) {
+            .saturating_sub(layer_bytes.iter().sum::<u64>() + embed_bytes);
+        let mut pool = ReadPoolOptions::default();
+        if let Some(n) = options.read_threads {
+            pool.threads = n;
+        }
+        let expert_bytes = (0..n_layers)
+            .find(|&l| map.n_experts(l) > 0)
+            .and_then(|l| map.span(l, 0).ok())
+            .map_or(0, |s| s.len);
+        // Reads in flight and landed (two windows), the pool's idle buffers, and with prefetch a layer's guesses.
+        let expert_buffers = (2 * READ_WINDOW + pool.max_idle_buffers) as u64
+            + if options.prefetch {
+                cfg.moe.top_k as u64
+            } else {
+                0
+            };
+        let (plan, over) = budget::plan(
+            &PlanInputs {
+                budget,
+                layer_bytes: &layer_bytes,
+                embed_bytes,
+                fixed_bytes,
+                expert_bytes,
+                expert_buffers,
+                context: options.context,
+                prefill_chunk: options.prefill_chunk,
+            },
+            &cfg,
+            &options.pin_layers,
+        )?;
+        if over > 0 {
+            tracing::warn!(
+                "the layers pinned by K3_PIN_LAYERS overrun the memory budget by {:.2} GiB; the expert cache gets \
+                 nothing ({plan})",
+                over as f64 / GIB
+            );
+        }
+        let mut model = if plan.resident.iter().all(|&r| r) {
             Model::load_on(cfg, &*spine, &options.device)?
         } else {
             let src: deltafin_model::SharedWeightSource = spine.clone();
-            Model::load_streamed(cfg, src, &options.device, &resident)?
+            Model::load_streamed(cfg, src, &options.device, &plan.resident)?
         };
         model.set_expert_input(options.expert_input);
         let slow = match options.expert_input {
@@ -268,35 +155,8 @@ impl Engine {
                 .map(|&l| layer_prefixes[l].clone())
                 .collect(),
         );
-        let resident_bytes = fixed_bytes
-            + (0..n_layers)
-                .filter(|l| !streamed.contains(l))
-                .map(|l| layer_bytes[l])
-                .sum::<u64>();
-        if resident_bytes > budget {
-            tracing::warn!(
-                "the resident spine ({:.2} GiB) exceeds the RAM budget ({:.2} GiB); the expert cache gets nothing",
-                resident_bytes as f64 / GIB,
-                budget as f64 / GIB
-            );
-        }
-        if !streamed.is_empty() {
-            tracing::info!(
-                "spine: {} of {n_layers} layers streamed, {:.2} GiB resident",
-                streamed.len(),
-                resident_bytes as f64 / GIB
-            );
-        }
-        // Streaming holds up to six copies of a layer at once: the one computing, the next one built, that one's
-        // raw bytes while it is built (read buffers and their copies), and the reads ahead of the two layers after
-        // it. They come out of the budget too.
-        let stream_bytes =
-            STREAM_LAYER_COPIES * streamed.iter().map(|&l| layer_bytes[l]).max().unwrap_or(0);
-        let cache_budget = budget.saturating_sub(resident_bytes + stream_bytes);
-        let mut pool = ReadPoolOptions::default();
-        if let Some(n) = options.read_threads {
-            pool.threads = n;
-        }
+        tracing::info!("memory budget {plan}");
+        let cache_budget = plan.expert_cache;
         let reader = SpanReader::new(&files, stream, &pool, true)?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);
@@ -319,6 +179,7 @@ impl Engine {
             dir: dir.to_path_buf(),
             tokenizer,
             options,
+            plan,
             spine_int8,
             spine_bytes,
             fingerprint: hasher.finalize(),
@@ -367,6 +228,16 @@ impl Engine {
     /// How routed experts read their inputs on the CPU (`K3_EXPERT_INPUT`).
     pub fn expert_input(&self) -> ExpertInput {
         self.model.expert_input()
+    }
+
+    /// The memory budget in bytes.
+    pub fn memory_budget(&self) -> u64 {
+        self.plan.budget
+    }
+
+    /// How the memory budget is spent (resident spine, streaming, session state, reads, scratch, expert cache).
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.plan
     }
 
     /// Whether the spine came from the int8 copy.

@@ -46,6 +46,9 @@ pub enum RuntimeError {
         /// What is wrong.
         msg: String,
     },
+    /// The memory budget cannot be given by this machine, or cannot hold what the model needs.
+    #[error("{0}")]
+    Budget(String),
     /// A session was asked to do something impossible (empty prompt, …).
     #[error("{0}")]
     Usage(String),

@@ -4,12 +4,15 @@
 //! **Invariant:** no HTTP, JSON wire formats or terminals here; apps call this crate.
 #![deny(missing_docs)]
 
+pub mod budget;
 pub mod convert;
 pub mod counters;
 pub mod engine;
 pub mod error;
 pub mod expert_cache;
+pub mod memory;
 pub mod ngram;
+pub mod options;
 pub mod pinning;
 pub mod prefetch;
 pub mod sampling;
@@ -19,11 +22,14 @@ pub mod sources;
 pub mod spine;
 mod spine_batch;
 
+pub use budget::MemoryPlan;
 pub use deltafin_model::{DeviceOptions, DevicePref};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
-pub use engine::{DEFAULT_PREFILL_CHUNK, Engine, EngineOptions};
+pub use engine::Engine;
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
+pub use memory::SystemMemory;
+pub use options::{DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, ENGINE_VARS, EngineOptions, ram_budget};
 pub use pinning::PinLayers;
 pub use prefetch::{PrefetchStats, parse_on_off};
 pub use sampling::{Sampler, SamplingParams, argmax};

@@ -26,7 +26,7 @@ pub enum PinLayers {
     Ranges(Vec<RangeInclusive<usize>>),
 }
 
-/// The environment variable read by [`PinLayers::from_env`].
+/// The environment variable that sets [`PinLayers`] (read by `EngineOptions::from_env`).
 pub const PIN_LAYERS_ENV: &str = "K3_PIN_LAYERS";
 
 impl PinLayers {
@@ -67,14 +67,6 @@ impl PinLayers {
             ranges.push(range);
         }
         Ok(Self::Ranges(ranges))
-    }
-
-    /// `K3_PIN_LAYERS`, defaulting to `auto`.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var(PIN_LAYERS_ENV) {
-            Ok(v) => Self::parse(&v),
-            Err(_) => Ok(Self::Auto),
-        }
     }
 
     /// One flag per layer: `true` keeps the layer resident. `layer_bytes` are the layers' spine bytes,

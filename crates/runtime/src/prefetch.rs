@@ -18,16 +18,6 @@ pub fn parse_on_off(s: &str) -> Option<bool> {
     }
 }
 
-/// `K3_PREFETCH` (default off: a wrong guess costs a read the token did not need).
-pub fn prefetch_from_env() -> crate::error::Result<bool> {
-    match std::env::var("K3_PREFETCH") {
-        Err(_) => Ok(false),
-        Ok(v) => parse_on_off(&v).ok_or_else(|| {
-            crate::error::RuntimeError::Usage(format!("K3_PREFETCH must be on or off, got `{v}`"))
-        }),
-    }
-}
-
 /// What the prefetcher did, for the end-of-run report and the benchmark.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefetchStats {

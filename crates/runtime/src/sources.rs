@@ -336,7 +336,7 @@ impl ExpertFetch for StoreFetch<'_> {
 }
 
 /// Expert reads per submission window (two windows are outstanding at a time).
-const READ_WINDOW: usize = 8;
+pub(crate) const READ_WINDOW: usize = 8;
 
 /// A failure while streaming experts: from storage/decoding, or from the caller's callback.
 enum StreamError {

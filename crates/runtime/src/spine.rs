@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use deltafin_model::{HostTensor, ModelError, WeightSource};
-use deltafin_quant::{DenseData, DenseMatrix, collect_on_huge_pages};
+use deltafin_quant::{DenseData, DenseMatrix};
 use deltafin_storage::{
     Dtype, ModelFiles, PlannedTensor, SpanBytes, TensorInfo, write_safetensors,
 };
 
-use crate::convert::{dense_data, to_f32};
+use crate::convert::{dense_data, dense_data_in_place, int8_in_place, to_f32};
 use crate::error::{Result, RuntimeError};
 use crate::spine_batch::{LayerReader, Origin, Stored, layer_prefix};
 
@@ -46,14 +46,6 @@ impl SpineMode {
             other => Err(RuntimeError::Usage(format!(
                 "K3_SPINE must be bf16, int8 or auto, got `{other}`"
             ))),
-        }
-    }
-
-    /// `K3_SPINE`, defaulting to `auto`.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var("K3_SPINE") {
-            Ok(v) => Self::parse(&v),
-            Err(_) => Ok(Self::Auto),
         }
     }
 }
@@ -117,7 +109,7 @@ pub fn convert_spine_int8(dir: &Path) -> Result<Int8Report> {
                 }
             })?;
             let (q, scales) = match m.to_int8().data() {
-                DenseData::Int8 { q, scales } => (q.clone(), scales.clone()),
+                DenseData::Int8 { q, scales } => (q.to_vec(), scales.clone()),
                 _ => (Vec::new(), Vec::new()),
             };
             let bytes = q.iter().map(|&v| v as u8).collect();
@@ -324,7 +316,7 @@ impl WeightSource for SpineSource {
             return Ok(Some(HostTensor {
                 shape: q.shape.clone(),
                 data: DenseData::Int8 {
-                    q: collect_on_huge_pages(qb.iter().map(|&b| b as i8)),
+                    q: int8_in_place(qb),
                     scales,
                 },
             }));
@@ -333,7 +325,7 @@ impl WeightSource for SpineSource {
             return Ok(None);
         };
         let bytes = self.read_stored(Origin::Shards, info)?;
-        let data = dense_data(&bytes, info.dtype).ok_or_else(|| {
+        let data = dense_data_in_place(bytes, info.dtype).ok_or_else(|| {
             source_err(RuntimeError::UnsupportedDtype {
                 name: name.to_string(),
                 dtype: info.dtype.to_string(),
@@ -348,5 +340,45 @@ impl WeightSource for SpineSource {
     /// From the shard headers: the int8 copy keeps every shape.
     fn shape(&self, name: &str) -> deltafin_model::Result<Option<Vec<usize>>> {
         Ok(self.files.get(name).map(|t| t.shape.clone()))
+    }
+
+    /// One positional read per row, from the shards (the int8 copy never holds a table read by rows).
+    fn rows_f32(&self, name: &str, rows: &[usize]) -> deltafin_model::Result<Option<Vec<f32>>> {
+        let Some(info) = self.files.get(name) else {
+            return Ok(None);
+        };
+        let bad = |msg: String| {
+            source_err(RuntimeError::UnsupportedDtype {
+                name: name.to_string(),
+                dtype: msg,
+            })
+        };
+        let [n, cols] = info.shape[..] else {
+            return Err(bad(format!(
+                "{} read by rows (shape {:?})",
+                info.dtype, info.shape
+            )));
+        };
+        let row_bytes = info.len / n.max(1) as u64;
+        let mut out = Vec::with_capacity(rows.len() * cols);
+        let mut buf = vec![0u8; row_bytes as usize];
+        for &r in rows {
+            if r >= n {
+                return Err(source_err(RuntimeError::Usage(format!(
+                    "{name}: row {r} of {n}"
+                ))));
+            }
+            self.files
+                .read_span(
+                    info.shard,
+                    info.offset + r as u64 * row_bytes,
+                    row_bytes,
+                    &mut buf,
+                )
+                .map_err(source_err)?;
+            out.extend(to_f32(&buf, info.dtype).ok_or_else(|| bad(info.dtype.to_string()))?);
+            self.count(buf.len());
+        }
+        Ok(Some(out))
     }
 }

@@ -15,10 +15,13 @@ use deltafin_storage::{
 
 /// Reads in flight for spine layers (beside the expert reads).
 const SPINE_READ_THREADS: usize = 4;
-/// Streamed layers whose batches are read ahead of the one being built.
-const READ_AHEAD_LAYERS: usize = 2;
-/// Idle I/O buffers kept for reuse (a layer has a few dozen tensors; most are small).
-const SPINE_IDLE_BUFFERS: usize = 8;
+/// Streamed layers whose batches are read ahead of the one being built. One: with the layer computing and the
+/// built one waiting for it, three streamed layers are in memory at once (the weights are used in the buffers they
+/// were read into, so a layer has no second copy); the engine charges that to the memory budget.
+pub(crate) const READ_AHEAD_LAYERS: usize = 1;
+/// Idle I/O buffers kept for reuse: a whole layer's tensors (a few dozen), so a finished layer's buffers take the
+/// next read instead of fresh pages, which the kernel would have to zero first.
+const SPINE_IDLE_BUFFERS: usize = 48;
 
 /// Which file set a tensor lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -251,15 +251,33 @@ impl BufferPool {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A free buffer of at least `len` bytes, or a new one.
+    /// The smallest free buffer of at least `len` bytes that wastes no more than `len` again, or a new one.
+    ///
+    /// Best fit keeps a streamed layer's mix of 176 MB projections and small vectors from taking each other's
+    /// buffers, which would make the next large read allocate afresh and the pool grow past a layer's worth.
     fn take(&self, len: usize) -> io::Result<AlignedBuf> {
         {
             let mut free = self.lock();
-            if let Some(i) = free.iter().position(|b| b.cap >= len) {
+            let fit = free
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| {
+                    b.cap >= len && b.cap <= len.saturating_mul(2).max(len + BUF_GRANULE)
+                })
+                .min_by_key(|(_, b)| b.cap)
+                .map(|(i, _)| i);
+            if let Some(i) = fit {
                 return Ok(free.swap_remove(i));
             }
-            // Too small for this span: drop one so the list does not fill up with useless buffers.
-            free.pop();
+            // None fits: drop the smallest, so the list does not fill up with useless buffers.
+            if let Some(i) = free
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, b)| b.cap)
+                .map(|(i, _)| i)
+            {
+                free.swap_remove(i);
+            }
         }
         self.allocated.fetch_add(1, Ordering::Relaxed);
         AlignedBuf::new(len)

@@ -1,0 +1,95 @@
+//! The engine flags every command that opens a model shares (`run`, `nll`, `serve`, `bench-decode`), and the one
+//! way they become [`EngineOptions`]: a flag, else its `K3_*` variable (read by [`EngineOptions::from_env`]), else
+//! the default.
+
+use anyhow::Context;
+use clap::Args;
+use deltafin_runtime::{DevicePref, EngineOptions, PinLayers, SpineMode};
+
+/// Engine flags; each overrides the `K3_*` variable named in its help.
+#[derive(Args, Debug, Default, Clone)]
+pub struct EngineArgs {
+    /// Memory for the engine in GiB: weights, caches, session state and scratch [K3_RAM_GB; default: half of
+    /// physical memory or of the cgroup limit, whichever is smaller].
+    #[arg(long)]
+    pub ram_gb: Option<f64>,
+    /// Decoder layers kept in RAM: auto, all, none, a count N, or ranges such as 0-9,90-92; the rest are streamed
+    /// from disk at every forward pass [K3_PIN_LAYERS; default auto].
+    #[arg(long)]
+    pub pin_layers: Option<String>,
+    /// Spine precision: bf16, int8 (the copy written by `cargo xtask convert-spine-int8`) or auto [K3_SPINE].
+    #[arg(long)]
+    pub spine: Option<String>,
+    /// Look-ahead expert prefetch, on or off: guess the next MoE layer's experts and start reading them early (a
+    /// wrong guess costs a read) [K3_PREFETCH; default off].
+    #[arg(long, value_parser = parse_on_off)]
+    pub prefetch: Option<bool>,
+    /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded as
+    /// the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
+    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2) [K3_EXPERT_INPUT].
+    #[arg(long)]
+    pub expert_input: Option<deltafin_model::ExpertInput>,
+    /// Tokens per prefill pass [K3_PREFILL_CHUNK; default 64].
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Tokens of context reserved for a session's attention cache, charged to the memory budget [K3_CONTEXT;
+    /// default 8192].
+    #[arg(long)]
+    pub context: Option<usize>,
+}
+
+/// `on`/`off` (also `1`/`0`, `true`/`false`).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    deltafin_runtime::parse_on_off(s).ok_or_else(|| format!("expected on or off, got `{s}`"))
+}
+
+impl EngineArgs {
+    /// The engine options: these flags over the `K3_*` variables over the defaults; `dev` is the global `--dev`.
+    pub fn options(&self, dev: Option<DevicePref>) -> anyhow::Result<EngineOptions> {
+        // A variable whose flag is given is not read at all: the flag wins even over a malformed value.
+        let overridden = |var: &str| match var {
+            "K3_RAM_GB" => self.ram_gb.is_some(),
+            "K3_PIN_LAYERS" => self.pin_layers.is_some(),
+            "K3_SPINE" => self.spine.is_some(),
+            "K3_PREFETCH" => self.prefetch.is_some(),
+            "K3_EXPERT_INPUT" => self.expert_input.is_some(),
+            "K3_PREFILL_CHUNK" => self.prefill_chunk.is_some(),
+            "K3_CONTEXT" => self.context.is_some(),
+            "K3_DEV" => dev.is_some(),
+            _ => false,
+        };
+        let mut o = EngineOptions::from_vars(|var| {
+            (!overridden(var))
+                .then(|| std::env::var(var).ok())
+                .flatten()
+        })
+        .context("reading the K3_* settings")?;
+        if let Some(gb) = self.ram_gb {
+            o.ram_gb = Some(gb);
+        }
+        if let Some(p) = &self.pin_layers {
+            o.pin_layers = PinLayers::parse(p)?;
+        }
+        if let Some(s) = &self.spine {
+            o.spine = SpineMode::parse(s)?;
+        }
+        if let Some(p) = self.prefetch {
+            o.prefetch = p;
+        }
+        if let Some(i) = self.expert_input {
+            o.expert_input = i;
+        }
+        if let Some(n) = self.prefill_chunk {
+            anyhow::ensure!(n > 0, "--prefill-chunk must be at least 1");
+            o.prefill_chunk = n;
+        }
+        if let Some(n) = self.context {
+            anyhow::ensure!(n > 0, "--context must be at least 1");
+            o.context = n;
+        }
+        if let Some(d) = dev {
+            o.device.pref = d;
+        }
+        Ok(o)
+    }
+}

@@ -1,0 +1,317 @@
+//! [`MemoryPlan`]: how the engine's memory budget (`K3_RAM_GB`) is spent. Everything the engine keeps in memory
+//! is charged to it, not only weights: the resident spine, the streamed layers in flight, the session's attention
+//! state at its reserved context, expert read buffers, compute scratch, and the expert cache, which gets what is
+//! left. Layers are pinned (kept resident) only after the rest has its share, so a budget that fits on paper fits
+//! in the process too.
+
+use deltafin_model::{AttnKind, ModelConfig};
+
+use crate::error::{Result, RuntimeError};
+use crate::pinning::PinLayers;
+use crate::spine_batch::READ_AHEAD_LAYERS;
+
+/// Streamed layers in memory at once: the one computing, the next one built and waiting, and the reads ahead.
+pub const STREAMED_LAYERS_IN_MEMORY: u64 = 2 + READ_AHEAD_LAYERS as u64;
+
+/// Copies of the KDA states during a forward pass: the committed ones (kept for a rollback) and the new ones.
+const KDA_STATE_COPIES: u64 = 2;
+
+/// Activation rows of scratch per token of a prefill chunk, in units of the widest activation: the layer's
+/// inputs and outputs, projections, the AttnRes bank and the MoE's per-expert rows.
+const SCRATCH_ROWS_PER_TOKEN: u64 = 48;
+
+/// What the plan is computed from.
+#[derive(Clone, Debug)]
+pub struct PlanInputs<'a> {
+    /// The budget in bytes.
+    pub budget: u64,
+    /// Spine bytes of each decoder layer, as served (bf16 shards or the int8 copy).
+    pub layer_bytes: &'a [u64],
+    /// The embedding table's bytes (kept resident only when every layer is).
+    pub embed_bytes: u64,
+    /// The rest of the always-resident spine: head, final norm, output mix.
+    pub fixed_bytes: u64,
+    /// Bytes of one routed expert as read (0 for a model without experts).
+    pub expert_bytes: u64,
+    /// Expert reads that can hold a buffer at once (in flight, landed and not yet multiplied, idle for reuse).
+    pub expert_buffers: u64,
+    /// Tokens of context reserved for a session.
+    pub context: usize,
+    /// Tokens per prefill pass.
+    pub prefill_chunk: usize,
+}
+
+/// How the budget is spent, in bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// The budget.
+    pub budget: u64,
+    /// `true` per decoder layer kept resident.
+    pub resident: Vec<bool>,
+    /// Always-resident spine (head, final norm, output mix; the embedding when every layer is resident).
+    pub fixed_spine: u64,
+    /// Resident decoder layers.
+    pub pinned_layers: u64,
+    /// Streamed layers in flight.
+    pub streaming: u64,
+    /// The session's KDA states (two copies during a pass) and conv windows, and the MLA cache at the context.
+    pub session_state: u64,
+    /// Expert read buffers outside the cache.
+    pub expert_reads: u64,
+    /// Activations and logits of a prefill chunk.
+    pub scratch: u64,
+    /// What is left for the expert cache.
+    pub expert_cache: u64,
+}
+
+impl MemoryPlan {
+    /// Everything but the expert cache.
+    pub fn committed(&self) -> u64 {
+        self.fixed_spine
+            + self.pinned_layers
+            + self.streaming
+            + self.session_state
+            + self.expert_reads
+            + self.scratch
+    }
+
+    /// Decoder layers streamed from disk at every forward pass.
+    pub fn streamed(&self) -> usize {
+        self.resident.iter().filter(|r| !**r).count()
+    }
+}
+
+impl std::fmt::Display for MemoryPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = |b: u64| b as f64 / GIB;
+        write!(
+            f,
+            "{:.2} GiB: spine {:.2} resident ({} of {} layers pinned) + {:.2} streaming, session state {:.2}, \
+             expert reads {:.2}, scratch {:.2}, expert cache {:.2}",
+            g(self.budget),
+            g(self.fixed_spine + self.pinned_layers),
+            self.resident.len() - self.streamed(),
+            self.resident.len(),
+            g(self.streaming),
+            g(self.session_state),
+            g(self.expert_reads),
+            g(self.scratch),
+            g(self.expert_cache),
+        )
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes of a session's state at `context` tokens, counting the KDA states twice (a pass writes new ones while the
+/// committed ones are kept).
+pub fn session_state_bytes(cfg: &ModelConfig, context: usize) -> u64 {
+    let f = std::mem::size_of::<f32>() as u64;
+    let (h, d) = (cfg.kda.n_heads as u64, cfg.kda.head_dim as u64);
+    let kda_one = h * d * d * f + 3 * (cfg.kda.conv_kernel.saturating_sub(1) as u64) * h * d * f;
+    let mla_row = (cfg.mla.kv_lora_rank + cfg.mla.rope_dim) as u64 * f;
+    cfg.layer_kinds
+        .iter()
+        .map(|k| match k {
+            AttnKind::Kda => KDA_STATE_COPIES * kda_one,
+            AttnKind::Mla => context as u64 * mla_row,
+        })
+        .sum()
+}
+
+/// Scratch of one prefill pass: logits for every row plus activation rows of the widest block.
+pub fn scratch_bytes(cfg: &ModelConfig, prefill_chunk: usize) -> u64 {
+    let widest = [
+        cfg.hidden_size,
+        cfg.kda.n_heads * cfg.kda.head_dim,
+        cfg.intermediate_size,
+        cfg.moe.n_shared * cfg.moe.inter,
+        cfg.mla.n_heads * (cfg.mla.nope_dim + cfg.mla.rope_dim + cfg.mla.v_dim),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u64;
+    let t = prefill_chunk.max(1) as u64;
+    4 * t * (cfg.vocab_size as u64 + SCRATCH_ROWS_PER_TOKEN * widest)
+}
+
+/// Spends `inputs.budget` as `pins` asks: under [`PinLayers::Auto`] every layer stays resident if everything fits,
+/// else layers are pinned from layer 0 while the streaming that is left still fits, and a budget too small even to
+/// stream every layer is refused with the least it needs. Explicit pins are honoured as given (the expert cache
+/// then gets whatever remains, possibly nothing); `over` reports by how much they overrun the budget.
+pub fn plan(
+    inputs: &PlanInputs<'_>,
+    cfg: &ModelConfig,
+    pins: &PinLayers,
+) -> Result<(MemoryPlan, u64)> {
+    let n = inputs.layer_bytes.len();
+    let session_state = session_state_bytes(cfg, inputs.context);
+    let scratch = scratch_bytes(cfg, inputs.prefill_chunk);
+    let expert_reads = inputs.expert_buffers * inputs.expert_bytes.next_multiple_of(2 << 20);
+    let build = |resident: Vec<bool>| {
+        let all = resident.iter().all(|&r| r);
+        let streamed_max = (0..n)
+            .filter(|&l| !resident[l])
+            .map(|l| inputs.layer_bytes[l])
+            .max()
+            .unwrap_or(0);
+        let pinned_layers = (0..n)
+            .filter(|&l| resident[l])
+            .map(|l| inputs.layer_bytes[l])
+            .sum();
+        MemoryPlan {
+            budget: inputs.budget,
+            fixed_spine: inputs.fixed_bytes + if all { inputs.embed_bytes } else { 0 },
+            pinned_layers,
+            streaming: STREAMED_LAYERS_IN_MEMORY * streamed_max,
+            session_state,
+            expert_reads,
+            scratch,
+            expert_cache: 0,
+            resident,
+        }
+    };
+    let finish = |mut p: MemoryPlan| {
+        let over = p.committed().saturating_sub(p.budget);
+        p.expert_cache = p.budget.saturating_sub(p.committed());
+        (p, over)
+    };
+    let resident = match pins {
+        PinLayers::Auto => {
+            let all = build(vec![true; n]);
+            if all.committed() <= inputs.budget {
+                return Ok(finish(all));
+            }
+            // Pin the longest prefix of layers that still leaves room to stream the rest.
+            let mut best = None;
+            for k in 0..n {
+                let p = build((0..n).map(|l| l < k).collect());
+                if p.committed() > inputs.budget {
+                    break;
+                }
+                best = Some(p);
+            }
+            let Some(p) = best else {
+                let least = build(vec![false; n]);
+                return Err(RuntimeError::Budget(format!(
+                    "a memory budget of {:.2} GiB cannot run this model: with every layer streamed it still needs \
+                     {:.2} GiB (spine always resident {:.2}, streamed layers in flight {:.2}, session state at \
+                     {} tokens of context {:.2}, expert read buffers {:.2}, scratch {:.2}); raise K3_RAM_GB or \
+                     lower K3_CONTEXT",
+                    inputs.budget as f64 / GIB,
+                    least.committed() as f64 / GIB,
+                    least.fixed_spine as f64 / GIB,
+                    least.streaming as f64 / GIB,
+                    inputs.context,
+                    least.session_state as f64 / GIB,
+                    least.expert_reads as f64 / GIB,
+                    least.scratch as f64 / GIB,
+                )));
+            };
+            return Ok(finish(p));
+        }
+        other => other.resolve(inputs.layer_bytes, 0, u64::MAX)?,
+    };
+    Ok(finish(build(resident)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k3() -> ModelConfig {
+        let text = include_str!("../../../tests/fixtures/k3/k3-tiny-a/config.json");
+        let mut v: serde_json::Value = serde_json::from_str(text).expect("fixture config");
+        // The released K3 text configuration's sizes over the fixture's structure keys.
+        let t = &mut v["text_config"];
+        t["hidden_size"] = 7168.into();
+        t["vocab_size"] = 163_840.into();
+        t["intermediate_size"] = 33792.into();
+        t["linear_attn_config"]["num_heads"] = 96.into();
+        t["linear_attn_config"]["head_dim"] = 128.into();
+        t["num_attention_heads"] = 96.into();
+        t["kv_lora_rank"] = 512.into();
+        t["qk_rope_head_dim"] = 64.into();
+        t["qk_nope_head_dim"] = 128.into();
+        t["v_head_dim"] = 128.into();
+        t["moe_intermediate_size"] = 3072.into();
+        ModelConfig::from_json_str(&v.to_string(), "config.json").expect("parses")
+    }
+
+    fn inputs(budget_gib: u64, layers: &[u64]) -> PlanInputs<'_> {
+        PlanInputs {
+            budget: budget_gib << 30,
+            layer_bytes: layers,
+            embed_bytes: 2 << 30,
+            fixed_bytes: 2 << 30,
+            expert_bytes: 17_547_264,
+            expert_buffers: 40,
+            context: 8192,
+            prefill_chunk: 64,
+        }
+    }
+
+    #[test]
+    fn state_and_scratch_at_k3_size() {
+        let cfg = k3();
+        let kda = cfg
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == AttnKind::Kda)
+            .count() as u64;
+        // Two copies of 96 × 128 × 128 f32 per KDA layer, plus conv windows.
+        let per_kda = 2 * (96 * 128 * 128 * 4 + 3 * 3 * 96 * 128 * 4);
+        let mla = cfg.layer_kinds.len() as u64 - kda;
+        assert_eq!(
+            session_state_bytes(&cfg, 8192),
+            kda * per_kda + mla * 8192 * 576 * 4
+        );
+        // The chunk's logits alone are 64 × 163,840 floats.
+        assert!(scratch_bytes(&cfg, 64) > 64 * 163_840 * 4);
+    }
+
+    #[test]
+    fn everything_resident_when_it_fits() {
+        let cfg = k3();
+        let layers = vec![1 << 30; cfg.n_layers];
+        let (p, over) = plan(&inputs(64, &layers), &cfg, &PinLayers::Auto).expect("fits");
+        assert_eq!(over, 0);
+        assert!(p.resident.iter().all(|&r| r));
+        assert_eq!(p.streaming, 0);
+        assert_eq!(p.fixed_spine, 4 << 30, "the embedding is resident");
+        assert_eq!(p.committed() + p.expert_cache, p.budget);
+    }
+
+    #[test]
+    fn streaming_is_paid_for_before_layers_are_pinned() {
+        let cfg = k3();
+        // A model whose layers do not all fit: 40 layers of 1 GiB in a 16 GiB budget.
+        let layers = vec![1 << 30; 40];
+        let (p, over) = plan(&inputs(16, &layers), &cfg, &PinLayers::Auto).expect("fits streamed");
+        assert_eq!(over, 0);
+        assert!(p.streamed() > 0);
+        assert_eq!(p.fixed_spine, 2 << 30, "the embedding is read by rows");
+        assert_eq!(p.streaming, STREAMED_LAYERS_IN_MEMORY << 30);
+        assert!(p.committed() <= p.budget, "{p}");
+        // Pinning one more layer would not fit.
+        let pinned = p.resident.iter().filter(|&&r| r).count();
+        let one_more: Vec<bool> = (0..40).map(|l| l <= pinned).collect();
+        let (q, over) = plan(
+            &inputs(16, &layers),
+            &cfg,
+            &PinLayers::Ranges(vec![0..=pinned]),
+        )
+        .expect("explicit pins are honoured");
+        assert_eq!(q.resident, one_more);
+        assert!(over > 0 || q.expert_cache == 0 || q.committed() + q.expert_cache == q.budget);
+    }
+
+    #[test]
+    fn a_budget_too_small_to_stream_is_refused_with_what_it_needs() {
+        let cfg = k3();
+        let layers = vec![1 << 30; 40];
+        let err = plan(&inputs(4, &layers), &cfg, &PinLayers::Auto).expect_err("too small");
+        let msg = err.to_string();
+        assert!(msg.contains("needs") && msg.contains("K3_RAM_GB"), "{msg}");
+    }
+}
