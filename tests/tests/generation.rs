@@ -309,3 +309,28 @@ fn sampling_is_reproducible_and_eos_stops() {
         .expect("generate");
     assert_eq!((g.tokens.len(), g.finish), (1, FinishReason::Cancelled));
 }
+
+#[test]
+fn a_session_stops_at_its_reserved_context_and_stays_usable() {
+    let dir = fixture("k3/k3-tiny-a");
+    let options = EngineOptions {
+        context: 6,
+        ..EngineOptions::default()
+    };
+    let engine = Engine::open(&dir, options).expect("open");
+    let mut s = engine.session();
+    s.prefill(&[1, 2, 3, 4]).expect("four tokens fit");
+    let err = s
+        .prefill(&[5, 6, 7])
+        .expect_err("seven tokens do not fit in six");
+    assert!(err.to_string().contains("K3_CONTEXT"), "{err}");
+    // The failed call fed nothing: two more tokens still fit, and give what a fresh session gives.
+    let logits = s.prefill(&[5, 6]).expect("six tokens fit").data;
+    let fresh = engine
+        .session()
+        .prefill(&[1, 2, 3, 4, 5, 6])
+        .expect("fresh")
+        .data;
+    let vocab = engine.config().vocab_size;
+    assert_eq!(logits[vocab..], fresh[5 * vocab..]);
+}

@@ -24,6 +24,10 @@ pub struct BenchArgs {
     tokens: usize,
     #[command(flatten)]
     engine: EngineArgs,
+    /// GiB of memory to read on every core before and after decoding, for the memory read bound of the same run
+    /// (0: skip).
+    #[arg(long, default_value_t = 2.0)]
+    membw_gib: f64,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -49,11 +53,27 @@ struct Report {
     peak_rss_bytes: u64,
     /// The engine's memory budget.
     budget_bytes: u64,
+    /// Anonymous memory on transparent huge pages at the end.
+    anon_huge_bytes: u64,
     expert_wait_s: f64,
     expert_compute_s: f64,
     attention_s: f64,
+    kda_s: f64,
+    mla_s: f64,
     spine_compute_s: f64,
+    dense_ffn_s: f64,
+    moe_trunk_s: f64,
+    shared_experts_s: f64,
+    head_s: f64,
     spine_wait_s: f64,
+    /// Threads in the compute pool.
+    threads: usize,
+    /// All-core memory read rate measured before and after decoding (bytes/s; the higher of the two).
+    membw_bytes_per_s: f64,
+    /// Weight bytes a decode step touches: every layer's spine, the head, one embedding row, and the routed
+    /// experts asked for (per token).
+    spine_bytes_touched_per_token: u64,
+    expert_bytes_touched_per_token: u64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -86,6 +106,19 @@ pub fn peak_rss() -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
+/// `AnonHugePages` of `/proc/self/smaps_rollup`: anonymous memory on transparent huge pages, in bytes.
+fn anon_huge_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/smaps_rollup")
+        .ok()
+        .and_then(|t| {
+            t.lines().find_map(|l| {
+                l.strip_prefix("AnonHugePages:")
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
 /// The prefetch counters (zero when prefetch is off).
 fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
     s.prefetch.unwrap_or_default()
@@ -94,6 +127,12 @@ fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
 /// Runs `deltafin bench-decode`.
 pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let options = args.engine.options(dev)?;
+    let membw = (args.membw_gib > 0.0).then(|| {
+        deltafin_runtime::membw::ReadBuffer::new((args.membw_gib * (1u64 << 30) as f64) as usize)
+    });
+    let rate_before = membw
+        .as_ref()
+        .map_or(0.0, |b| b.read_rate().max(b.read_rate()));
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
@@ -131,6 +170,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         },
     )?;
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
+    let rate_after = membw
+        .as_ref()
+        .map_or(0.0, |b| b.read_rate().max(b.read_rate()));
+    drop(membw);
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -140,6 +183,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         let (w, i) = (cfg.expert_width() as u64, cfg.moe.inter as u64);
         3 * (w * i / 2 + w * i / 32)
     };
+    let token_count = token_s.len();
     let report = Report {
         tokens: token_s.len(),
         token_s,
@@ -157,10 +201,27 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         spine_bytes: engine.spine_bytes(),
         peak_rss_bytes: peak_rss().unwrap_or(0),
         budget_bytes: engine.memory_budget(),
+        anon_huge_bytes: anon_huge_bytes(),
         expert_wait_s: p.expert_wait.as_secs_f64(),
         expert_compute_s: p.expert_compute.as_secs_f64(),
-        attention_s: p.attention.as_secs_f64(),
-        spine_compute_s: (p.dense_ffn + p.moe_trunk + p.head).as_secs_f64(),
+        attention_s: p.attention().as_secs_f64(),
+        kda_s: p.kda.as_secs_f64(),
+        mla_s: p.mla.as_secs_f64(),
+        spine_compute_s: p.spine_compute().as_secs_f64(),
+        dense_ffn_s: p.dense_ffn.as_secs_f64(),
+        moe_trunk_s: p.moe_trunk.as_secs_f64(),
+        shared_experts_s: p.shared_experts.as_secs_f64(),
+        head_s: p.head.as_secs_f64(),
+        threads: deltafin_runtime::compute_threads(),
+        membw_bytes_per_s: rate_before.max(rate_after),
+        spine_bytes_touched_per_token: engine.layer_spine_bytes().iter().sum::<u64>()
+            + engine.head_bytes()
+            + (cfg.hidden_size * 2) as u64,
+        expert_bytes_touched_per_token: (stats.cache.hits + stats.cache.misses
+            - stats0.cache.hits
+            - stats0.cache.misses)
+            * expert_bytes
+            / token_count.max(1) as u64,
         spine_wait_s: p.spine_wait.as_secs_f64(),
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,

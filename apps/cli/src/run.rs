@@ -206,13 +206,20 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     }
     eprintln!("expert read wait     {:.4} s", per_token(p.expert_wait));
     eprintln!(
-        "spine compute        {:.4} s (dense FFN {:.4}, MoE router/latent/shared {:.4}, mixes+head {:.4})",
-        per_token(p.dense_ffn + p.moe_trunk + p.head),
+        "spine compute        {:.4} s (dense FFN {:.4}, MoE router/latent {:.4}, shared experts {:.4}, \
+         mixes+head {:.4})",
+        per_token(p.spine_compute()),
         per_token(p.dense_ffn),
         per_token(p.moe_trunk),
+        per_token(p.shared_experts),
         per_token(p.head)
     );
-    eprintln!("attention            {:.4} s", per_token(p.attention));
+    eprintln!(
+        "attention            {:.4} s (KDA {:.4}, MLA {:.4})",
+        per_token(p.attention()),
+        per_token(p.kda),
+        per_token(p.mla)
+    );
     eprintln!(
         "MoE compute          {:.4} s (expert inputs {})",
         per_token(p.expert_compute),

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::ops::{inv_rms, linear, sigmoid, silu, softplus, tensor, values};
+use crate::ops::{inv_rms, linear, linear_many, sigmoid, silu, softplus, tensor, values};
 use crate::state::KdaState;
 use crate::weights::Loader;
 
@@ -118,50 +118,117 @@ impl Kda {
 
     /// Runs `x` (`[T, hidden]`, already normed) through the layer, advancing `state`.
     ///
-    /// The new state is written to fresh memory while the old one is read, so the caller's old state (kept for a
+    /// Three threaded jobs: every projection of the input at once; then each head on its own thread, from its
+    /// channels of the projections to its output rows (short conv and SiLU, the decay gate through its slice of
+    /// `f_b`, β, the q/k L2 norms, the delta-rule recurrence and the gated RMSNorm); then the output projection. A
+    /// head's arithmetic is the same whichever thread runs it, so the result does not depend on the thread count.
+    ///
+    /// The new state is written to a reused buffer while the old one is read, so the caller's old state (kept for a
     /// rollback, a snapshot or a speculative pass) is never copied first: the first token's decay reads the old
     /// matrices and writes the new ones in one pass, and later tokens update the new ones in place.
     pub fn forward(&self, x: &Tensor, state: &mut Arc<KdaState>) -> Result<Tensor> {
-        let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
+        let (h, d) = (self.cfg.n_heads, self.cfg.head_dim);
         let c = h * d;
         let t_len = x.dim(0)?;
         let old: &KdaState = state;
-        // The conv windows are small ((K-1) rows of C values each): copied and advanced.
-        let mut conv = old.conv.clone();
 
-        // [T, C] each, after conv + SiLU.
-        let proj = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let mut qkv: Vec<Vec<f32>> = Vec::with_capacity(3);
-        for ((w, window), taps) in proj.iter().zip(conv.iter_mut()).zip(&self.conv) {
-            let raw = values(&linear(x, w)?)?;
-            qkv.push(causal_conv_silu(&raw, window, taps, c, kern));
+        let gate_in = match &self.gate {
+            OutGate::Full(w) => w,
+            OutGate::LowRank { down, .. } => down,
+        };
+        let outs = linear_many(
+            x,
+            &[
+                &self.q_proj,
+                &self.k_proj,
+                &self.v_proj,
+                &self.f_a,
+                &self.b_proj,
+                gate_in,
+            ],
+        )?;
+        let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
+            .try_into()
+            .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
+        let p = Projected {
+            raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
+            f_a: values(&f_a)?,
+            b: values(&b_raw)?,
+            og: values(&match &self.gate {
+                OutGate::Full(_) => gate_raw,
+                OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
+            })?,
+            t_len,
+        };
+        // The conv windows advance by the new rows: the last K-1 rows of (window ++ raw), C values each.
+        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| {
+            let mut ext = old.conv[i].clone();
+            ext.extend_from_slice(&p.raw[i]);
+            ext.split_off(ext.len() - old.conv[i].len())
+        });
+
+        #[cfg(feature = "cuda")]
+        if let Some(done) = self.forward_on_device(old, &p)? {
+            let (s, out) = done;
+            *state = Arc::new(KdaState { conv, s });
+            return linear(&tensor(out, t_len, c)?, &self.o_proj);
         }
 
-        // Decay gate, [T, C].
-        let z = values(&linear(&linear(x, &self.f_a)?, &self.f_b)?)?;
-        let g: Vec<f32> = z
-            .iter()
+        let mut s_new = crate::state::state_buffer(old.s.len());
+        let per_head: Vec<Vec<f32>> = s_new
+            .par_chunks_mut(d * d)
+            .zip(old.s.par_chunks(d * d))
             .enumerate()
-            .map(|(i, &zi)| {
-                let ch = i % c;
-                let a = self.a_exp[ch / d];
-                let zb = zi + self.dt_bias[ch];
-                match self.cfg.gate_lower_bound {
-                    Some(lb) => lb * sigmoid(a * zb),
-                    None => -a * softplus(zb),
-                }
+            .map(|(head, (s, s_prev))| {
+                let inp = self.head_inputs(old, &p, head);
+                let mut out = recurrence_head(s, s_prev, &inp, t_len, d);
+                self.gated_norm_head(&mut out, &p.og, head);
+                out
             })
             .collect();
-        // β, [T, H].
-        let beta: Vec<f32> = values(&linear(x, &self.b_proj)?)?
-            .into_iter()
-            .map(sigmoid)
-            .collect();
+        *state = Arc::new(KdaState { conv, s: s_new });
+        // [H, T, D] -> [T, H·D]
+        let mut out = vec![0.0f32; t_len * c];
+        for (head, o) in per_head.iter().enumerate() {
+            for t in 0..t_len {
+                out[t * c + head * d..t * c + (head + 1) * d]
+                    .copy_from_slice(&o[t * d..(t + 1) * d]);
+            }
+        }
+        linear(&tensor(out, t_len, c)?, &self.o_proj)
+    }
 
-        let (mut q, mut k, v) = match <[Vec<f32>; 3]>::try_from(qkv) {
-            Ok([q, k, v]) => (q, k, v),
-            Err(_) => unreachable!("three projections were pushed above"),
-        };
+    /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
+    /// conv and SiLU (q and k L2-normalised, q scaled by `D^-1/2`), and its decay gate.
+    fn head_inputs(&self, old: &KdaState, p: &Projected, head: usize) -> HeadInputs {
+        let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
+        let c = h * d;
+        let t_len = p.t_len;
+        let hist = kern - 1;
+        let ch0 = head * d;
+        let mut qkv: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0f32; t_len * d]);
+        for (i, dst) in qkv.iter_mut().enumerate() {
+            let (window, raw, taps) = (&old.conv[i], &p.raw[i], &self.conv[i]);
+            // Row `r` of (window ++ raw).
+            let ext = |r: usize, ch: usize| {
+                if r < hist {
+                    window[r * c + ch]
+                } else {
+                    raw[(r - hist) * c + ch]
+                }
+            };
+            for t in 0..t_len {
+                for j in 0..d {
+                    let ch = ch0 + j;
+                    let mut acc = 0.0f32;
+                    for k in 0..kern {
+                        acc += taps[ch * kern + k] * ext(t + k, ch);
+                    }
+                    dst[t * d + j] = silu(acc);
+                }
+            }
+        }
+        let [mut q, mut k, v] = qkv;
         let q_scale = (d as f32).powf(-0.5);
         for row in q.chunks_exact_mut(d) {
             l2_normalize(row);
@@ -170,57 +237,122 @@ impl Kda {
         for row in k.chunks_exact_mut(d) {
             l2_normalize(row);
         }
+        // The decay gate: this head's rows of f_b over the low-rank projection, then the bounded (K3) or softplus
+        // (Kimi Linear) form.
+        let rank = self.f_b.cols();
+        let a = self.a_exp[head];
+        let mut g = vec![0.0f32; t_len * d];
+        for (t, g_t) in g.chunks_exact_mut(d).enumerate() {
+            self.f_b
+                .dot_rows(ch0, &p.f_a[t * rank..(t + 1) * rank], g_t);
+            for (j, gv) in g_t.iter_mut().enumerate() {
+                let zb = *gv + self.dt_bias[ch0 + j];
+                *gv = match self.cfg.gate_lower_bound {
+                    Some(lb) => lb * sigmoid(a * zb),
+                    None => -a * softplus(zb),
+                };
+            }
+        }
+        let beta = (0..t_len).map(|t| sigmoid(p.b[t * h + head])).collect();
+        HeadInputs { q, k, v, g, beta }
+    }
 
-        let (s, mut out) =
-            match self.recurrence_on_device(&old.s, [&q, &k, &v, &g, &beta], t_len)? {
-                Some(done) => done,
-                None => recurrence(&old.s, [&q, &k, &v, &g], &beta, t_len, h, d),
-            };
-        *state = Arc::new(KdaState { conv, s });
-
-        // Gated per-head RMSNorm.
-        let og = values(&match &self.gate {
-            OutGate::Full(w) => linear(x, w)?,
-            OutGate::LowRank { down, up } => linear(&linear(x, down)?, up)?,
-        })?;
-        for (o_h, g_h) in out.chunks_exact_mut(d).zip(og.chunks_exact(d)) {
+    /// The gated per-head RMSNorm of one head's output rows `out [T, D]`, with its channels of the gate `og`.
+    fn gated_norm_head(&self, out: &mut [f32], og: &[f32], head: usize) {
+        let d = self.cfg.head_dim;
+        let c = self.cfg.n_heads * d;
+        for (t, o_h) in out.chunks_exact_mut(d).enumerate() {
+            let g_h = &og[t * c + head * d..t * c + (head + 1) * d];
             let inv = inv_rms(o_h, self.eps);
             for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
                 *o = (*o * inv) * w * sigmoid(*gate);
             }
         }
-        linear(&tensor(out, t_len, c)?, &self.o_proj)
     }
 }
 
+/// The projections of one call's input, row-major.
+struct Projected {
+    /// q, k and v before the conv, `[T, C]` each.
+    raw: [Vec<f32>; 3],
+    /// The decay gate's low-rank projection, `[T, rank]`.
+    f_a: Vec<f32>,
+    /// β before the sigmoid, `[T, H]`.
+    b: Vec<f32>,
+    /// The output gate before the sigmoid, `[T, C]`.
+    og: Vec<f32>,
+    t_len: usize,
+}
+
+/// One head's inputs to the recurrence.
+struct HeadInputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+#[cfg(feature = "cuda")]
 impl Kda {
-    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU): the new state and the
-    /// output. `qkvgb` are q, k, v, the log decay and β.
-    #[cfg(feature = "cuda")]
-    fn recurrence_on_device(
+    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU): every head's inputs on the
+    /// CPU threads, the recurrence on the device, the gated norm back on the CPU. Returns the new state and the
+    /// normed outputs `[T, C]`.
+    fn forward_on_device(
         &self,
-        s_old: &[f32],
-        qkvgb: [&[f32]; 5],
-        t_len: usize,
+        old: &KdaState,
+        p: &Projected,
     ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
         let Some(gpu) = &self.gpu else {
             return Ok(None);
         };
-        let [q, k, v, g, beta] = qkvgb;
-        let dims = (t_len, self.cfg.n_heads, self.cfg.head_dim);
-        let mut s = s_old.to_vec();
-        Ok(crate::gpu::kda_recurrent(gpu, &mut s, q, k, v, g, beta, dims)?.map(|out| (s, out)))
-    }
-
-    /// Without the `cuda` feature the recurrence always runs on the CPU.
-    #[cfg(not(feature = "cuda"))]
-    fn recurrence_on_device(
-        &self,
-        _s_old: &[f32],
-        _qkvgb: [&[f32]; 5],
-        _t_len: usize,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
-        Ok(None)
+        let (h, d, t_len) = (self.cfg.n_heads, self.cfg.head_dim, p.t_len);
+        let c = h * d;
+        let heads: Vec<HeadInputs> = (0..h)
+            .into_par_iter()
+            .map(|hd| self.head_inputs(old, p, hd))
+            .collect();
+        // [H, T, D] -> [T, H·D] (β: [T, H]).
+        let gather = |pick: fn(&HeadInputs) -> &Vec<f32>| {
+            let mut all = vec![0.0f32; t_len * c];
+            for (hd, inp) in heads.iter().enumerate() {
+                for t in 0..t_len {
+                    all[t * c + hd * d..t * c + (hd + 1) * d]
+                        .copy_from_slice(&pick(inp)[t * d..(t + 1) * d]);
+                }
+            }
+            all
+        };
+        let (q, k, v, g) = (
+            gather(|i| &i.q),
+            gather(|i| &i.k),
+            gather(|i| &i.v),
+            gather(|i| &i.g),
+        );
+        let mut beta = vec![0.0f32; t_len * h];
+        for (hd, inp) in heads.iter().enumerate() {
+            for t in 0..t_len {
+                beta[t * h + hd] = inp.beta[t];
+            }
+        }
+        let mut s = old.s.to_vec();
+        let Some(mut out) =
+            crate::gpu::kda_recurrent(gpu, &mut s, &q, &k, &v, &g, &beta, (t_len, h, d))?
+        else {
+            return Ok(None);
+        };
+        // The gated norm per head, on [T, C] rows.
+        for t in 0..t_len {
+            for hd in 0..h {
+                let o_h = &mut out[t * c + hd * d..t * c + (hd + 1) * d];
+                let g_h = &p.og[t * c + hd * d..t * c + (hd + 1) * d];
+                let inv = inv_rms(o_h, self.eps);
+                for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
+                    *o = (*o * inv) * w * sigmoid(*gate);
+                }
+            }
+        }
+        Ok(Some((s, out)))
     }
 }
 
@@ -243,34 +375,6 @@ fn a_log_heads(name: &str, shape: &[usize], data: &[f32], heads: usize) -> Resul
     Ok(data[..heads].to_vec())
 }
 
-/// Depthwise causal conv + SiLU over `raw` (`[T, C]`), using and updating the `(K-1)`-row window.
-fn causal_conv_silu(
-    raw: &[f32],
-    window: &mut Vec<f32>,
-    taps: &[f32],
-    c: usize,
-    kern: usize,
-) -> Vec<f32> {
-    // [hist + T, C]: the window rows, then the new rows.
-    let mut ext = Vec::with_capacity(window.len() + raw.len());
-    ext.extend_from_slice(window);
-    ext.extend_from_slice(raw);
-    let t_len = raw.len() / c;
-    let mut out = vec![0.0f32; raw.len()];
-    for t in 0..t_len {
-        for ch in 0..c {
-            let mut acc = 0.0f32;
-            for i in 0..kern {
-                acc += taps[ch * kern + i] * ext[(t + i) * c + ch];
-            }
-            out[t * c + ch] = silu(acc);
-        }
-    }
-    window.clear();
-    window.extend_from_slice(&ext[t_len * c..]);
-    out
-}
-
 /// `x ← x / sqrt(Σx² + eps)`.
 fn l2_normalize(x: &mut [f32]) {
     let ss: f32 = x.iter().map(|v| v * v).sum();
@@ -278,52 +382,37 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// The delta-rule recurrence of every head over `t_len` tokens, heads in parallel: the new states (`[H, D, D]`)
-/// and the outputs (`[T, H·D]`). `qkvg` are `[T, H·D]` each, `beta` is `[T, H]`. The old states are only read.
-fn recurrence(
-    s_old: &[f32],
-    [q, k, v, g]: [&[f32]; 4],
-    beta: &[f32],
+/// One head's delta-rule recurrence over `t_len` tokens: writes the new state into `s` (`[D, D]`) from the old one
+/// `s_prev`, which is only read, and returns the head's outputs `[T, D]`.
+fn recurrence_head(
+    s: &mut [f32],
+    s_prev: &[f32],
+    inp: &HeadInputs,
     t_len: usize,
-    h: usize,
     d: usize,
-) -> (Vec<f32>, Vec<f32>) {
-    let c = h * d;
-    // Zeroed memory the kernel hands over untouched; every value is written by the first token's decay.
-    let mut s_new = vec![0.0f32; s_old.len()];
-    let per_head: Vec<Vec<f32>> = s_new
-        .par_chunks_mut(d * d)
-        .zip(s_old.par_chunks(d * d))
-        .enumerate()
-        .map(|(head, (s, s_prev))| {
-            let mut out = vec![0.0f32; t_len * d];
-            for t in 0..t_len {
-                let off = t * c + head * d;
-                let gate = &g[off..off + d];
-                if t == 0 {
-                    decay_from(s, s_prev, gate);
-                } else {
-                    decay(s, gate);
-                }
-                delta_rule_update(
-                    s,
-                    &q[off..off + d],
-                    &k[off..off + d],
-                    &v[off..off + d],
-                    beta[t * h + head],
-                    &mut out[t * d..(t + 1) * d],
-                );
-            }
-            out
-        })
-        .collect();
-    let mut out = vec![0.0f32; t_len * c];
-    for (head, o) in per_head.iter().enumerate() {
-        for t in 0..t_len {
-            out[t * c + head * d..t * c + (head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
-        }
+) -> Vec<f32> {
+    if t_len == 0 {
+        s.copy_from_slice(s_prev);
     }
-    (s_new, out)
+    let mut out = vec![0.0f32; t_len * d];
+    for t in 0..t_len {
+        let row = t * d..(t + 1) * d;
+        let gate = &inp.g[row.clone()];
+        if t == 0 {
+            decay_from(s, s_prev, gate);
+        } else {
+            decay(s, gate);
+        }
+        delta_rule_update(
+            s,
+            &inp.q[row.clone()],
+            &inp.k[row.clone()],
+            &inp.v[row.clone()],
+            inp.beta[t],
+            &mut out[row],
+        );
+    }
+    out
 }
 
 /// `s ← s_prev` with row `i` scaled by `exp(g[i])` (the decay of a head's first token, read from the old state).

@@ -157,7 +157,7 @@ impl Layer {
                 } else {
                     Some(p)
                 };
-                let a = profile.time(Phase::Attention, || {
+                let a = profile.time(self.attention_phase(), || {
                     self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state)
                 })?;
                 let p = match partial {
@@ -170,13 +170,21 @@ impl Layer {
                 Ok((p + f)?)
             }
             _ => {
-                let a = profile.time(Phase::Attention, || {
+                let a = profile.time(self.attention_phase(), || {
                     self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
                 })?;
                 let p = (p + a)?;
                 let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, pass, next)?;
                 Ok((p + f)?)
             }
+        }
+    }
+
+    /// The profile phase of this layer's attention.
+    fn attention_phase(&self) -> Phase {
+        match self.attn {
+            Attention::Kda(_) => Phase::Kda,
+            Attention::Mla(_) => Phase::Mla,
         }
     }
 

@@ -10,10 +10,11 @@
 use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
 use deltafin_quant::dot::dot_f32;
+use rayon::prelude::*;
 
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
-use crate::ops::{linear, rms_norm, rms_norm_row, sigmoid, tensor, values};
+use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, sigmoid, tensor, values};
 use crate::state::MlaCache;
 use crate::weights::Loader;
 
@@ -134,15 +135,30 @@ impl Mla {
         let qk = nope + rope;
         let t_len = x.dim(0)?;
 
+        // Every projection of the input in one threaded job: the query's first projection, the compressed KV and
+        // the output gate.
+        let q_in = match &self.q {
+            QueryProj::LowRank { a, .. } => a,
+            QueryProj::Plain(w) => w,
+        };
+        let mut ws = vec![q_in, &self.kv_a];
+        ws.extend(self.gate.as_ref());
+        let mut outs = linear_many(x, &ws)?.into_iter();
+        let (Some(q_first), Some(kv)) = (outs.next(), outs.next()) else {
+            return Err(crate::error::ModelError::Device(
+                "the MLA projections gave too few outputs".to_string(),
+            ));
+        };
+        let gate = outs.next().map(|g| values(&g)).transpose()?;
         let q = values(&match &self.q {
-            QueryProj::LowRank { a, norm, b } => {
-                linear(&rms_norm(&linear(x, a)?, norm, MLA_LORA_NORM_EPS)?, b)?
+            QueryProj::LowRank { norm, b, .. } => {
+                linear(&rms_norm(&q_first, norm, MLA_LORA_NORM_EPS)?, b)?
             }
-            QueryProj::Plain(w) => linear(x, w)?,
+            QueryProj::Plain(_) => q_first,
         })?; // [T, heads * (nope + rope)]
 
         // Compressed KV for the new rows, appended to the cache.
-        let mut ckv = values(&linear(x, &self.kv_a)?)?; // [T, kvl + rope]: c normalised in place, k_pe raw
+        let mut ckv = values(&kv)?; // [T, kvl + rope]: c normalised in place, k_pe raw
         for row in ckv.chunks_exact_mut(kvl + rope) {
             rms_norm_row(&mut row[..kvl], &self.kv_a_norm, MLA_LORA_NORM_EPS);
         }
@@ -152,53 +168,65 @@ impl Mla {
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             let mut out = g.attend(&q, cache, past, t_len, scale)?;
-            return self.finish(x, &mut out, t_len);
+            return self.finish(gate.as_deref(), &mut out, t_len);
         }
         let rows: Vec<&[f32]> = cache.rows().collect();
 
+        // Heads in parallel: each reads its own absorbed projections (`w_uk_t`, `w_uv`: 512 KB a head at K3's size)
+        // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it.
         let mut out = vec![0.0f32; t_len * nh * vd];
-        let mut q_abs = vec![0.0f32; kvl];
-        let mut ctx = vec![0.0f32; kvl];
-        for t in 0..t_len {
-            let visible = past + t + 1;
-            let mut scores = vec![0.0f32; visible];
-            for h in 0..nh {
-                let qh = &q[(t * nh + h) * qk..(t * nh + h + 1) * qk];
-                let (q_nope, q_pe) = qh.split_at(nope);
-                for (l, v) in q_abs.iter_mut().enumerate() {
-                    *v = self.w_uk_t[h].dot_row(l, q_nope);
-                }
-                for (score, row) in scores.iter_mut().zip(&rows) {
-                    let (c, kpe) = row.split_at(kvl);
-                    *score = (dot_f32(&q_abs, c) + dot_f32(q_pe, kpe)) * scale;
-                }
-                let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0.0f32;
-                for sc in scores.iter_mut() {
-                    *sc = (*sc - max).exp();
-                    total += *sc;
-                }
-                ctx.iter_mut().for_each(|v| *v = 0.0);
-                for (&p, row) in scores.iter().zip(&rows) {
-                    let w = p / total;
-                    for (acc, &c) in ctx.iter_mut().zip(&row[..kvl]) {
-                        *acc += w * c;
+        let mut by_head = vec![0.0f32; nh * t_len * vd];
+        by_head
+            .par_chunks_mut(t_len * vd)
+            .enumerate()
+            .for_each(|(h, dst)| {
+                let mut q_abs = vec![0.0f32; kvl];
+                let mut ctx = vec![0.0f32; kvl];
+                for t in 0..t_len {
+                    let visible = past + t + 1;
+                    let mut scores = vec![0.0f32; visible];
+                    let qh = &q[(t * nh + h) * qk..(t * nh + h + 1) * qk];
+                    let (q_nope, q_pe) = qh.split_at(nope);
+                    for (l, v) in q_abs.iter_mut().enumerate() {
+                        *v = self.w_uk_t[h].dot_row(l, q_nope);
+                    }
+                    for (score, row) in scores.iter_mut().zip(&rows) {
+                        let (c, kpe) = row.split_at(kvl);
+                        *score = (dot_f32(&q_abs, c) + dot_f32(q_pe, kpe)) * scale;
+                    }
+                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let mut total = 0.0f32;
+                    for sc in scores.iter_mut() {
+                        *sc = (*sc - max).exp();
+                        total += *sc;
+                    }
+                    ctx.iter_mut().for_each(|v| *v = 0.0);
+                    for (&p, row) in scores.iter().zip(&rows) {
+                        let w = p / total;
+                        for (acc, &c) in ctx.iter_mut().zip(&row[..kvl]) {
+                            *acc += w * c;
+                        }
+                    }
+                    for (i, o) in dst[t * vd..(t + 1) * vd].iter_mut().enumerate() {
+                        *o = self.w_uv[h].dot_row(i, &ctx);
                     }
                 }
-                let dst = &mut out[(t * nh + h) * vd..(t * nh + h + 1) * vd];
-                for (i, o) in dst.iter_mut().enumerate() {
-                    *o = self.w_uv[h].dot_row(i, &ctx);
-                }
+            });
+        // [heads, T, v] -> [T, heads, v]
+        for h in 0..nh {
+            for t in 0..t_len {
+                out[(t * nh + h) * vd..(t * nh + h + 1) * vd]
+                    .copy_from_slice(&by_head[(h * t_len + t) * vd..(h * t_len + t + 1) * vd]);
             }
         }
-        self.finish(x, &mut out, t_len)
+        self.finish(gate.as_deref(), &mut out, t_len)
     }
 
-    /// The output gate and projection of the attention rows `out [T, heads · v]`.
-    fn finish(&self, x: &Tensor, out: &mut [f32], t_len: usize) -> Result<Tensor> {
-        if let Some(g) = &self.gate {
-            let gate = values(&linear(x, g)?)?;
-            for (o, g) in out.iter_mut().zip(&gate) {
+    /// The output gate (its projection `gate [T, heads · v]`, computed with the others) and the output projection
+    /// of the attention rows `out [T, heads · v]`.
+    fn finish(&self, gate: Option<&[f32]>, out: &mut [f32], t_len: usize) -> Result<Tensor> {
+        if let Some(gate) = gate {
+            for (o, g) in out.iter_mut().zip(gate) {
                 *o *= sigmoid(*g);
             }
         }

@@ -5,7 +5,7 @@ use deltafin_quant::DenseMatrix;
 
 use crate::config::Activation;
 use crate::error::Result;
-use crate::ops::{glu_tensor, linear};
+use crate::ops::{glu_tensor, linear, linear_many};
 use crate::weights::Loader;
 
 /// A dense gated MLP.
@@ -36,7 +36,12 @@ impl Mlp {
 
     /// `[T, hidden] -> [T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let a = glu_tensor(self.act, &linear(x, &self.gate)?, &linear(x, &self.up)?)?;
+        let [gate, up]: [Tensor; 2] = linear_many(x, &[&self.gate, &self.up])?
+            .try_into()
+            .map_err(|_| {
+                crate::error::ModelError::Device("two linears gave another count".into())
+            })?;
+        let a = glu_tensor(self.act, &gate, &up)?;
         linear(&a, &self.down)
     }
 }

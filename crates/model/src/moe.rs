@@ -13,13 +13,13 @@ use candle_core::Tensor;
 use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch_with};
 use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
 use deltafin_quant::mxfp4_i16_contract;
-use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Input, Mxfp4Matrix};
+use deltafin_quant::{DenseData, DenseMatrix, Mxfp4Input};
 
 use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use crate::layer::Pass;
 use crate::mlp::Mlp;
-use crate::ops::{glu, linear, rms_norm, sigmoid, tensor, values};
+use crate::ops::{glu_values, linear, linear_many, rms_norm, sigmoid, tensor, values};
 use crate::profile::Phase;
 use crate::weights::{ExpertWeights, Loader};
 
@@ -122,11 +122,31 @@ impl Moe {
 
     /// Routes every row of `x` (`[T, hidden]`, normed).
     pub fn route(&self, x: &Tensor) -> Result<Vec<Route>> {
-        let logits = values(&linear(x, &self.router)?)?;
-        Ok(logits
+        self.routes_of(&linear(x, &self.router)?)
+    }
+
+    /// The routes of router logits `[T, n_experts]`.
+    fn routes_of(&self, logits: &Tensor) -> Result<Vec<Route>> {
+        Ok(values(logits)?
             .chunks_exact(self.cfg.n_experts)
             .map(|row| self.route_row(row))
             .collect())
+    }
+
+    /// The routes of `x` and, for K3's latent MoE, its down projection into the experts' width, in one threaded
+    /// job (both read `x`).
+    fn route_and_project(&self, x: &Tensor) -> Result<(Vec<Route>, Tensor)> {
+        match &self.latent {
+            Some(l) => {
+                let [logits, z]: [Tensor; 2] = linear_many(x, &[&self.router, &l.down])?
+                    .try_into()
+                    .map_err(|_| {
+                        ModelError::Device("two linears gave another count".to_string())
+                    })?;
+                Ok((self.routes_of(&logits)?, z))
+            }
+            None => Ok((self.route(x)?, x.clone())),
+        }
     }
 
     fn route_row(&self, logits: &[f32]) -> Route {
@@ -175,7 +195,7 @@ impl Moe {
         {
             return Ok(y);
         }
-        let routes = self.route(x)?;
+        let (routes, z) = self.route_and_project(x)?;
         let t_len = routes.len();
         // expert -> rows that chose it, with the weight.
         let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
@@ -185,21 +205,19 @@ impl Moe {
             }
         }
         let ids: Vec<usize> = users.keys().copied().collect();
-        // The reads go out now; the latent projection and the shared experts are computed while they run.
+        // The reads go out now; the shared experts are computed while they run.
         let fetch = experts.begin(self.layer, &ids)?;
         if let Some(next) = next
             && experts.wants_prefetch()
         {
             experts.prefetch(next.layer, &next.guess(x)?)?;
         }
-        let z = match &self.latent {
-            Some(l) => linear(x, &l.down)?,
-            None => x.clone(),
-        };
         let z_vals = values(&z)?;
         let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
-        let shared = self.shared.as_ref().map(|s| s.forward(x)).transpose()?;
         let routing = routing_from.elapsed();
+        let shared = profile.time(Phase::SharedExperts, || {
+            self.shared.as_ref().map(|s| s.forward(x)).transpose()
+        })?;
 
         // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order whatever
         // order the experts arrive in.
@@ -310,18 +328,13 @@ impl Moe {
         let mut mxfp4 = Vec::with_capacity(batch.len());
         for (k, &(e, _, weights)) in batch.iter().enumerate() {
             if let ExpertWeights::Mxfp4(p) = weights {
-                let part = |i: usize| p.bytes.get(p.parts[i].clone()).unwrap_or(&[]);
-                let m = |i: usize, rows, cols| {
-                    Mxfp4Matrix::new(part(2 * i), part(2 * i + 1), rows, cols).map_err(quant_err(e))
-                };
-                mxfp4.push((
-                    k,
-                    [
-                        m(0, inter, width)?,
-                        m(1, width, inter)?,
-                        m(2, inter, width)?,
-                    ],
-                ));
+                if p.shapes() != [(inter, width), (width, inter), (inter, width)] {
+                    return Err(ModelError::BadWeight {
+                        name: format!("layer {} expert {e}", self.layer),
+                        msg: format!("MXFP4 shapes {:?}", p.shapes()),
+                    });
+                }
+                mxfp4.push((k, p.matrices().map_err(quant_err(e))?));
             }
         }
         let t_of = |k: usize| batch[k].1.len();
@@ -349,11 +362,20 @@ impl Moe {
         gemm_batch_with(&mut products, input).map_err(pass_err)?;
         drop(products);
         // Then every down projection in one pass.
-        let acts: Vec<Vec<f32>> = gates
-            .iter()
-            .zip(&ups)
-            .map(|(g, u)| self.glu_rows(g, u))
-            .collect();
+        // Every expert's activation in one threaded job (a K3 expert's 3072 SiTU values cost about 0.1 ms each).
+        let acts: Vec<Vec<f32>> = {
+            let (gate_all, up_all): (Vec<f32>, Vec<f32>) = (gates.concat(), ups.concat());
+            let all = self.glu_rows(&gate_all, &up_all);
+            let mut at = 0;
+            gates
+                .iter()
+                .map(|g| {
+                    let a = all[at..at + g.len()].to_vec();
+                    at += g.len();
+                    a
+                })
+                .collect()
+        };
         let mut downs: Vec<Vec<f32>> = mxfp4
             .iter()
             .map(|&(k, _)| vec![0.0; t_of(k) * width])
@@ -418,11 +440,8 @@ impl Moe {
             .map_err(quant_err)
     }
 
-    /// The expert activation of gate and up outputs, element by element.
+    /// The expert activation of gate and up outputs, element by element, on every thread.
     fn glu_rows(&self, gate: &[f32], up: &[f32]) -> Vec<f32> {
-        gate.iter()
-            .zip(up)
-            .map(|(&g, &u)| glu(self.act, g, u))
-            .collect()
+        glu_values(self.act, gate, up)
     }
 }

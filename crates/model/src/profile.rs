@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 /// Accumulated nanoseconds per phase (interior mutability: the model is shared).
 #[derive(Debug, Default)]
 pub struct Profile {
-    attention: AtomicU64,
+    kda: AtomicU64,
+    mla: AtomicU64,
+    shared_experts: AtomicU64,
     dense_ffn: AtomicU64,
     moe_trunk: AtomicU64,
     expert_wait: AtomicU64,
@@ -20,11 +22,15 @@ pub struct Profile {
 /// A copy of the counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ProfileSnapshot {
-    /// KDA and MLA blocks (projections, recurrence, attention).
-    pub attention: Duration,
+    /// KDA blocks: projections, conv, recurrence, gated norm, output projection.
+    pub kda: Duration,
+    /// MLA blocks: projections and attention over the latent cache.
+    pub mla: Duration,
+    /// The MoE layers' shared experts (a dense MLP each).
+    pub shared_experts: Duration,
     /// Dense MLP layers.
     pub dense_ffn: Duration,
-    /// MoE router, latent projections, norm and shared experts.
+    /// MoE router, latent projections, norm and combine (the shared experts are counted apart).
     pub moe_trunk: Duration,
     /// Blocked waiting for routed experts (RAM cache, disk or network).
     pub expert_wait: Duration,
@@ -37,10 +43,22 @@ pub struct ProfileSnapshot {
 }
 
 impl ProfileSnapshot {
+    /// KDA and MLA together.
+    pub fn attention(&self) -> Duration {
+        self.kda + self.mla
+    }
+
+    /// Every phase of dense spine compute outside attention: dense FFN, the MoE trunk, shared experts, head.
+    pub fn spine_compute(&self) -> Duration {
+        self.dense_ffn + self.moe_trunk + self.shared_experts + self.head
+    }
+
     /// The time spent in each phase between `earlier` and `self`.
     pub fn since(&self, earlier: &ProfileSnapshot) -> ProfileSnapshot {
         ProfileSnapshot {
-            attention: self.attention.saturating_sub(earlier.attention),
+            kda: self.kda.saturating_sub(earlier.kda),
+            mla: self.mla.saturating_sub(earlier.mla),
+            shared_experts: self.shared_experts.saturating_sub(earlier.shared_experts),
             dense_ffn: self.dense_ffn.saturating_sub(earlier.dense_ffn),
             moe_trunk: self.moe_trunk.saturating_sub(earlier.moe_trunk),
             expert_wait: self.expert_wait.saturating_sub(earlier.expert_wait),
@@ -54,11 +72,15 @@ impl ProfileSnapshot {
 /// The phases [`Profile`] tracks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
-    /// Attention blocks.
-    Attention,
+    /// KDA attention blocks.
+    Kda,
+    /// MLA attention blocks.
+    Mla,
+    /// Shared experts.
+    SharedExperts,
     /// Dense MLP.
     DenseFfn,
-    /// MoE router, latent projections, shared experts.
+    /// MoE router, latent projections, norm and combine.
     MoeTrunk,
     /// Waiting for experts.
     ExpertWait,
@@ -71,8 +93,10 @@ pub enum Phase {
 }
 
 /// Every phase, in report order.
-const PHASES: [Phase; 7] = [
-    Phase::Attention,
+const PHASES: [Phase; 9] = [
+    Phase::Kda,
+    Phase::Mla,
+    Phase::SharedExperts,
     Phase::DenseFfn,
     Phase::MoeTrunk,
     Phase::ExpertWait,
@@ -84,7 +108,9 @@ const PHASES: [Phase; 7] = [
 impl Profile {
     fn counter(&self, phase: Phase) -> &AtomicU64 {
         match phase {
-            Phase::Attention => &self.attention,
+            Phase::Kda => &self.kda,
+            Phase::Mla => &self.mla,
+            Phase::SharedExperts => &self.shared_experts,
             Phase::DenseFfn => &self.dense_ffn,
             Phase::MoeTrunk => &self.moe_trunk,
             Phase::ExpertWait => &self.expert_wait,
@@ -112,7 +138,9 @@ impl Profile {
     pub fn snapshot(&self) -> ProfileSnapshot {
         let d = |p| Duration::from_nanos(self.counter(p).load(Ordering::Relaxed));
         ProfileSnapshot {
-            attention: d(Phase::Attention),
+            kda: d(Phase::Kda),
+            mla: d(Phase::Mla),
+            shared_experts: d(Phase::SharedExperts),
             dense_ffn: d(Phase::DenseFfn),
             moe_trunk: d(Phase::MoeTrunk),
             expert_wait: d(Phase::ExpertWait),

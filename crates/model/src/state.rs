@@ -3,9 +3,27 @@
 //! State is passed explicitly (`&mut SessionState`), so a snapshot is a clone and a rollback is keeping the old
 //! value. KDA states sit behind `Arc`, so a clone shares them until one side writes (copy on write).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::config::{AttnKind, ModelConfig};
+
+/// Idle KDA state matrices kept for reuse, at most this many (two per KDA layer of K3, with room to spare).
+const MAX_IDLE_STATE_BUFFERS: usize = 160;
+
+/// State matrices of dropped KDA states. A forward pass writes every layer's new state into a buffer taken from
+/// here, so the pages are already the process's: a fresh 6.3 MB allocation per layer and pass would be zeroed (or
+/// faulted in page by page) first, which cost more than the recurrence itself at K3's size.
+static IDLE_STATE_BUFFERS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+
+/// A buffer of `len` values whose contents are unspecified (the caller overwrites every value): an idle one of that
+/// length, or a new one.
+pub(crate) fn state_buffer(len: usize) -> Vec<f32> {
+    let mut idle = IDLE_STATE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
+    match idle.iter().position(|b| b.len() == len) {
+        Some(i) => idle.swap_remove(i),
+        None => vec![0.0; len],
+    }
+}
 
 /// The state of one KDA layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -14,6 +32,20 @@ pub struct KdaState {
     pub conv: [Vec<f32>; 3],
     /// Recurrent states, `[heads, head_dim (k), head_dim (v)]`.
     pub s: Vec<f32>,
+}
+
+impl Drop for KdaState {
+    /// The state matrices go back to the idle buffers (see [`state_buffer`]).
+    fn drop(&mut self) {
+        let s = std::mem::take(&mut self.s);
+        if s.is_empty() {
+            return;
+        }
+        let mut idle = IDLE_STATE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < MAX_IDLE_STATE_BUFFERS {
+            idle.push(s);
+        }
+    }
 }
 
 /// The latent cache of one MLA layer: per token the normalised `c` (kv_lora values) followed by the shared `k_pe`

@@ -140,13 +140,58 @@ impl std::fmt::Debug for ExpertBytes {
     }
 }
 
-/// The raw bytes of an MXFP4 expert and where each of its six tensors lies in them.
+/// The raw bytes of an MXFP4 expert and where each of its six tensors lies in them, checked once when built
+/// ([`PackedExpert::new`]: lengths and every scale byte), so the products that use it do not check again.
 #[derive(Clone, Debug)]
 pub struct PackedExpert {
     /// The expert's span, exactly as in the shard.
     pub bytes: ExpertBytes,
     /// Byte ranges in `bytes` of w1.packed, w1.scale, w2.packed, w2.scale, w3.packed, w3.scale.
     pub parts: [Range<usize>; 6],
+    /// Logical `[rows, cols]` of w1, w2 and w3.
+    shapes: [(usize, usize); 3],
+}
+
+impl PackedExpert {
+    /// Checks `parts` of `bytes` as MXFP4 matrices of the logical shapes `shapes` (w1, w2, w3): every range inside
+    /// `bytes`, lengths matching, no NaN scale byte.
+    pub fn new(
+        bytes: ExpertBytes,
+        parts: [Range<usize>; 6],
+        shapes: [(usize, usize); 3],
+    ) -> std::result::Result<Self, deltafin_quant::QuantError> {
+        for (i, &(rows, cols)) in shapes.iter().enumerate() {
+            let part = |k: usize| bytes.get(parts[k].clone()).unwrap_or(&[]);
+            deltafin_quant::Mxfp4Matrix::new(part(2 * i), part(2 * i + 1), rows, cols)?;
+        }
+        Ok(Self {
+            bytes,
+            parts,
+            shapes,
+        })
+    }
+
+    /// w1, w2 and w3 as matrices, without scanning the scales again.
+    pub fn matrices(
+        &self,
+    ) -> std::result::Result<[deltafin_quant::Mxfp4Matrix<'_>; 3], deltafin_quant::QuantError> {
+        let part = |k: usize| self.bytes.get(self.parts[k].clone()).unwrap_or(&[]);
+        let m = |i: usize| {
+            let (rows, cols) = self.shapes[i];
+            deltafin_quant::Mxfp4Matrix::with_checked_scales(
+                part(2 * i),
+                part(2 * i + 1),
+                rows,
+                cols,
+            )
+        };
+        Ok([m(0)?, m(1)?, m(2)?])
+    }
+
+    /// Logical `[rows, cols]` of w1, w2 and w3.
+    pub fn shapes(&self) -> [(usize, usize); 3] {
+        self.shapes
+    }
 }
 
 /// Called with `(position in the requested list, weights)` pairs as experts become available: several at once

@@ -23,6 +23,7 @@ use std::time::Instant;
 
 use deltafin_quant::collect_on_huge_pages;
 use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::membw::{sum_portable, sum_vector};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch_with};
 use memmap2::{Advice, MmapMut};
 use rayon::prelude::*;
@@ -84,52 +85,6 @@ fn pseudo_random(seed: u64) -> impl Fn(usize) -> u8 {
         x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
         (x >> 32) as u8
     }
-}
-
-/// The wrapping sum of `words`, plain Rust (the compiler's baseline vectorisation).
-fn sum_portable(words: &[u64]) -> u64 {
-    words.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-}
-
-/// The wrapping sum of `words` with 64-byte loads into four accumulators and a prefetch 24 KiB ahead, where the
-/// CPU has AVX-512; the portable sum elsewhere. With fast memory this reads about a quarter faster than the
-/// portable loop on this project's machine: each load covers a whole cache line, so the core keeps more lines in
-/// flight.
-fn sum_vector(words: &[u64]) -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: AVX-512F detected.
-        return unsafe { sum_avx512(words) };
-    }
-    sum_portable(words)
-}
-
-/// How far ahead [`sum_avx512`] prefetches: 24 KiB of words.
-#[cfg(target_arch = "x86_64")]
-const READ_AHEAD_WORDS: usize = (24 << 10) / 8;
-
-/// [`sum_vector`] on AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn sum_avx512(words: &[u64]) -> u64 {
-    use std::arch::x86_64::*;
-    let lines = words.chunks_exact(32);
-    let rest = sum_portable(lines.remainder());
-    let mut acc = [_mm512_setzero_si512(); 4];
-    for four in lines {
-        let p = four.as_ptr();
-        for (k, a) in acc.iter_mut().enumerate() {
-            // A hint: it never faults, even past the buffer.
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(READ_AHEAD_WORDS + 8 * k) as *const i8);
-            // SAFETY: `four` holds 32 words, so words 8k .. 8k + 8 are in it.
-            *a = _mm512_add_epi64(*a, unsafe { _mm512_loadu_si512(p.add(8 * k) as *const _) });
-        }
-    }
-    let total = _mm512_add_epi64(
-        _mm512_add_epi64(acc[0], acc[1]),
-        _mm512_add_epi64(acc[2], acc[3]),
-    );
-    (_mm512_reduce_add_epi64(total) as u64).wrapping_add(rest)
 }
 
 fn main() {

@@ -267,6 +267,38 @@ impl DenseMatrix {
     }
 }
 
+/// `y_i = x · w_iᵀ` for several matrices that read the same input `x [t_rows, cols]` (a layer's q, k and v
+/// projections, say), as one threaded job: the row blocks of every matrix are spread over the threads together,
+/// so the threads fork and join once rather than once per matrix, and a thread runs from one matrix into the next
+/// instead of waiting at each one's end. Each output is bit-identical to that matrix's [`DenseMatrix::gemm`].
+pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<Vec<f32>>> {
+    for m in mats {
+        m.check(x, t_rows)?;
+    }
+    if t_rows != 1 {
+        return mats.iter().map(|m| m.gemm(x, t_rows)).collect();
+    }
+    // An int8 matrix's input quantised once for all of them.
+    let xq = mats
+        .iter()
+        .find(|m| matches!(m.data, DenseData::Int8 { .. }))
+        .map(|_| QuantizedInput::new(x));
+    let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows]).collect();
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, y) in ys.iter_mut().enumerate() {
+        for (k, out) in y.chunks_mut(DENSE_ROWS_PER_TASK).enumerate() {
+            tasks.push((i, k * DENSE_ROWS_PER_TASK, out));
+        }
+    }
+    let run = |(i, r0, out): (usize, usize, &mut [f32])| mats[i].rows_with(r0, x, xq.as_ref(), out);
+    if tasks.len() < 4 {
+        tasks.into_iter().for_each(run);
+    } else {
+        tasks.into_par_iter().for_each(run);
+    }
+    Ok(ys)
+}
+
 /// Row `r` of a row-major matrix with `c` columns.
 fn row<T>(v: &[T], r: usize, c: usize) -> &[T] {
     &v[r * c..(r + 1) * c]

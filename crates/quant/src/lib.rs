@@ -11,6 +11,7 @@ pub mod dense;
 pub mod dot;
 pub mod error;
 pub mod int8_contract;
+pub mod membw;
 pub mod mxfp4;
 pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
@@ -20,7 +21,7 @@ pub mod quantise;
 pub mod simd;
 pub mod words;
 
-pub use dense::{DenseData, DenseMatrix};
+pub use dense::{DenseData, DenseMatrix, gemm_many};
 pub use error::{QuantError, Result};
 pub use mxfp4::{MXFP4_GROUP, Mxfp4Input, Mxfp4Matrix, e2m1_value, e8m0_scale};
 pub use pages::{collect_on_huge_pages, huge_page_vec};

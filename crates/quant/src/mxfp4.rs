@@ -72,6 +72,29 @@ pub struct Mxfp4Matrix<'a> {
 impl<'a> Mxfp4Matrix<'a> {
     /// Wraps `packed` and `scales` as a `[rows, cols]` matrix, checking lengths and every scale byte.
     pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Result<Self> {
+        let m = Self::with_checked_scales(packed, scales, rows, cols)?;
+        let groups = cols / MXFP4_GROUP;
+        // `contains` on bytes is a vectorised search; the position is only looked for on the error path.
+        if scales.contains(&E8M0_NAN)
+            && let Some(pos) = scales.iter().position(|&e| e == E8M0_NAN)
+        {
+            return Err(QuantError::NanScale {
+                row: pos / groups,
+                group: pos % groups,
+            });
+        }
+        Ok(m)
+    }
+
+    /// As [`Self::new`] for bytes whose scales were checked when they were loaded (an expert is checked once when
+    /// it is read, not at every product): lengths are checked, the scale bytes are not scanned again. A NaN scale
+    /// here would only make NaN outputs.
+    pub fn with_checked_scales(
+        packed: &'a [u8],
+        scales: &'a [u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self> {
         if !cols.is_multiple_of(MXFP4_GROUP) {
             return Err(QuantError::BadColumns {
                 cols,
@@ -92,17 +115,7 @@ impl<'a> Mxfp4Matrix<'a> {
             }
         };
         check("packed", rows * cols / 2, packed.len())?;
-        let groups = cols / MXFP4_GROUP;
-        check("scales", rows * groups, scales.len())?;
-        // `contains` on bytes is a vectorised search; the position is only looked for on the error path.
-        if scales.contains(&E8M0_NAN)
-            && let Some(pos) = scales.iter().position(|&e| e == E8M0_NAN)
-        {
-            return Err(QuantError::NanScale {
-                row: pos / groups,
-                group: pos % groups,
-            });
-        }
+        check("scales", rows * (cols / MXFP4_GROUP), scales.len())?;
         Ok(Self {
             packed,
             scales,

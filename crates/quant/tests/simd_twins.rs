@@ -121,6 +121,37 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
 }
 
 #[test]
+fn gemm_many_equals_each_gemm() {
+    let mut r = rng();
+    let cols = 288;
+    let x = randn(&mut r, cols);
+    // Matrices of every kind, and row counts that are not multiples of a task (64) or a pair.
+    let mats: Vec<DenseMatrix> = [(300, 0), (65, 1), (7, 2), (129, 0)]
+        .iter()
+        .map(|&(rows, kind)| {
+            let w = randn(&mut r, rows * cols);
+            let f = DenseMatrix::new(rows, cols, DenseData::F32(w.clone())).expect("shape");
+            match kind {
+                0 => f,
+                1 => f.to_int8(),
+                _ => {
+                    let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                    DenseMatrix::new(rows, cols, DenseData::Bf16(wb.into())).expect("shape")
+                }
+            }
+        })
+        .collect();
+    let refs: Vec<&DenseMatrix> = mats.iter().collect();
+    let many = deltafin_quant::gemm_many(&refs, &x, 1).expect("shapes");
+    for (m, y) in mats.iter().zip(&many) {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(y), bits(&m.gemm_ref(&x, 1).expect("gemm_ref")));
+    }
+    // A wrong input length is an error, not a panic.
+    assert!(deltafin_quant::gemm_many(&refs, &x[1..], 1).is_err());
+}
+
+#[test]
 fn int8_quantisation_is_close() {
     let mut r = rng();
     let (rows, cols) = (8, 256);

@@ -23,11 +23,13 @@ pub fn dense_data(bytes: &[u8], dtype: Dtype) -> Option<DenseData> {
     }
 }
 
-/// As [`dense_data`], but bf16 bytes are used in place (no copy) when they are aligned: the read buffer then
-/// lives as long as the weight. Misaligned bytes (a checkpoint whose tensors start at odd offsets) are copied.
+/// As [`dense_data`], but bf16 bytes in a read pool's buffer are used in place (no copy) when they are aligned:
+/// the buffer then lives as long as the weight. Other bytes are copied: a plain vector is not on huge pages, and
+/// the kernels read weights on 4 KiB pages more slowly (misaligned bytes, a checkpoint whose tensors start at odd
+/// offsets, are copied too).
 pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> {
     let aligned = (bytes.as_ptr() as usize).is_multiple_of(2) && cfg!(target_endian = "little");
-    if dtype == Dtype::BF16 && aligned {
+    if dtype == Dtype::BF16 && aligned && matches!(bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len() / 2;
         let owner: SharedBytes = Arc::new(bytes);
         // Cannot fail: aligned, little-endian and in range were checked above.
@@ -36,10 +38,10 @@ pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> 
     dense_data(&bytes, dtype)
 }
 
-/// int8 values stored in `bytes`, in place on little-endian machines (one-byte elements are always aligned),
-/// else copied.
+/// int8 values stored in `bytes`, in place when they are in a read pool's buffer (one-byte elements are always
+/// aligned; see [`dense_data_in_place`]), else copied onto huge pages.
 pub fn int8_in_place(bytes: SpanBytes) -> Words<i8> {
-    if cfg!(target_endian = "little") {
+    if cfg!(target_endian = "little") && matches!(bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len();
         let owner: SharedBytes = Arc::new(bytes);
         if let Some(w) = Words::<i8>::in_place(owner, 0, n) {
@@ -47,7 +49,7 @@ pub fn int8_in_place(bytes: SpanBytes) -> Words<i8> {
         }
         return Vec::new().into();
     }
-    bytes.iter().map(|&b| b as i8).collect::<Vec<_>>().into()
+    collect_on_huge_pages(bytes.iter().map(|&b| b as i8)).into()
 }
 
 /// Little-endian bytes of `dtype` as f32 values, or `None` for a dtype that is not a float.

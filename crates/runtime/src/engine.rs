@@ -286,6 +286,12 @@ impl Engine {
         self.model.streamed_layers()
     }
 
+    /// Bytes of the output head as served (a decode step reads all of it).
+    pub fn head_bytes(&self) -> u64 {
+        self.spine
+            .served_bytes(&self.model.config().model_tensor("lm_head.weight"))
+    }
+
     /// Spine bytes per layer, as served (from the int8 copy where it is in use).
     pub fn layer_spine_bytes(&self) -> &[u64] {
         &self.layer_bytes

@@ -178,10 +178,14 @@ mod tests {
     use deltafin_model::PackedExpert;
 
     fn expert(len: usize) -> Arc<ExpertWeights> {
-        Arc::new(ExpertWeights::Mxfp4(PackedExpert {
-            bytes: vec![0; len].into(),
-            parts: [0..0, 0..0, 0..0, 0..0, 0..0, 0..0],
-        }))
+        Arc::new(ExpertWeights::Mxfp4(
+            PackedExpert::new(
+                vec![0; len].into(),
+                [0..0, 0..0, 0..0, 0..0, 0..0, 0..0],
+                [(0, 32); 3],
+            )
+            .expect("empty matrices are valid"),
+        ))
     }
 
     #[test]

@@ -24,6 +24,8 @@ mod spine_batch;
 
 pub use budget::MemoryPlan;
 pub use deltafin_model::{DeviceOptions, DevicePref};
+/// The all-core memory read bound benchmarks measure against (re-exported for the apps).
+pub use deltafin_quant::membw;
 pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::Engine;
 pub use error::{Result, RuntimeError};
@@ -41,3 +43,8 @@ pub use sources::ExpertStats;
 pub use spine::{
     INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
 };
+
+/// Threads the CPU kernels run on (rayon's global pool: `RAYON_NUM_THREADS`, default one per core).
+pub fn compute_threads() -> usize {
+    rayon::current_num_threads()
+}

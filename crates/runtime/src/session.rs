@@ -285,6 +285,15 @@ impl<'e> Session<'e> {
 
     /// One forward pass of `input` on a copy of the committed state; returns the rows and the new state.
     fn pass(&mut self, input: &[u32], rows: LogitRows) -> Result<(Vec<f32>, SessionState)> {
+        let context = self.engine.options().context;
+        if self.committed.n_tokens + input.len() > context {
+            return Err(RuntimeError::Budget(format!(
+                "the session's context is full: {} tokens are in it, {} more would pass the {context} the memory \
+                 budget reserves (K3_CONTEXT or --context)",
+                self.committed.n_tokens,
+                input.len()
+            )));
+        }
         let mut st = self.committed.clone();
         let t = self
             .engine

@@ -367,11 +367,28 @@ fn decode(span: &ExpertSpan, bytes: SpanBytes) -> Result<ExpertWeights, RuntimeE
         p.rel_offset as usize..(p.rel_offset + p.len) as usize
     };
     match span.format {
-        ExpertFormat::Mxfp4 => Ok(ExpertWeights::Mxfp4(PackedExpert {
-            parts: [range(0), range(1), range(2), range(3), range(4), range(5)],
-            // The read buffer itself (no copy): it goes back to the pool when the expert leaves the cache.
-            bytes: ExpertBytes::new(bytes),
-        })),
+        ExpertFormat::Mxfp4 => {
+            // Logical [rows, cols] of w1, w2, w3 from the packed parts' stored [rows, cols / 2].
+            let shape = |i: usize| {
+                let s = &span.parts[2 * i].shape;
+                (
+                    s.first().copied().unwrap_or(0),
+                    2 * s.get(1).copied().unwrap_or(0),
+                )
+            };
+            let packed = PackedExpert::new(
+                // The read buffer itself (no copy): it goes back to the pool when the expert leaves the cache.
+                ExpertBytes::new(bytes),
+                [range(0), range(1), range(2), range(3), range(4), range(5)],
+                [shape(0), shape(1), shape(2)],
+            )
+            .map_err(|source| ModelError::Expert {
+                layer,
+                expert,
+                source,
+            })?;
+            Ok(ExpertWeights::Mxfp4(packed))
+        }
         ExpertFormat::Dense(dtype) => {
             let conv = |i: usize| {
                 to_f32(&bytes[range(i)], dtype).ok_or_else(|| RuntimeError::UnsupportedDtype {

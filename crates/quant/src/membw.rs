@@ -1,0 +1,102 @@
+//! The memory read bound kernels are held against: an all-core read of a buffer far larger than the caches, in the
+//! same process and minute as the measurement it bounds (this project's machines change speed from minute to
+//! minute).
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::pages::huge_page_vec;
+
+/// The wrapping sum of `words`, plain Rust (the compiler's baseline vectorisation).
+pub fn sum_portable(words: &[u64]) -> u64 {
+    words.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+}
+
+/// The wrapping sum of `words` with 64-byte loads into four accumulators and a prefetch 24 KiB ahead, where the
+/// CPU has AVX-512; the portable sum elsewhere. Each load covers a whole cache line, so a core keeps more lines in
+/// flight than the portable loop does.
+pub fn sum_vector(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F detected.
+        return unsafe { sum_avx512(words) };
+    }
+    sum_portable(words)
+}
+
+/// How far ahead [`sum_avx512`] prefetches: 24 KiB of words.
+#[cfg(target_arch = "x86_64")]
+const READ_AHEAD_WORDS: usize = (24 << 10) / 8;
+
+/// [`sum_vector`] on AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn sum_avx512(words: &[u64]) -> u64 {
+    use std::arch::x86_64::*;
+    let lines = words.chunks_exact(32);
+    let rest = sum_portable(lines.remainder());
+    let mut acc = [_mm512_setzero_si512(); 4];
+    for four in lines {
+        let p = four.as_ptr();
+        for (k, a) in acc.iter_mut().enumerate() {
+            // A hint: it never faults, even past the buffer.
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(READ_AHEAD_WORDS + 8 * k) as *const i8);
+            // SAFETY: `four` holds 32 words, so words 8k .. 8k + 8 are in it.
+            *a = _mm512_add_epi64(*a, unsafe { _mm512_loadu_si512(p.add(8 * k) as *const _) });
+        }
+    }
+    let total = _mm512_add_epi64(
+        _mm512_add_epi64(acc[0], acc[1]),
+        _mm512_add_epi64(acc[2], acc[3]),
+    );
+    (_mm512_reduce_add_epi64(total) as u64).wrapping_add(rest)
+}
+
+/// A buffer to measure reads over, on huge pages, every word written (so every page is resident).
+pub struct ReadBuffer {
+    words: Vec<u64>,
+}
+
+impl ReadBuffer {
+    /// `bytes` bytes (rounded down to whole words) of distinct values.
+    pub fn new(bytes: usize) -> Self {
+        let n = bytes / 8;
+        let mut words = huge_page_vec(n);
+        words.extend((0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+        Self { words }
+    }
+
+    /// Reads the whole buffer on every thread of rayon's pool, once with each loop, and returns the faster rate in
+    /// bytes per second.
+    pub fn read_rate(&self) -> f64 {
+        let threads = rayon::current_num_threads().max(1);
+        let per = self.words.len().div_ceil(threads * 8).max(1);
+        let mut best = 0.0f64;
+        for sum in [sum_portable as fn(&[u64]) -> u64, sum_vector] {
+            let t = Instant::now();
+            let total = self
+                .words
+                .par_chunks(per)
+                .map(sum)
+                .reduce(|| 0, u64::wrapping_add);
+            let secs = t.elapsed().as_secs_f64();
+            std::hint::black_box(total);
+            best = best.max((self.words.len() * 8) as f64 / secs);
+        }
+        best
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_loops_sum_alike_and_a_rate_is_measured() {
+        let words: Vec<u64> = (0..1000u64).map(|i| i * 0x1234_5678_9abc).collect();
+        assert_eq!(sum_portable(&words), sum_vector(&words));
+        let b = ReadBuffer::new(8 << 20);
+        assert!(b.read_rate() > 1e8, "under 100 MB/s");
+    }
+}
