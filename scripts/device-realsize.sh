@@ -4,11 +4,14 @@
 #   kernels  kernel throughput against the memory read bound (kernel_bandwidth, gemv_sweep, kernel_compute)
 #   dense    decode of a dense real-width K3 model (6 layers, 32 experts) with everything resident, at the thread
 #            counts in $THREADS (default 16 8 4 2)
+#   capped   the same dense model under a 12 GiB budget (layers streamed, experts read from disk), with the
+#            expert read rate of the same run for the I/O bound, $RUNS times
 #   sparse   the full-size sparse K3 model under the budgets in $BUDGETS (default 96 48)
 # Binaries are built on the development machine and carried gzip-compressed in target/devbin; results go to $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
-STEPS=${STEPS:-kernels dense sparse}
+STEPS=${STEPS:-kernels dense capped sparse}
+RUNS=${RUNS:-1}
 THREADS=${THREADS:-16 8 4 2}
 BUDGETS=${BUDGETS:-96 48}
 TOKENS=${TOKENS:-6}
@@ -37,9 +40,19 @@ if has dense; then
   step "make dense real-width model"
   [ -d "$DATA/k3d" ] || timeout 240 bin/xtask make-synthetic --preset k3 --layers 6 --experts 32 --out "$DATA/k3d"
   for t in $THREADS; do
-    step "bench-decode dense, resident, $t threads"
-    RAYON_NUM_THREADS=$t timeout 100 bin/deltafin bench-decode --model "$DATA/k3d" --ram-gb 60 --pin-layers all \
-      --tokens "$TOKENS" --membw-gib 4 | tee -a "$OUT/dense_threads.jsonl"
+    runs=1; [ "$t" = 16 ] && runs=$RUNS
+    for r in $(seq "$runs"); do
+      step "bench-decode dense, resident, $t threads, run $r"
+      RAYON_NUM_THREADS=$t timeout 100 bin/deltafin bench-decode --model "$DATA/k3d" --ram-gb 60 --pin-layers all \
+        --tokens "$TOKENS" --membw-gib 4 | tee -a "$OUT/dense_threads.jsonl"
+    done
+  done
+fi
+if has capped; then
+  for r in $(seq "$RUNS"); do
+    step "bench-decode dense, 12 GiB budget, run $r"
+    timeout 150 bin/deltafin bench-decode --model "$DATA/k3d" --ram-gb 12 --tokens "$TOKENS" --membw-gib 4 \
+      --disk-spans 48 | tee -a "$OUT/dense_capped.jsonl"
   done
 fi
 if has sparse; then

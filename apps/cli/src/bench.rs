@@ -24,10 +24,14 @@ pub struct BenchArgs {
     tokens: usize,
     #[command(flatten)]
     engine: EngineArgs,
-    /// GiB of memory to read on every core before and after decoding, for the memory read bound of the same run
+    /// GiB of memory to read on every core before the model is opened, for the memory read bound of the same run
     /// (0: skip).
     #[arg(long, default_value_t = 2.0)]
     membw_gib: f64,
+    /// Experts to read through the engine's read path before decoding, for the storage read bound of the same run
+    /// (0: skip).
+    #[arg(long, default_value_t = 0)]
+    disk_spans: usize,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -68,8 +72,11 @@ struct Report {
     spine_wait_s: f64,
     /// Threads in the compute pool.
     threads: usize,
-    /// All-core memory read rate measured before and after decoding (bytes/s; the higher of the two).
+    /// All-core memory read rate measured in the same process just before the model is opened (bytes/s; the best
+    /// of three reads).
     membw_bytes_per_s: f64,
+    /// Experts read from storage through the engine's read path before decoding (bytes/s; 0 when not measured).
+    disk_bytes_per_s: f64,
     /// Weight bytes a decode step touches: every layer's spine, the head, one embedding row, and the routed
     /// experts asked for (per token).
     spine_bytes_touched_per_token: u64,
@@ -106,6 +113,13 @@ pub fn peak_rss() -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
+/// Resets the peak resident set (`VmHWM`) to the current one (Linux: `5` written to `/proc/self/clear_refs`); a
+/// no-op where that file does not exist.
+fn reset_peak_rss() {
+    // Best effort: without it the peak includes memory freed before the engine was opened.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
 /// `AnonHugePages` of `/proc/self/smaps_rollup`: anonymous memory on transparent huge pages, in bytes.
 fn anon_huge_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/smaps_rollup")
@@ -127,14 +141,24 @@ fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
 /// Runs `deltafin bench-decode`.
 pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let options = args.engine.options(dev)?;
-    let membw = (args.membw_gib > 0.0).then(|| {
-        deltafin_runtime::membw::ReadBuffer::new((args.membw_gib * (1u64 << 30) as f64) as usize)
-    });
-    let rate_before = membw
-        .as_ref()
-        .map_or(0.0, |b| b.read_rate().max(b.read_rate()));
+    // The read bound is measured before the model is opened and its buffer freed, and the peak resident set is
+    // reset after, so `peak_rss_bytes` is the engine's own.
+    let membw_rate = if args.membw_gib > 0.0 {
+        let b = deltafin_runtime::membw::ReadBuffer::new(
+            (args.membw_gib * (1u64 << 30) as f64) as usize,
+        );
+        b.read_rate().max(b.read_rate()).max(b.read_rate())
+    } else {
+        0.0
+    };
+    reset_peak_rss();
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
+    let disk_rate = if args.disk_spans > 0 {
+        engine.expert_read_rate(args.disk_spans)?
+    } else {
+        0.0
+    };
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
     let mut session = engine.session();
     let mut token_s = Vec::with_capacity(args.tokens);
@@ -170,10 +194,6 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         },
     )?;
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
-    let rate_after = membw
-        .as_ref()
-        .map_or(0.0, |b| b.read_rate().max(b.read_rate()));
-    drop(membw);
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -213,7 +233,8 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         shared_experts_s: p.shared_experts.as_secs_f64(),
         head_s: p.head.as_secs_f64(),
         threads: deltafin_runtime::compute_threads(),
-        membw_bytes_per_s: rate_before.max(rate_after),
+        membw_bytes_per_s: membw_rate,
+        disk_bytes_per_s: disk_rate,
         spine_bytes_touched_per_token: engine.layer_spine_bytes().iter().sum::<u64>()
             + engine.head_bytes()
             + (cfg.hidden_size * 2) as u64,

@@ -195,6 +195,12 @@ impl Engine {
         self.experts.inner().missing().filter(|m| m.experts > 0)
     }
 
+    /// The rate at which experts are read from local storage through the engine's own read path (bytes per second,
+    /// over `spans` experts; see [`ExpertStore::expert_read_rate`]). Benchmarks take their I/O bound from it.
+    pub fn expert_read_rate(&self, spans: usize) -> Result<f64> {
+        self.experts.inner().expert_read_rate(spans)
+    }
+
     /// Expert cache hits and misses, disk reads and network fetches so far.
     pub fn expert_stats(&self) -> ExpertStats {
         self.experts.inner().stats()
