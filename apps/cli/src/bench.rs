@@ -75,6 +75,11 @@ struct Report {
     /// All-core memory read rate measured in the same process just before the model is opened (bytes/s; the best
     /// of three reads).
     membw_bytes_per_s: f64,
+    /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
+    open_s: f64,
+    open_read_bytes: u64,
+    /// Spine bytes kept resident (read once at open).
+    resident_spine_bytes: u64,
     /// Experts read from storage through the engine's read path before decoding (bytes/s; 0 when not measured).
     disk_bytes_per_s: f64,
     /// Weight bytes a decode step touches: every layer's spine, the head, one embedding row, and the routed
@@ -152,8 +157,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         0.0
     };
     reset_peak_rss();
+    let (open_io0, open_from) = (proc_read_bytes(), Instant::now());
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
+    let (open_s, open_read_bytes) = (open_from.elapsed().as_secs_f64(), proc_read_bytes() - open_io0);
     let disk_rate = if args.disk_spans > 0 {
         engine.expert_read_rate(args.disk_spans)?
     } else {
@@ -235,6 +242,9 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         threads: deltafin_runtime::compute_threads(),
         membw_bytes_per_s: membw_rate,
         disk_bytes_per_s: disk_rate,
+        open_s,
+        open_read_bytes,
+        resident_spine_bytes: engine.memory_plan().fixed_spine + engine.memory_plan().pinned_layers,
         spine_bytes_touched_per_token: engine.layer_spine_bytes().iter().sum::<u64>()
             + engine.head_bytes()
             + (cfg.hidden_size * 2) as u64,
