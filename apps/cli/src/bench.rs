@@ -160,7 +160,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let (open_io0, open_from) = (proc_read_bytes(), Instant::now());
     let engine = Engine::open(&args.model, options)
         .with_context(|| format!("opening model {}", args.model.display()))?;
-    let (open_s, open_read_bytes) = (open_from.elapsed().as_secs_f64(), proc_read_bytes() - open_io0);
+    let (open_s, open_read_bytes) = (
+        open_from.elapsed().as_secs_f64(),
+        proc_read_bytes() - open_io0,
+    );
     let disk_rate = if args.disk_spans > 0 {
         engine.expert_read_rate(args.disk_spans)?
     } else {

@@ -123,6 +123,14 @@ impl Engine {
                 over as f64 / GIB
             );
         }
+        // The resident layers are read in order, each while the one before it is built.
+        spine.set_order(
+            (0..n_layers)
+                .filter(|&l| plan.resident[l])
+                .map(|l| layer_prefixes[l].clone())
+                .collect(),
+            false,
+        );
         let mut model = if plan.resident.iter().all(|&r| r) {
             Model::load_on(cfg, &*spine, &options.device)?
         } else {
@@ -149,11 +157,12 @@ impl Engine {
         // Only reads made by forward passes count from here on.
         spine.reset_reads();
         let streamed = model.streamed_layers();
-        spine.set_streamed(
+        spine.set_order(
             streamed
                 .iter()
                 .map(|&l| layer_prefixes[l].clone())
                 .collect(),
+            true,
         );
         tracing::info!("memory budget {plan}");
         let cache_budget = plan.expert_cache;

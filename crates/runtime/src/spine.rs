@@ -241,10 +241,11 @@ impl SpineSource {
             .sum()
     }
 
-    /// Tells the batch reader which decoder layers forward passes stream (by their tensor prefixes, in order), so
-    /// each one's read starts while the one before it is built.
-    pub fn set_streamed(&self, prefixes: Vec<String>) {
-        self.layers.set_streamed(prefixes);
+    /// Tells the batch reader the order decoder layers will be read in (by their tensor prefixes): the resident
+    /// layers once while the model loads, then the streamed ones at every forward pass (`cyclic`). Each layer's
+    /// read then starts while the one before it is built.
+    pub fn set_order(&self, prefixes: Vec<String>, cyclic: bool) {
+        self.layers.set_order(prefixes, cyclic);
     }
 
     /// Bytes and reads since open or the last [`Self::reset_reads`].
@@ -283,7 +284,12 @@ impl SpineSource {
         };
         let bytes = match batched {
             Some(b) => b,
-            None => SpanBytes::Owned(files.read_tensor(info).map_err(source_err)?),
+            // A tensor of no layer (head, embedding, norms) with direct I/O into a huge-page buffer; a filesystem
+            // that refuses direct I/O gets the pool's logged buffered fallback.
+            None => match self.layers.read_one(origin, info) {
+                Ok(b) => b,
+                Err(_) => SpanBytes::Owned(files.read_tensor(info).map_err(source_err)?),
+            },
         };
         self.count(bytes.len());
         Ok(bytes)

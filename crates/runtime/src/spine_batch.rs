@@ -55,8 +55,10 @@ struct ReadAhead {
     ready: HashMap<(Origin, String), SpanBytes>,
     prefix: Option<String>,
     served: HashSet<(Origin, String)>,
-    /// The streamed layers' prefixes in the order forward passes ask for them (set by the engine).
+    /// The layers' prefixes in the order they are asked for (set by the engine).
     order: Vec<String>,
+    /// Whether the order repeats (forward passes: after the last layer, the first), or is read once (open).
+    cyclic: bool,
     /// The next streamed layers' batches in flight, in order: prefix and where the completions arrive.
     next: VecDeque<(String, Receiver<SpanRead>)>,
 }
@@ -99,11 +101,30 @@ impl LayerReader {
         })
     }
 
-    /// The layers that forward passes stream, in order: while one is built, the next one's batch is already
-    /// being read (and after the last, the first, for the next pass).
-    pub fn set_streamed(&self, prefixes: Vec<String>) {
+    /// One tensor that belongs to no decoder layer (the head, the embedding, the final norm) read alone with direct
+    /// I/O, into a pool buffer on huge pages that the weight then uses in place.
+    pub fn read_one(&self, origin: Origin, info: &TensorInfo) -> Result<SpanBytes, StorageError> {
+        let stored = [Stored {
+            origin,
+            info: info.clone(),
+        }];
+        let mut batch = self.pool.submit(self.requests(&stored)?);
+        match batch.next() {
+            Some(done) => done.result,
+            None => Err(StorageError::Io {
+                path: std::path::PathBuf::from("<spine read pool>"),
+                source: std::io::Error::other("the read pool stopped"),
+            }),
+        }
+    }
+
+    /// The layers read in this order from now on (the resident ones once while the model loads, then the streamed
+    /// ones at every forward pass, `cyclic`): while one is built, the next one's batch is already being read (and,
+    /// when cyclic, after the last the first, for the next pass).
+    pub fn set_order(&self, prefixes: Vec<String>, cyclic: bool) {
         let mut st = self.state();
         st.order = prefixes;
+        st.cyclic = cyclic;
         st.next.clear();
     }
 
@@ -144,6 +165,9 @@ impl LayerReader {
             return Ok(());
         };
         for ahead in 1..=READ_AHEAD_LAYERS {
+            if !st.cyclic && pos + ahead >= st.order.len() {
+                break;
+            }
             let next = st.order[(pos + ahead) % st.order.len()].clone();
             if next == prefix {
                 break;
