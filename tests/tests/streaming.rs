@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use deltafin_runtime::{Engine, EngineOptions};
 use deltafin_storage::install::{SetupOptions, setup};
 use deltafin_storage::{
-    HubOptions, InstallMode, MANIFEST_FILE, NoProgress, STATE_DIR, Secret, SpanManifest,
-    StorageError,
+    HubOptions, InstallMode, MANIFEST_FILE, NoProgress, SPINE_VERIFIED_FILE, STATE_DIR, Secret,
+    SpanManifest, StorageError,
 };
 use deltafin_tests::hub::{FAKE_COMMIT, FakeHub, Fault};
 use deltafin_tests::{Golden, fixture};
@@ -362,13 +362,16 @@ fn corrupt_cache_entries_and_a_damaged_manifest_are_detected() {
     let cut = log.len() - 5;
     log.truncate(cut);
     std::fs::write(&manifest_path, &log).expect("tear manifest");
-    // Damage a spine byte too: opening the engine verifies the spine and refetches it.
+    // Damage a spine byte too. The spine was verified at the first open and that was recorded, so the next open
+    // would not read it back; without the record the open verifies the spine again and refetches the span.
     let spine = deltafin_storage::spine_spans(&files, &map)[0];
     let spine_path = files.shards()[spine.shard].path.clone();
     let mut sb = std::fs::read(&spine_path).expect("read");
     sb[spine.offset as usize] ^= 0x01;
     std::fs::write(&spine_path, &sb).expect("write");
     drop(files);
+    std::fs::remove_file(dest.join(STATE_DIR).join(SPINE_VERIFIED_FILE))
+        .expect("recorded verification");
 
     hub.clear_seen();
     let engine = open(&dest, Some(&hub));
@@ -386,6 +389,50 @@ fn corrupt_cache_entries_and_a_damaged_manifest_are_detected() {
     assert!(
         refetched < 10,
         "only the damaged spans were fetched, not {refetched}"
+    );
+}
+
+#[test]
+fn the_spine_is_verified_once_and_the_verification_recorded() {
+    let _logs = log_buffer();
+    let hub = FakeHub::start(&k3b(), REPO, REVISION).expect("hub");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dest = tmp.path().join("Kimi-K3");
+    stream_setup(&hub, &dest, None);
+    let marker = dest.join(STATE_DIR).join(SPINE_VERIFIED_FILE);
+    drop(open(&dest, Some(&hub)));
+    let recorded = std::fs::read_to_string(&marker).expect("the verification is recorded");
+    // With the record, a second open does not read the spine back: a span damaged on disk meanwhile goes unnoticed
+    // (this is what not re-hashing the spine at every open means), and nothing is fetched.
+    let files = deltafin_storage::ModelFiles::open(&dest).expect("files");
+    let map = deltafin_storage::ExpertMap::build(&files).expect("map");
+    let spine = deltafin_storage::spine_spans(&files, &map)[0];
+    let spine_path = files.shards()[spine.shard].path.clone();
+    drop(files);
+    let original = std::fs::read(&spine_path).expect("read");
+    let mut damaged = original.clone();
+    damaged[spine.offset as usize] ^= 0x01;
+    std::fs::write(&spine_path, &damaged).expect("write");
+    hub.clear_seen();
+    drop(open(&dest, Some(&hub)));
+    assert!(
+        hub.ranges_served().is_empty(),
+        "a recorded verification is not repeated"
+    );
+    assert_eq!(std::fs::read_to_string(&marker).expect("record"), recorded);
+    // A change to the spine's records (here: the record removed, as a forced check does) brings it back: the
+    // damaged span is found and fetched again.
+    std::fs::remove_file(&marker).expect("remove record");
+    drop(open(&dest, Some(&hub)));
+    assert_eq!(
+        hub.ranges_served().len(),
+        1,
+        "the damaged span was fetched again"
+    );
+    assert_eq!(std::fs::read(&spine_path).expect("read"), original);
+    assert_eq!(
+        std::fs::read_to_string(&marker).expect("record again"),
+        recorded
     );
 }
 

@@ -42,7 +42,7 @@ pub use remote::{DEFAULT_ENDPOINT, Hub, HubClient, HubOptions, RangeBody, RepoRe
 pub use span_cache::{ManifestRepairs, SpanKey, SpanManifest};
 pub use stream::{
     INSTALL_FILE, InstallInfo, InstallMode, MANIFEST_FILE, MAX_SPINE_SPAN, Missing, NoProgress,
-    Progress, ReaderStats, STATE_DIR, SpanBatch, SpanReader, SpanRequest, StreamInstall,
-    header_span, is_stream_install, spine_spans,
+    Progress, ReaderStats, SPINE_VERIFIED_FILE, STATE_DIR, SpanBatch, SpanReader, SpanRequest,
+    StreamInstall, header_span, is_stream_install, spine_spans,
 };
 pub use writer::{PlannedTensor, write_safetensors};

@@ -37,6 +37,9 @@ pub const STATE_DIR: &str = ".deltafin";
 pub const INSTALL_FILE: &str = "install.json";
 /// The span manifest inside [`STATE_DIR`].
 pub const MANIFEST_FILE: &str = "spans.log";
+/// The record of the last full verification of the spine inside [`STATE_DIR`]: a digest of the spine spans and
+/// their checksums as they were when every one of them was read back and matched.
+pub const SPINE_VERIFIED_FILE: &str = "spine-verified";
 /// File name of a single-file (unsharded) checkpoint.
 const SINGLE_FILE: &str = "model.safetensors";
 /// Spine runs longer than this are fetched as several spans, so a retry never repeats much.
@@ -345,12 +348,21 @@ impl StreamInstall {
         Ok(this)
     }
 
-    /// Verifies every recorded spine span and fetches the rest.
+    /// Verifies every recorded spine span and fetches the rest, once: after a verification in which every spine
+    /// span was present and matched its checksum, [`SPINE_VERIFIED_FILE`] records the spans and checksums, and a
+    /// later open with the same ones skips reading the spine back (114 GB at K3's size). Any span fetched or
+    /// forgotten since changes the digest and brings the full verification back; deleting the file forces one.
     fn ensure_spine(&self, progress: &dyn Progress) -> Result<()> {
         let spine = spine_spans(&self.files, &self.map);
+        let marker = self.dir.join(STATE_DIR).join(SPINE_VERIFIED_FILE);
+        let digest = self.spine_digest(&spine);
+        if digest.is_some() && std::fs::read_to_string(&marker).ok().as_deref() == digest.as_deref()
+        {
+            return Ok(());
+        }
         let mut missing = Vec::new();
         let mut buf = Vec::new();
-        for key in spine {
+        for &key in &spine {
             let Some(crc) = self.ctx.manifest.crc_of(key) else {
                 missing.push(key);
                 continue;
@@ -372,7 +384,31 @@ impl StreamInstall {
         if !missing.is_empty() {
             self.fetch_all(&missing, "spine", progress)?;
         }
+        if let Some(digest) = self.spine_digest(&spine) {
+            let tmp = marker.with_extension("tmp");
+            let write = std::fs::write(&tmp, digest).and_then(|()| std::fs::rename(&tmp, &marker));
+            if let Err(e) = write {
+                // Only the next open's shortcut is lost: it verifies again.
+                tracing::warn!(path = %marker.display(), error = %e, "cannot record the spine verification");
+            }
+        }
         Ok(())
+    }
+
+    /// A digest of every spine span with its recorded checksum, or `None` while any span is not recorded.
+    fn spine_digest(&self, spine: &[SpanKey]) -> Option<String> {
+        let mut h = crc32fast::Hasher::new();
+        for key in spine {
+            let crc = self.ctx.manifest.crc_of(*key)?;
+            for v in [key.shard as u64, key.offset, key.len, crc as u64] {
+                h.update(&v.to_le_bytes());
+            }
+        }
+        Some(format!(
+            "{} spans, digest {:08x}\n",
+            spine.len(),
+            h.finalize()
+        ))
     }
 
     /// The model directory.
