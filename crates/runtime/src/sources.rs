@@ -356,16 +356,25 @@ impl StoreFetch<'_> {
                 self.submit_next();
             }
         }
-        while let Some(batch) = self.in_flight.pop_front() {
+        while let Some(mut batch) = self.in_flight.pop_front() {
             self.submit_next();
-            for done in batch {
-                let bytes = done.result?;
-                let e = self.experts[done.tag];
-                let weights = Arc::new(decode(self.store.map.span(self.layer, e)?, bytes)?);
-                self.store
-                    .cache()
-                    .insert(self.layer, e, Arc::clone(&weights));
-                on_expert(vec![(done.tag, weights)]).map_err(StreamError::Model)?;
+            // Each wait hands over the read that ended it and every other one of the window that has landed
+            // meanwhile, in one call: when the multiplier lags the disk, experts are multiplied several at a time
+            // (one threaded job for all of them) instead of one by one.
+            while let Some(first) = batch.next() {
+                let mut ready = Vec::new();
+                let mut done = Some(first);
+                while let Some(read) = done {
+                    let e = self.experts[read.tag];
+                    let weights =
+                        Arc::new(decode(self.store.map.span(self.layer, e)?, read.result?)?);
+                    self.store
+                        .cache()
+                        .insert(self.layer, e, Arc::clone(&weights));
+                    ready.push((read.tag, weights));
+                    done = batch.try_next();
+                }
+                on_expert(ready).map_err(StreamError::Model)?;
             }
         }
         Ok(())

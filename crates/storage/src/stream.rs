@@ -723,18 +723,27 @@ pub struct SpanBatch<'r> {
     refetched: HashSet<usize>,
 }
 
-impl Iterator for SpanBatch<'_> {
-    type Item = SpanRead;
+impl SpanBatch<'_> {
+    /// The next completion if one has already arrived, without waiting (a corrupt cached span is sent for again
+    /// as in [`Iterator::next`], and does not count as arrived).
+    pub fn try_next(&mut self) -> Option<SpanRead> {
+        self.take(false)
+    }
 
-    fn next(&mut self) -> Option<SpanRead> {
+    /// The next completion; waits for one when `wait`, else only takes one that has arrived.
+    fn take(&mut self, wait: bool) -> Option<SpanRead> {
         loop {
             if self.remaining == 0 {
                 return None;
             }
-            let start = Instant::now();
-            let got = self.rx.recv().ok();
-            self.reader.pool.add_wait(start.elapsed());
-            let read = got?;
+            let read = if wait {
+                let start = Instant::now();
+                let got = self.rx.recv().ok();
+                self.reader.pool.add_wait(start.elapsed());
+                got?
+            } else {
+                self.rx.try_recv().ok()?
+            };
             if let (Err(StorageError::CorruptSpan { path, reason, .. }), Some(stream)) =
                 (&read.result, &self.reader.stream)
                 && let Some(&key) = self.keys.get(&read.tag)
@@ -757,5 +766,13 @@ impl Iterator for SpanBatch<'_> {
             self.remaining -= 1;
             return Some(read);
         }
+    }
+}
+
+impl Iterator for SpanBatch<'_> {
+    type Item = SpanRead;
+
+    fn next(&mut self) -> Option<SpanRead> {
+        self.take(true)
     }
 }
