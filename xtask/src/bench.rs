@@ -46,8 +46,8 @@ pub struct BenchArgs {
 }
 
 const CGROUP: &str = "/sys/fs/cgroup/memory/deltafin-bench";
-/// Memory kept out of the weights budget for read buffers (two streamed spine layers, expert reads) and the
-/// process itself.
+/// Memory of the cgroup kept out of the engine's budget for the process itself and the page cache the cgroup
+/// counts (the budget covers the engine's buffers, state and scratch).
 const HEADROOM_GIB: f64 = 0.75;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -208,8 +208,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let top_k = deltafin_model::ModelConfig::from_file(&args.model.join("config.json"))?
         .moe
         .top_k;
-    // The engine charges the resident spine to this budget itself and streams the layers that do not fit.
-    let ram_gb = (args.mem_cap_gb - HEADROOM_GIB).max(0.0);
+    // The engine charges the resident spine to this budget itself and streams the layers that do not fit; it refuses
+    // a budget over MAX_RAM_SHARE of the cgroup's limit, which a large cap less the fixed headroom would ask for.
+    let ram_gb = (args.mem_cap_gb - HEADROOM_GIB)
+        .min(args.mem_cap_gb * deltafin_runtime::MAX_RAM_SHARE)
+        .max(0.0);
     let block = {
         let files = ModelFiles::open(&args.model)?;
         let map = ExpertMap::build(&files)?;

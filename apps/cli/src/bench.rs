@@ -93,29 +93,24 @@ struct Report {
     prefetch_recalled: u64,
 }
 
+/// The number after `key` on its line of the `/proc` file `file` (units such as `kB` dropped); `None` where the
+/// file or the line is missing.
+fn proc_value(file: &str, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(file).ok()?;
+    text.lines().find_map(|l| {
+        l.strip_prefix(key)
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    })
+}
+
 /// `read_bytes` of `/proc/self/io` (0 where unavailable).
 fn proc_read_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/io")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("read_bytes:").map(|v| v.trim().parse().ok()))
-                .flatten()
-        })
-        .unwrap_or(0)
+    proc_value("/proc/self/io", "read_bytes:").unwrap_or(0)
 }
 
 /// `VmHWM` of `/proc/self/status` (the peak resident set), in bytes; `None` where there is no such file.
 pub fn peak_rss() -> Option<u64> {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines().find_map(|l| {
-                l.strip_prefix("VmHWM:")
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-        })
-        .map(|kb| kb * 1024)
+    proc_value("/proc/self/status", "VmHWM:").map(|kb| kb * 1024)
 }
 
 /// Resets the peak resident set (`VmHWM`) to the current one (Linux: `5` written to `/proc/self/clear_refs`); a
@@ -127,15 +122,7 @@ fn reset_peak_rss() {
 
 /// `AnonHugePages` of `/proc/self/smaps_rollup`: anonymous memory on transparent huge pages, in bytes.
 fn anon_huge_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/smaps_rollup")
-        .ok()
-        .and_then(|t| {
-            t.lines().find_map(|l| {
-                l.strip_prefix("AnonHugePages:")
-                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            })
-        })
-        .map_or(0, |kb| kb * 1024)
+    proc_value("/proc/self/smaps_rollup", "AnonHugePages:").map_or(0, |kb| kb * 1024)
 }
 
 /// The prefetch counters (zero when prefetch is off).

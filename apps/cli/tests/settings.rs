@@ -11,9 +11,9 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Runs the binary with `vars` set and every engine variable not in `vars` removed.
-fn deltafin(args: &[&str], vars: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deltafin"));
+/// `program args`, with `vars` set and every engine variable not in `vars` removed.
+fn command(program: &str, args: &[&str], vars: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new(program);
     cmd.args(args).env(
         "DELTAFIN_ROOT",
         std::env::temp_dir().join("deltafin-cli-settings-root"),
@@ -24,7 +24,14 @@ fn deltafin(args: &[&str], vars: &[(&str, &str)]) -> Output {
     for (k, v) in vars {
         cmd.env(k, v);
     }
-    cmd.output().expect("run deltafin")
+    cmd
+}
+
+/// Runs the binary with `vars` set and every engine variable not in `vars` removed.
+fn deltafin(args: &[&str], vars: &[(&str, &str)]) -> Output {
+    command(env!("CARGO_BIN_EXE_deltafin"), args, vars)
+        .output()
+        .expect("run deltafin")
 }
 
 fn stderr(out: &Output) -> String {
@@ -189,18 +196,9 @@ impl Cgroup {
             env!("CARGO_BIN_EXE_deltafin"),
         ];
         all.extend(args);
-        let mut cmd = Command::new("sh");
-        cmd.args(&all).env(
-            "DELTAFIN_ROOT",
-            std::env::temp_dir().join("deltafin-cli-settings-root"),
-        );
-        for var in deltafin_runtime::ENGINE_VARS {
-            cmd.env_remove(var);
-        }
-        for (k, v) in vars {
-            cmd.env(k, v);
-        }
-        cmd.output().expect("run deltafin in the cgroup")
+        command("sh", &all, vars)
+            .output()
+            .expect("run deltafin in the cgroup")
     }
 }
 

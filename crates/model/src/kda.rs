@@ -262,11 +262,15 @@ impl Kda {
         let d = self.cfg.head_dim;
         let c = self.cfg.n_heads * d;
         for (t, o_h) in out.chunks_exact_mut(d).enumerate() {
-            let g_h = &og[t * c + head * d..t * c + (head + 1) * d];
-            let inv = inv_rms(o_h, self.eps);
-            for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
-                *o = (*o * inv) * w * sigmoid(*gate);
-            }
+            self.gated_norm_row(o_h, &og[t * c + head * d..t * c + (head + 1) * d]);
+        }
+    }
+
+    /// The gated RMSNorm of one head's output row `o_h [D]` with its gate values `g_h [D]`, in place.
+    fn gated_norm_row(&self, o_h: &mut [f32], g_h: &[f32]) {
+        let inv = inv_rms(o_h, self.eps);
+        for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
+            *o = (*o * inv) * w * sigmoid(*gate);
         }
     }
 }
@@ -342,15 +346,8 @@ impl Kda {
             return Ok(None);
         };
         // The gated norm per head, on [T, C] rows.
-        for t in 0..t_len {
-            for hd in 0..h {
-                let o_h = &mut out[t * c + hd * d..t * c + (hd + 1) * d];
-                let g_h = &p.og[t * c + hd * d..t * c + (hd + 1) * d];
-                let inv = inv_rms(o_h, self.eps);
-                for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
-                    *o = (*o * inv) * w * sigmoid(*gate);
-                }
-            }
+        for (o_h, g_h) in out.chunks_exact_mut(d).zip(p.og.chunks_exact(d)) {
+            self.gated_norm_row(o_h, g_h);
         }
         Ok(Some((s, out)))
     }

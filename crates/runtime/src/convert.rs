@@ -32,8 +32,11 @@ pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> 
     if dtype == Dtype::BF16 && aligned && matches!(bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len() / 2;
         let owner: SharedBytes = Arc::new(bytes);
-        // Cannot fail: aligned, little-endian and in range were checked above.
-        return Words::<u16>::in_place(owner, 0, n).map(DenseData::Bf16);
+        return Some(match Words::<u16>::in_place(Arc::clone(&owner), 0, n) {
+            Some(w) => DenseData::Bf16(w),
+            // Not reached after the checks above; copying keeps it correct if it were.
+            None => dense_data(&owner, dtype)?,
+        });
     }
     dense_data(&bytes, dtype)
 }
@@ -44,10 +47,11 @@ pub fn int8_in_place(bytes: SpanBytes) -> Words<i8> {
     if cfg!(target_endian = "little") && matches!(bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len();
         let owner: SharedBytes = Arc::new(bytes);
-        if let Some(w) = Words::<i8>::in_place(owner, 0, n) {
+        if let Some(w) = Words::<i8>::in_place(Arc::clone(&owner), 0, n) {
             return w;
         }
-        return Vec::new().into();
+        // Not reached on a little-endian machine; copying keeps it correct if it were.
+        return collect_on_huge_pages(owner.iter().map(|&b| b as i8)).into();
     }
     collect_on_huge_pages(bytes.iter().map(|&b| b as i8)).into()
 }

@@ -31,7 +31,9 @@ pub use engine::Engine;
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
 pub use memory::SystemMemory;
-pub use options::{DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, ENGINE_VARS, EngineOptions, ram_budget};
+pub use options::{
+    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, ENGINE_VARS, EngineOptions, MAX_RAM_SHARE, ram_budget,
+};
 pub use pinning::PinLayers;
 pub use prefetch::{PrefetchStats, parse_on_off};
 pub use sampling::{Sampler, SamplingParams, argmax};

@@ -85,7 +85,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 const DEFAULT_RAM_SHARE: f64 = 0.5;
 /// Largest share of usable memory a budget may ask for: the rest is the process's code, the allocator's slack, the
 /// page cache of streamed reads and the rest of the system.
-const MAX_RAM_SHARE: f64 = 0.9;
+pub const MAX_RAM_SHARE: f64 = 0.9;
 /// Budget when the platform gives no memory figure.
 const FALLBACK_RAM_GB: f64 = 4.0;
 
