@@ -63,7 +63,11 @@ struct Report {
     expert_compute_s: f64,
     attention_s: f64,
     kda_s: f64,
+    /// Of `kda_s`, the dense projections.
+    kda_proj_s: f64,
     mla_s: f64,
+    /// Of `mla_s`, the dense projections.
+    mla_proj_s: f64,
     spine_compute_s: f64,
     dense_ffn_s: f64,
     moe_trunk_s: f64,
@@ -223,7 +227,9 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         expert_compute_s: p.expert_compute.as_secs_f64(),
         attention_s: p.attention().as_secs_f64(),
         kda_s: p.kda.as_secs_f64(),
+        kda_proj_s: p.kda_proj.as_secs_f64(),
         mla_s: p.mla.as_secs_f64(),
+        mla_proj_s: p.mla_proj.as_secs_f64(),
         spine_compute_s: p.spine_compute().as_secs_f64(),
         dense_ffn_s: p.dense_ffn.as_secs_f64(),
         moe_trunk_s: p.moe_trunk.as_secs_f64(),
