@@ -37,6 +37,10 @@ pub struct BenchArgs {
     /// (0: skip).
     #[arg(long, default_value_t = 0)]
     disk_spans: usize,
+    /// Read every expert into the RAM cache before decoding (whole layers, while the cache's budget allows), so
+    /// that a run with every layer pinned measures compute with every weight resident.
+    #[arg(long)]
+    warm_experts: bool,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -44,6 +48,8 @@ pub struct BenchArgs {
 
 #[derive(Serialize)]
 struct Report {
+    /// Experts read into the RAM cache before decoding (`--warm-experts`).
+    warm_experts: usize,
     tokens: usize,
     /// Seconds for each decoded token (after the prefill and its first token).
     token_s: Vec<f64>,
@@ -178,6 +184,11 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    let warm_experts = if args.warm_experts {
+        engine.warm_expert_cache()?
+    } else {
+        0
+    };
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
     let mut session = engine.session();
     let mut token_s = Vec::with_capacity(args.tokens);
@@ -248,6 +259,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let report = Report {
+        warm_experts,
         tokens: token_s.len(),
         token_s,
         token_membw_bytes_per_s: token_membw,
