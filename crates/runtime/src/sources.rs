@@ -178,8 +178,7 @@ impl ExpertStore {
                 break;
             }
             ExpertSource::begin(self, layer, &experts)
-                .and_then(|fetch| fetch.finish(&mut |_| Ok(())))
-?;
+                .and_then(|fetch| fetch.finish(&mut |_| Ok(())))?;
         }
         Ok(self.core.cache().stats().entries as usize)
     }
