@@ -25,15 +25,39 @@ pub fn padded_len(n: usize) -> usize {
     n.div_ceil(CHUNK) * CHUNK
 }
 
-/// The input `x` in the contract's order, zero-padded to whole chunks.
-pub fn permute_input(x: &[f32]) -> Vec<f32> {
-    let mut xp = vec![0.0f32; padded_len(x.len())];
-    for (c, out) in xp.chunks_exact_mut(CHUNK).enumerate() {
-        for (i, &v) in x[c * CHUNK..].iter().take(CHUNK).enumerate() {
-            out[(i % 2) * LANES + i / 2] = v;
+/// A permuted input: the values of [`permute_input`], each 16-value half chunk on a cache line of its own (64-byte
+/// aligned), so that a kernel's full-width loads never straddle two lines.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Permuted {
+    lines: Vec<Line>,
+}
+
+/// One 64-byte cache line of inputs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C, align(64))]
+struct Line([f32; LANES]);
+
+impl std::ops::Deref for Permuted {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `Line` is `repr(C)` of 16 f32 with no padding (64 bytes at 64-byte alignment), so the lines are
+        // `16 · len` contiguous f32.
+        unsafe {
+            std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.lines.len() * LANES)
         }
     }
-    xp
+}
+
+/// The input `x` in the contract's order, zero-padded to whole chunks.
+pub fn permute_input(x: &[f32]) -> Permuted {
+    let mut lines = vec![Line([0.0; LANES]); 2 * padded_len(x.len()) / CHUNK];
+    for (c, pair) in lines.chunks_exact_mut(2).enumerate() {
+        for (i, &v) in x[c * CHUNK..].iter().take(CHUNK).enumerate() {
+            pair[i % 2].0[i / 2] = v;
+        }
+    }
+    Permuted { lines }
 }
 
 /// Reduces the two accumulators in the contract's order.
@@ -119,6 +143,75 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
 /// `Σ w·x` against the plain input `x` on the fastest path (permutes `x` first; for one-off rows).
 pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     dot(w, &permute_input(x))
+}
+
+/// Inputs per AVX-512 tile of [`dot_tiles`] (with two rows: 24 accumulators, 4 widened weight vectors and 2 inputs in
+/// the 32 vector registers).
+#[cfg(target_arch = "x86_64")]
+const TILE_TOKENS: usize = 6;
+
+/// Chunks per block of [`dot_tiles`]: a tile's inputs over a block (6 × 1024 values, 24 KiB) stay in L1 while every
+/// row pair of the block goes through them.
+#[cfg(target_arch = "x86_64")]
+const BLOCK_CHUNKS: usize = 32;
+
+/// `out[r · xps.len() + t]` = `rows[r] · xps[t]` for every row and permuted input (rows of equal length `n`, inputs of
+/// at least [`padded_len`]`(n)` values), each bit-identical to [`dot_ref`]. On AVX-512 the products run in tiles of
+/// two rows by [`TILE_TOKENS`] inputs over blocks of [`BLOCK_CHUNKS`] chunks, each row chunk widened once for all of
+/// a tile's inputs (prefill's multi-token form); elsewhere one product at a time.
+pub fn dot_tiles(rows: &[&[u16]], xps: &[&[f32]], out: &mut [f32]) {
+    let n = rows.first().map_or(0, |w| w.len());
+    let tokens = xps.len();
+    let fits = rows.iter().all(|w| w.len() == n)
+        && xps.iter().all(|x| x.len() >= padded_len(n))
+        && out.len() >= rows.len() * tokens;
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() && fits {
+        use crate::simd::avx512::{Bf16Acc, bf16_finish, bf16_tile};
+        // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
+        let mut acc: Vec<Bf16Acc> = vec![unsafe { std::mem::zeroed() }; rows.len() * tokens];
+        let chunks = n.div_ceil(CHUNK);
+        // SAFETY (every call below): AVX-512F/BW present; rows of equal length, inputs covering their chunks and
+        // `acc` holding every pair (checked above).
+        macro_rules! tile {
+            ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
+                $(
+                    if $width == $t {
+                        let xs: [&[f32]; $t] = std::array::from_fn(|k| xps[$t0 + k]);
+                        let rs: [&[u16]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
+                        unsafe { bf16_tile::<$r, $t>(rs, xs, $span, &mut acc[$r0 * tokens + $t0..], tokens) };
+                    }
+                )+
+            }};
+        }
+        for c0 in (0..chunks).step_by(BLOCK_CHUNKS) {
+            let span = (c0, (c0 + BLOCK_CHUNKS).min(chunks));
+            for t0 in (0..tokens).step_by(TILE_TOKENS) {
+                let width = TILE_TOKENS.min(tokens - t0);
+                let mut r0 = 0;
+                while r0 < rows.len() {
+                    if rows.len() - r0 >= 2 {
+                        tile!(2, r0, t0, width, span, 1 2 3 4 5 6);
+                        r0 += 2;
+                    } else {
+                        tile!(1, r0, t0, width, span, 1 2 3 4 5 6);
+                        r0 += 1;
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: AVX-512F present (checked above).
+            *o = unsafe { bf16_finish(a) };
+        }
+        return;
+    }
+    let _ = fits;
+    for (r, w) in rows.iter().enumerate() {
+        for (t, xp) in xps.iter().enumerate() {
+            out[r * tokens + t] = dot(w, xp);
+        }
+    }
 }
 
 #[cfg(test)]

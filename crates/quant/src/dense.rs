@@ -212,6 +212,24 @@ impl DenseMatrix {
             .take(t_rows)
             .map(|x| self.prepare(x))
             .collect();
+        if let DenseData::Bf16(v) = &self.data {
+            // Tiles of rows by inputs: each weight row is widened once for every input.
+            let xps: Vec<&[f32]> = xs
+                .iter()
+                .filter_map(|p| match p {
+                    Prepared::Bf16(xp) => Some(&**xp),
+                    _ => None,
+                })
+                .collect();
+            let c = self.cols;
+            par_row_tiles(self.rows, t_rows, &mut y, |r0, out| {
+                let rows: Vec<&[u16]> = (r0..r0 + out.len() / t_rows)
+                    .map(|r| row(v, r, c))
+                    .collect();
+                bf16_contract::dot_tiles(&rows, &xps, out);
+            });
+            return Ok(y);
+        }
         par_rows(self.rows, t_rows, &mut y, |r, t| self.row_with(r, &xs[t]));
         Ok(y)
     }
@@ -336,7 +354,7 @@ fn by_pairs(
 /// ([`int8_contract`]).
 enum Prepared<'x> {
     F32(&'x [f32]),
-    Bf16(Vec<f32>),
+    Bf16(bf16_contract::Permuted),
     Int8(QuantizedInput),
 }
 
@@ -379,6 +397,30 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
                 }
             }
         });
+    for r in 0..rows {
+        for t in 0..t_rows {
+            y[t * rows + r] = by_row[r * t_rows + t];
+        }
+    }
+}
+
+/// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
+/// still give every thread several tasks.
+const TILE_ROWS_PER_TASK: usize = 32;
+
+/// Fills `y [t_rows, rows]` in parallel over blocks of [`TILE_ROWS_PER_TASK`] weight rows: `f(r0, out)` fills
+/// `out [rows_here, t_rows]` (by weight row) for rows `r0 ..`, so a kernel can take its rows and inputs in tiles.
+fn par_row_tiles(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let mut by_row = vec![0.0f32; rows * t_rows];
+    let per_task = TILE_ROWS_PER_TASK * t_rows;
+    if by_row.len() <= per_task {
+        f(0, &mut by_row);
+    } else {
+        by_row
+            .par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(k, out)| f(k * TILE_ROWS_PER_TASK, out));
+    }
     for r in 0..rows {
         for t in 0..t_rows {
             y[t * rows + r] = by_row[r * t_rows + t];

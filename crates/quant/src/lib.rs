@@ -11,6 +11,7 @@ pub mod cuda;
 pub mod dense;
 pub mod dot;
 pub mod error;
+pub mod flops;
 pub mod int8_contract;
 pub mod membw;
 pub mod mxfp4;

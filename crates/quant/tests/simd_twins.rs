@@ -892,3 +892,42 @@ fn bf16_rows_match_their_twin_on_every_kernel_set() {
         }
     }
 }
+
+/// The multi-token bf16 products (prefill's tiles, blocks of chunks) against the contract's reference for every pair:
+/// row counts and input counts that fill no tile evenly, lengths with partial chunks and more than one block.
+#[test]
+fn bf16_tiles_match_their_twin_for_every_row_and_input() {
+    let mut r = rng();
+    for &(rows, tokens, n) in &[
+        (1, 1, 7),
+        (2, 6, 32),
+        (3, 7, 100),
+        (5, 13, 1000),
+        (4, 64, 2080),
+        (7, 9, 7168),
+    ] {
+        let w: Vec<Vec<u16>> = (0..rows)
+            .map(|_| {
+                (0..n)
+                    .map(|_| (r.random_range(-4.0f32..4.0).to_bits() >> 16) as u16)
+                    .collect()
+            })
+            .collect();
+        let xs: Vec<_> = (0..tokens)
+            .map(|_| bf16_contract::permute_input(&randn(&mut r, n)))
+            .collect();
+        let rows_ref: Vec<&[u16]> = w.iter().map(|v| v.as_slice()).collect();
+        let xs_ref: Vec<&[f32]> = xs.iter().map(|x| &**x).collect();
+        let mut out = vec![f32::NAN; rows * tokens];
+        bf16_contract::dot_tiles(&rows_ref, &xs_ref, &mut out);
+        for (i, row) in rows_ref.iter().enumerate() {
+            for (t, x) in xs_ref.iter().enumerate() {
+                same_bits(
+                    out[i * tokens + t],
+                    bf16_contract::dot_ref(row, x),
+                    &format!("tile rows={rows} tokens={tokens} n={n} ({i}, {t})"),
+                );
+            }
+        }
+    }
+}

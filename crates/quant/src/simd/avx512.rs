@@ -209,6 +209,77 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; 
     std::array::from_fn(|r| reduce16(even[r], odd[r]))
 }
 
+/// The even and odd accumulators of one (row, input) pair of a bf16 tile, kept between blocks of chunks.
+pub type Bf16Acc = [__m512; 2];
+
+/// Chunks `c0 .. c1` of `R` bf16 rows of equal length against `T` permuted inputs ([`crate::bf16_contract`]): the
+/// multi-token form of [`bf16_rows`], for prefill. Each row's chunk is widened once and multiplied into every
+/// input's accumulators (`acc[r * stride + t]`, read at the start and written back at the end, so a caller can walk
+/// the chunks in blocks that keep the inputs in L1), so per chunk the tile does `2RT` FMAs for `R` weight loads and
+/// `2R` widening instructions. Every (row, input) sum gets its chunks in order into its own accumulators, as the
+/// contract says; [`bf16_finish`] reduces them.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; every row has the same length `n`, every input holds at least
+/// `bf16_contract::padded_len(n)` values, `c1 <= n.div_ceil(32)`, and `acc` holds `(R - 1) * stride + T` entries.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn bf16_tile<const R: usize, const T: usize>(
+    rows: [&[u16]; R],
+    xps: [&[f32]; T],
+    (c0, c1): (usize, usize),
+    acc: &mut [Bf16Acc],
+    stride: usize,
+) {
+    use crate::bf16_contract::CHUNK;
+    let n = rows[0].len();
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let mut even: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][0]));
+    let mut odd: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][1]));
+    for c in c0..c1 {
+        let words: [__m512i; R] = if (c + 1) * CHUNK <= n {
+            // SAFETY: chunk c lies whole in every row.
+            rows.map(|w| unsafe { _mm512_loadu_si512(w.as_ptr().add(c * CHUNK) as *const _) })
+        } else {
+            let mask: __mmask32 = (1u32 << (n - c * CHUNK)) - 1;
+            // SAFETY: only the masked elements, all inside each row, are read; the rest are zero.
+            rows.map(|w| unsafe {
+                _mm512_maskz_loadu_epi16(mask, w.as_ptr().add(c * CHUNK) as *const i16)
+            })
+        };
+        let e: [__m512; R] =
+            std::array::from_fn(|r| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[r])));
+        let o: [__m512; R] =
+            std::array::from_fn(|r| _mm512_castsi512_ps(_mm512_and_si512(words[r], high)));
+        for t in 0..T {
+            // SAFETY (caller): chunk c of every permuted input lies in it.
+            let (xe, xo) = unsafe {
+                let at = xps[t].as_ptr().add(c * CHUNK);
+                (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(CHUNK / 2)))
+            };
+            for r in 0..R {
+                even[r][t] = _mm512_fmadd_ps(e[r], xe, even[r][t]);
+                odd[r][t] = _mm512_fmadd_ps(o[r], xo, odd[r][t]);
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            acc[r * stride + t] = [even[r][t], odd[r][t]];
+        }
+    }
+}
+
+/// The contract's reduction of one (row, input) pair's accumulators from [`bf16_tile`].
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn bf16_finish(acc: &Bf16Acc) -> f32 {
+    reduce16(acc[0], acc[1])
+}
+
 /// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, a
 /// sign extension to int16 and one `vpdpwssd` (two products per 32-bit lane), widened to 64 bits every
 /// [`SEGMENT_STEPS`] blocks. The pair is prefetched as one stream, as the dense kernels do.
