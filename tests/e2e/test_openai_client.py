@@ -450,7 +450,7 @@ class OpenAIClientTest(unittest.TestCase):
             model=MODEL, messages=[{"role": "user", "content": "Weather for the trip?"}], max_tokens=40,
             reasoning_effort="none",
         ).choices[0].message.content
-        with self.assertRaises(ValueError):
+        with self.assertRaises((ValueError, jsonschema.ValidationError)):
             jsonschema.validate(json.loads(free), schema)
 
     def test_tool_arguments_follow_each_tools_schema(self):
@@ -482,6 +482,7 @@ class OpenAIClientTest(unittest.TestCase):
                 messages=[{"role": "user", "content": "Weather in Paris?"}],
                 tools=tools,
                 tool_choice="required",
+                parallel_tool_calls=False,
                 max_tokens=300,
                 temperature=temperature,
                 seed=seed,
@@ -489,7 +490,7 @@ class OpenAIClientTest(unittest.TestCase):
             )
             choice = r.choices[0]
             self.assertEqual(choice.finish_reason, "tool_calls")
-            self.assertTrue(choice.message.tool_calls)
+            self.assertEqual(len(choice.message.tool_calls), 1)
             for call in choice.message.tool_calls:
                 seen.add(call.function.name)
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
@@ -512,8 +513,9 @@ class OpenAIClientTest(unittest.TestCase):
             # Greedy: the top alternative is the chosen token, as `nll`'s top-5 says.
             position = len(prompt) - 1 + i
             self.assertEqual(reference["top5"][position][0], new[i])
+            # Keyed by token text: tokens whose bytes read the same (partial UTF-8) share an entry.
             top = choice.logprobs.top_logprobs[i]
-            self.assertEqual(len(top), 5)
+            self.assertTrue(1 <= len(top) <= 5, top)
             lse = reference["top5_logits"][position][0] + nll
             self.assertAlmostEqual(max(top.values()), reference["top5_logits"][position][0] - lse, delta=1e-4)
 
