@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 
-SELENIUM_VERSION=4.52.0
+SELENIUM_VERSION=4.40.0
 TARGET_DIR="${CARGO_TARGET_DIR:-target}"
 VENV="$TARGET_DIR/e2e-venv"
 
