@@ -171,12 +171,16 @@ impl TokenMask for GrammarMask {
         // The mask holds one bit per id, 32 to a word; ids past it (a padded vocabulary) are never allowed.
         let words = mask.as_slice();
         for (chunk, &word) in logits.chunks_mut(32).zip(words) {
-            if word == u32::MAX {
-                continue;
-            }
-            for (bit, v) in chunk.iter_mut().enumerate() {
-                if word & (1 << bit) == 0 {
-                    *v = f32::NEG_INFINITY;
+            match word {
+                u32::MAX => {}
+                // Most words of a narrow mask allow nothing: one fill, not 32 tests.
+                0 => chunk.fill(f32::NEG_INFINITY),
+                _ => {
+                    for (bit, v) in chunk.iter_mut().enumerate() {
+                        if word & (1 << bit) == 0 {
+                            *v = f32::NEG_INFINITY;
+                        }
+                    }
                 }
             }
         }
