@@ -264,6 +264,22 @@ mod tests {
     }
 
     #[test]
+    fn local_refs_work_and_remote_ones_are_refused() {
+        // The shape pydantic (the openai SDK's `parse`) writes: `$defs` and `#/$defs/...` references.
+        let g = toy();
+        let local = r##"start: %json {"$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+            "additionalProperties": false}"##;
+        let mut m = g.compile(local).expect("local $ref");
+        for &b in br#"{"x":7}"# {
+            m.accept(u32::from(b)).expect("valid JSON of the schema");
+        }
+        assert!(m.is_accepting());
+        let remote = r#"start: %json {"$ref": "https://example.invalid/schema.json"}"#;
+        assert!(g.compile(remote).is_err());
+    }
+
+    #[test]
     fn a_bad_schema_is_an_error_not_a_panic() {
         let e = toy()
             .compile(r#"start: %json {"type": "no-such-type"}"#)
