@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::ops::{inv_rms, linear, linear_many, sigmoid, silu, softplus, tensor, values};
+use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
 
@@ -126,7 +127,12 @@ impl Kda {
     /// The new state is written to a reused buffer while the old one is read, so the caller's old state (kept for a
     /// rollback, a snapshot or a speculative pass) is never copied first: the first token's decay reads the old
     /// matrices and writes the new ones in one pass, and later tokens update the new ones in place.
-    pub fn forward(&self, x: &Tensor, state: &mut Arc<KdaState>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        state: &mut Arc<KdaState>,
+        profile: &Profile,
+    ) -> Result<Tensor> {
         let (h, d) = (self.cfg.n_heads, self.cfg.head_dim);
         let c = h * d;
         let t_len = x.dim(0)?;
@@ -136,30 +142,32 @@ impl Kda {
             OutGate::Full(w) => w,
             OutGate::LowRank { down, .. } => down,
         };
-        let outs = linear_many(
-            x,
-            &[
-                &self.q_proj,
-                &self.k_proj,
-                &self.v_proj,
-                &self.f_a,
-                &self.b_proj,
-                gate_in,
-            ],
-        )?;
-        let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
-            .try_into()
-            .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
-        let p = Projected {
-            raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
-            f_a: values(&f_a)?,
-            b: values(&b_raw)?,
-            og: values(&match &self.gate {
-                OutGate::Full(_) => gate_raw,
-                OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
-            })?,
-            t_len,
-        };
+        let p = profile.time(Phase::KdaProj, || -> Result<Projected> {
+            let outs = linear_many(
+                x,
+                &[
+                    &self.q_proj,
+                    &self.k_proj,
+                    &self.v_proj,
+                    &self.f_a,
+                    &self.b_proj,
+                    gate_in,
+                ],
+            )?;
+            let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
+                .try_into()
+                .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
+            Ok(Projected {
+                raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
+                f_a: values(&f_a)?,
+                b: values(&b_raw)?,
+                og: values(&match &self.gate {
+                    OutGate::Full(_) => gate_raw,
+                    OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
+                })?,
+                t_len,
+            })
+        })?;
         // The conv windows advance by the new rows: the last K-1 rows of (window ++ raw), C values each.
         let conv: [Vec<f32>; 3] = std::array::from_fn(|i| {
             let mut ext = old.conv[i].clone();
@@ -171,7 +179,8 @@ impl Kda {
         if let Some(done) = self.forward_on_device(old, &p)? {
             let (s, out) = done;
             *state = Arc::new(KdaState { conv, s });
-            return linear(&tensor(out, t_len, c)?, &self.o_proj);
+            let out = tensor(out, t_len, c)?;
+            return profile.time(Phase::KdaProj, || linear(&out, &self.o_proj));
         }
 
         let mut s_new = crate::state::state_buffer(old.s.len());
@@ -195,7 +204,8 @@ impl Kda {
                     .copy_from_slice(&o[t * d..(t + 1) * d]);
             }
         }
-        linear(&tensor(out, t_len, c)?, &self.o_proj)
+        let out = tensor(out, t_len, c)?;
+        profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }
 
     /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short

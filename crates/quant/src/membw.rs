@@ -67,6 +67,16 @@ impl ReadBuffer {
         Self { words }
     }
 
+    /// The buffer's size in bytes.
+    pub fn len(&self) -> usize {
+        self.words.len() * 8
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.words.is_empty()
+    }
+
     /// Reads the whole buffer on every thread of rayon's pool, once with each loop, and returns the faster rate in
     /// bytes per second.
     pub fn read_rate(&self) -> f64 {
