@@ -37,6 +37,10 @@ pub struct BenchArgs {
     /// (0: skip).
     #[arg(long, default_value_t = 0)]
     disk_spans: usize,
+    /// Read every expert into the RAM cache before decoding (whole layers, while the cache's budget allows), so
+    /// that a run with every layer pinned measures compute with every weight resident.
+    #[arg(long)]
+    warm_experts: bool,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -44,6 +48,8 @@ pub struct BenchArgs {
 
 #[derive(Serialize)]
 struct Report {
+    /// Experts read into the RAM cache before decoding (`--warm-experts`).
+    warm_experts: usize,
     tokens: usize,
     /// Seconds for each decoded token (after the prefill and its first token).
     token_s: Vec<f64>,
@@ -94,6 +100,13 @@ struct Report {
     /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
     open_s: f64,
     open_read_bytes: u64,
+    /// Expert spans read through a fresh read pool right before and right after `Engine::open` (distinct spans, none
+    /// of them read by the open), bytes/s: the storage bound of the open, measured around it (0 when
+    /// `--disk-spans` is 0).
+    open_disk_before_bytes_per_s: f64,
+    open_disk_after_bytes_per_s: f64,
+    /// `open_read_bytes / open_s` over the mean of the two rates around it (0 when not measured).
+    open_disk_ratio: f64,
     /// Spine bytes kept resident (read once at open).
     resident_spine_bytes: u64,
     /// Experts read from storage through the engine's read path before decoding (bytes/s; 0 when not measured).
@@ -165,6 +178,21 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         )
     });
     let per_token_bytes = per_token_buffer.as_ref().map_or(0, |b| b.len() as u64);
+    // The open's storage bound: expert spans (which the open does not read) right before and right after it.
+    let around_open = |skip: usize| -> anyhow::Result<f64> {
+        if args.disk_spans == 0 {
+            return Ok(0.0);
+        }
+        let files = deltafin_storage::ModelFiles::open(&args.model)?;
+        let map = deltafin_storage::ExpertMap::build(&files)?;
+        Ok(deltafin_storage::expert_spans_read_rate(
+            &files,
+            &map,
+            skip,
+            args.disk_spans,
+        )?)
+    };
+    let open_disk_before = around_open(0)?;
     reset_peak_rss();
     let (open_io0, open_from) = (proc_read_bytes(), Instant::now());
     let engine = Engine::open(&args.model, options)
@@ -173,10 +201,21 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         open_from.elapsed().as_secs_f64(),
         proc_read_bytes() - open_io0,
     );
+    let open_disk_after = around_open(args.disk_spans)?;
+    let open_disk_ratio = if open_disk_before + open_disk_after > 0.0 {
+        open_read_bytes as f64 / open_s / ((open_disk_before + open_disk_after) / 2.0)
+    } else {
+        0.0
+    };
     let disk_rate = if args.disk_spans > 0 {
         engine.expert_read_rate(args.disk_spans)?
     } else {
         0.0
+    };
+    let warm_experts = if args.warm_experts {
+        engine.warm_expert_cache()?
+    } else {
+        0
     };
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
     let mut session = engine.session();
@@ -248,6 +287,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let report = Report {
+        warm_experts,
         tokens: token_s.len(),
         token_s,
         token_membw_bytes_per_s: token_membw,
@@ -285,6 +325,9 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         disk_bytes_per_s: disk_rate,
         open_s,
         open_read_bytes,
+        open_disk_before_bytes_per_s: open_disk_before,
+        open_disk_after_bytes_per_s: open_disk_after,
+        open_disk_ratio,
         resident_spine_bytes: engine.memory_plan().fixed_spine + engine.memory_plan().pinned_layers,
         spine_bytes_touched_per_token,
         expert_bytes_touched_per_token,

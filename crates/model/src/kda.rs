@@ -389,8 +389,13 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// One head's delta-rule recurrence over `t_len` tokens: writes the new state into `s` (`[D, D]`) from the old one
-/// `s_prev`, which is only read, and returns the head's outputs `[T, D]`.
+/// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
+/// `s_prev` and ends as the head's new state; returns the output rows `[T, D]`.
+///
+/// Per token, in two passes over the state (each element read and written once a pass, where the textbook form
+/// takes four): first the decay `s ← s · exp(g)` (row-wise) with `u = sᵀk` accumulated as the rows go by, then
+/// `δ = β (v − u)`, and `s ← s + k δᵀ` with `o = sᵀq` accumulated. Every element sees the same operations in the
+/// same order as the four-pass form, so the results are the same bits.
 fn recurrence_head(
     s: &mut [f32],
     s_prev: &[f32],
@@ -402,66 +407,49 @@ fn recurrence_head(
         s.copy_from_slice(s_prev);
     }
     let mut out = vec![0.0f32; t_len * d];
+    let mut u = vec![0.0f32; d];
+    let mut delta = vec![0.0f32; d];
     for t in 0..t_len {
         let row = t * d..(t + 1) * d;
-        let gate = &inp.g[row.clone()];
-        if t == 0 {
-            decay_from(s, s_prev, gate);
-        } else {
-            decay(s, gate);
-        }
-        delta_rule_update(
-            s,
+        let (q, k, v) = (
             &inp.q[row.clone()],
             &inp.k[row.clone()],
             &inp.v[row.clone()],
-            inp.beta[t],
-            &mut out[row],
         );
+        u.fill(0.0);
+        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
+            let decay = inp.g[t * d + i].exp();
+            if t == 0 {
+                decay_row_from(s_row, &s_prev[i * d..(i + 1) * d], decay);
+            } else {
+                s_row.iter_mut().for_each(|x| *x *= decay);
+            }
+            accumulate(&mut u, s_row, k[i]);
+        }
+        for ((dl, vi), ui) in delta.iter_mut().zip(v).zip(&u) {
+            *dl = inp.beta[t] * (vi - ui);
+        }
+        let o = &mut out[row];
+        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
+            for (x, dl) in s_row.iter_mut().zip(&delta) {
+                *x += k[i] * dl;
+            }
+            accumulate(o, s_row, q[i]);
+        }
     }
     out
 }
 
-/// `s ← s_prev` with row `i` scaled by `exp(g[i])` (the decay of a head's first token, read from the old state).
-fn decay_from(s: &mut [f32], s_prev: &[f32], g: &[f32]) {
-    let d = g.len();
-    for ((row, prev), &gk) in s.chunks_exact_mut(d).zip(s_prev.chunks_exact(d)).zip(g) {
-        let decay = gk.exp();
-        for (x, &p) in row.iter_mut().zip(prev) {
-            *x = p * decay;
-        }
+/// `row ← prev · decay` (the first token's decay, read from the old state).
+fn decay_row_from(row: &mut [f32], prev: &[f32], decay: f32) {
+    for (x, &p) in row.iter_mut().zip(prev) {
+        *x = p * decay;
     }
 }
 
-/// Row `i` of `s` scaled by `exp(g[i])`, in place.
-fn decay(s: &mut [f32], g: &[f32]) {
-    let d = g.len();
-    for (row, &gk) in s.chunks_exact_mut(d).zip(g) {
-        let decay = gk.exp();
-        row.iter_mut().for_each(|x| *x *= decay);
-    }
-}
-
-/// The rest of one delta-rule step for one head after the decay; `s` is `[D_k, D_v]`.
-fn delta_rule_update(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, out: &mut [f32]) {
-    let d = k.len();
-    // u = Sᵀ k
-    let mut u = vec![0.0f32; d];
-    for (row, &kk) in s.chunks_exact(d).zip(k) {
-        for (acc, &x) in u.iter_mut().zip(row) {
-            *acc += x * kk;
-        }
-    }
-    let delta: Vec<f32> = v.iter().zip(&u).map(|(vi, ui)| beta * (vi - ui)).collect();
-    for (row, &kk) in s.chunks_exact_mut(d).zip(k) {
-        for (x, dl) in row.iter_mut().zip(&delta) {
-            *x += kk * dl;
-        }
-    }
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (row, &qk) in s.chunks_exact(d).zip(q) {
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o += x * qk;
-        }
+/// `acc += row · c`, element by element.
+fn accumulate(acc: &mut [f32], row: &[f32], c: f32) {
+    for (a, &x) in acc.iter_mut().zip(row) {
+        *a += x * c;
     }
 }

@@ -43,7 +43,7 @@ fn rate(bytes: usize, mut sweep: impl FnMut() -> f32) -> f64 {
 fn main() {
     use deltafin_quant::int8_contract::QuantizedInput;
     use deltafin_quant::simd::avx512::{
-        dot_bf16_x2, int8_dot_x2, mxfp4_bf16_dot_rows, mxfp4_dot_rows, mxfp4_i16_dot_rows,
+        bf16_rows, int8_dot_x2, mxfp4_bf16_dot_rows, mxfp4_dot_rows, mxfp4_i16_dot_rows,
     };
     use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
     use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract, quantise};
@@ -117,11 +117,12 @@ fn main() {
                 .sum()
         })
     });
-    // SAFETY: AVX-512F, AVX2 and FMA present (checked); rows as long as `x`.
+    let xp = deltafin_quant::bf16_contract::permute_input(&x);
+    // SAFETY: AVX-512F/BW, AVX2 and FMA present (checked); rows as long as `x`, whose permuted copy covers them.
     let bf_rate = rate(b.len() * 2, || {
         (0..rows)
             .step_by(2)
-            .map(|r| unsafe { dot_bf16_x2(&b[span(r)], &b[span(r + 1)], &x) }[0])
+            .map(|r| unsafe { bf16_rows::<2>([&b[span(r)], &b[span(r + 1)]], &xp) }[0])
             .sum()
     });
     match i8_rate {

@@ -1,7 +1,8 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
+use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref};
+use deltafin_quant::dot::{dot_f32, dot_f32_ref};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
 use rand::{RngExt, SeedableRng};
@@ -754,7 +755,7 @@ fn mxfp4_dot_is_close_to_the_exact_sum() {
 
 #[test]
 fn dense_row_pairs_match_twins() {
-    use deltafin_quant::dot::{dot_bf16_x2, dot_f32_x2};
+    use deltafin_quant::dot::dot_f32_x2;
     let mut r = rng();
     for &n in LENGTHS {
         let x = randn(&mut r, n);
@@ -765,6 +766,7 @@ fn dense_row_pairs_match_twins() {
         };
         let (q0, q1) = (q(&mut r), q(&mut r));
         let (b0, b1) = (b(&w0), b(&w1));
+        let xp = bf16_contract::permute_input(&x);
         let pairs = [
             (
                 dot_f32_x2(&w0, &w1, &x),
@@ -772,7 +774,7 @@ fn dense_row_pairs_match_twins() {
                 "f32",
             ),
             (
-                dot_bf16_x2(&b0, &b1, &x),
+                bf16_contract::dot_x2(&b0, &b1, &xp),
                 [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                 "bf16",
             ),
@@ -797,14 +799,18 @@ fn dense_row_pairs_match_twins() {
             // SAFETY: AVX2 and FMA detected; equal lengths.
             unsafe {
                 same_bits(x86::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
-                same_bits(x86::dot_bf16(&b0, &x), dot_bf16_ref(&b0, &x), "avx2 bf16");
+                same_bits(
+                    x86::bf16_rows::<1>([&b0], &xp)[0],
+                    dot_bf16_ref(&b0, &x),
+                    "avx2 bf16",
+                );
                 let pairs = [
                     (
                         x86::dot_f32_x2(&w0, &w1, &x),
                         [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
                     ),
                     (
-                        x86::dot_bf16_x2(&b0, &b1, &x),
+                        x86::bf16_rows::<2>([&b0, &b1], &xp),
                         [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                     ),
                 ];
@@ -820,6 +826,68 @@ fn dense_row_pairs_match_twins() {
                     [want, int8_contract::dot_ref(&q1, &xq)],
                     "avx2 i8 x2 n={n}"
                 );
+            }
+        }
+    }
+}
+
+/// bf16 rows on every kernel set this CPU has, against the contract's reference: random rows of every length (partial
+/// last chunks included) and rows of edge values (signed zeros, denormal and huge weights, products that overflow to
+/// infinity, which then meet their opposite as NaN), so the lane order, the padding and the reduction all show.
+#[test]
+fn bf16_rows_match_their_twin_on_every_kernel_set() {
+    let mut r = rng();
+    let edges: [u16; 10] = [
+        0x0000, 0x8000, 0x0001, 0x8003, 0x7f7f, 0xff7f, 0x3f80, 0xbf80, 0x4b00, 0x0080,
+    ];
+    for &n in LENGTHS.iter().chain(&[2, 15, 16, 17, 48, 4097]) {
+        let x = randn(&mut r, n);
+        let rows: Vec<Vec<u16>> = (0..3)
+            .map(|k| {
+                (0..n)
+                    .map(|i| {
+                        if k == 2 {
+                            edges[i % edges.len()]
+                        } else {
+                            (r.random_range(-4.0f32..4.0).to_bits() >> 16) as u16
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let xp = bf16_contract::permute_input(&x);
+        for w in &rows {
+            let want = bf16_contract::dot_ref(w, &xp);
+            let mut got = vec![("dispatch", bf16_contract::dot(w, &xp))];
+            got.push(("dispatch pair", bf16_contract::dot_x2(w, w, &xp)[1]));
+            #[cfg(target_arch = "x86_64")]
+            {
+                use deltafin_quant::simd::{avx512, has_avx2_fma, has_avx512, x86};
+                // SAFETY: each kernel runs only where its features are detected; `xp` is the padded input.
+                unsafe {
+                    if has_avx512() {
+                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp)[0]));
+                        got.push(("avx512 pair", avx512::bf16_rows::<2>([w, w], &xp)[0]));
+                    }
+                    if has_avx2_fma() {
+                        got.push(("avx2", x86::bf16_rows::<1>([w], &xp)[0]));
+                        got.push(("avx2 pair", x86::bf16_rows::<2>([w, w], &xp)[1]));
+                    }
+                }
+            }
+            #[cfg(target_arch = "aarch64")]
+            {
+                got.push((
+                    "neon",
+                    deltafin_quant::simd::neon::bf16_rows::<1>([w], &xp)[0],
+                ));
+                got.push((
+                    "neon pair",
+                    deltafin_quant::simd::neon::bf16_rows::<2>([w, w], &xp)[1],
+                ));
+            }
+            for (what, v) in got {
+                same_bits(v, want, &format!("{what} bf16 n={n}"));
             }
         }
     }

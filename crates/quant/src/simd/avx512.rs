@@ -1,6 +1,6 @@
 //! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails; BF16 and VNNI where named). Each follows
-//! its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows (one 16-lane register holds two of the
-//! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
+//! its scalar twin's contract exactly: [`crate::dot`] for f32 rows (one 16-lane register holds two of the
+//! contract's 8-lane accumulators), [`crate::bf16_contract`] for bf16 rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4 rows. Two rows are computed per call
 //! so they share the input's loads (four were slower for every MXFP4 contract: `docs/performance-log.md`, seventh round).
 
@@ -24,50 +24,19 @@ fn split(a01: __m512, a23: __m512) -> [__m256; 4] {
     ]
 }
 
-/// 16 weights as f32 (exact), for each dense element type.
-trait Load16: crate::dot::DenseWeight {
-    /// Loads 16 values at `p` as f32.
-    ///
-    /// # Safety
-    /// 16 values must be readable at `p`; the CPU must support AVX-512F.
-    unsafe fn load16(p: *const Self) -> __m512;
-}
-
-impl Load16 for f32 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable values.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-}
-
-impl Load16 for u16 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable values (32 bytes). bf16 → f32 is a shift into the high half.
-        unsafe {
-            let h = _mm256_loadu_si256(p as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-        }
-    }
-}
-
 /// Finishes one row of the dense contract: the zero-padded tail into accumulator 0, then the reduction.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) -> f32 {
+fn finish(a01: __m512, a23: __m512, w: &[f32], x: &[f32], full: usize) -> f32 {
     let [mut a0, a1, a2, a3] = split(a01, a23);
     let n = w.len().min(x.len());
     let mut c = full;
     while c < n {
         let mut wb = [0.0f32; LANES];
         let mut xb = [0.0f32; LANES];
-        for l in 0..LANES.min(n - c) {
-            wb[l] = w[c + l].to_f32();
-            xb[l] = x[c + l];
-        }
+        let k = LANES.min(n - c);
+        wb[..k].copy_from_slice(&w[c..c + k]);
+        xb[..k].copy_from_slice(&x[c..c + k]);
         // SAFETY: both buffers hold 8 f32.
         a0 = unsafe {
             _mm256_fmadd_ps(
@@ -120,7 +89,7 @@ fn prefetch<T>(p: *const T, len: usize, dist: usize) {
 /// # Safety
 /// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
+unsafe fn dot_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     let n = x.len().min(w0.len()).min(w1.len());
     let full = n / BLOCK * BLOCK;
     let (p0, p1, xp) = (w0.as_ptr(), w1.as_ptr(), x.as_ptr());
@@ -131,17 +100,17 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
         // The pair's bytes in address order (see PREFETCH_BYTES): a block of both rows is 2 · 32 values.
         prefetch(
             p0.wrapping_add(2 * b),
-            2 * size_of::<W>() * BLOCK,
+            2 * size_of::<f32>() * BLOCK,
             PREFETCH_BYTES,
         );
         // SAFETY: b + 32 <= full <= n for all three slices.
         unsafe {
             let xa = _mm512_loadu_ps(xp.add(b));
             let xb = _mm512_loadu_ps(xp.add(b + 16));
-            r0a = _mm512_fmadd_ps(W::load16(p0.add(b)), xa, r0a);
-            r0b = _mm512_fmadd_ps(W::load16(p0.add(b + 16)), xb, r0b);
-            r1a = _mm512_fmadd_ps(W::load16(p1.add(b)), xa, r1a);
-            r1b = _mm512_fmadd_ps(W::load16(p1.add(b + 16)), xb, r1b);
+            r0a = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(b)), xa, r0a);
+            r0b = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(b + 16)), xb, r0b);
+            r1a = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(b)), xa, r1a);
+            r1b = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(b + 16)), xb, r1b);
         }
         b += BLOCK;
     }
@@ -153,7 +122,7 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
 /// # Safety
 /// As [`dot_x2`].
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
+unsafe fn dot_x1(w: &[f32], x: &[f32]) -> f32 {
     let n = x.len().min(w.len());
     let full = n / BLOCK * BLOCK;
     let (p, xp) = (w.as_ptr(), x.as_ptr());
@@ -162,9 +131,9 @@ unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
     while b < full {
         // SAFETY: b + 32 <= full <= n.
         unsafe {
-            a = _mm512_fmadd_ps(W::load16(p.add(b)), _mm512_loadu_ps(xp.add(b)), a);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(b)), _mm512_loadu_ps(xp.add(b)), a);
             b2 = _mm512_fmadd_ps(
-                W::load16(p.add(b + 16)),
+                _mm512_loadu_ps(p.add(b + 16)),
                 _mm512_loadu_ps(xp.add(b + 16)),
                 b2,
             );
@@ -174,32 +143,71 @@ unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
     finish(a, b2, w, x, full)
 }
 
-macro_rules! dense_entry {
-    ($one:ident, $two:ident, $t:ty, $twin:literal) => {
-        #[doc = concat!("AVX-512 twin of [`", $twin, "`].")]
-        ///
-        /// # Safety
-        /// The CPU must support AVX-512F, AVX2 and FMA; `w.len() == x.len()`.
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        pub unsafe fn $one(w: &[$t], x: &[f32]) -> f32 {
-            // SAFETY: forwarded from the caller.
-            unsafe { dot_x1(w, x) }
-        }
-
-        #[doc = concat!("Two rows at once, each bit-identical to [`", $twin, "`].")]
-        ///
-        /// # Safety
-        /// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        pub unsafe fn $two(w0: &[$t], w1: &[$t], x: &[f32]) -> [f32; 2] {
-            // SAFETY: forwarded from the caller.
-            unsafe { dot_x2(w0, w1, x) }
-        }
-    };
+/// AVX-512 twin of [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w.len() == x.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    // SAFETY: forwarded from the caller.
+    unsafe { dot_x1(w, x) }
 }
 
-dense_entry!(dot_f32, dot_f32_x2, f32, "crate::dot::dot_f32_ref");
-dense_entry!(dot_bf16, dot_bf16_x2, u16, "crate::dot::dot_bf16_ref");
+/// Two rows at once, each bit-identical to [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { dot_x2(w0, w1, x) }
+}
+
+/// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: per
+/// chunk of 32 weights and row, one 64-byte load, a shift (even weights) and a mask (odd weights) to exact f32, and
+/// two FMAs. No software prefetch: the rows are read in address order, which the hardware prefetchers follow, and a
+/// prefetch into L1 ahead of them made these kernels slower.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; every row has the same length `n`, and `xp` holds at least
+/// `bf16_contract::padded_len(n)` values.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+    use crate::bf16_contract::CHUNK;
+    let n = rows[0].len();
+    let whole = n / CHUNK;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let z = _mm512_setzero_ps();
+    let (mut even, mut odd) = ([z; R], [z; R]);
+    let mut step = |c: usize, words: [__m512i; R]| {
+        // SAFETY (caller): chunk c of the permuted input lies in `xp`.
+        let (xe, xo) = unsafe {
+            let at = xp.as_ptr().add(c * CHUNK);
+            (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(CHUNK / 2)))
+        };
+        for r in 0..R {
+            let e = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[r]));
+            let o = _mm512_castsi512_ps(_mm512_and_si512(words[r], high));
+            even[r] = _mm512_fmadd_ps(e, xe, even[r]);
+            odd[r] = _mm512_fmadd_ps(o, xo, odd[r]);
+        }
+    };
+    for c in 0..whole {
+        // SAFETY: chunk c < whole lies whole in every row.
+        let words =
+            rows.map(|w| unsafe { _mm512_loadu_si512(w.as_ptr().add(c * CHUNK) as *const _) });
+        step(c, words);
+    }
+    if whole * CHUNK < n {
+        let mask: __mmask32 = (1u32 << (n - whole * CHUNK)) - 1;
+        // SAFETY: only the masked elements, all inside each row, are read; the rest are zero.
+        let words = rows.map(|w| unsafe {
+            _mm512_maskz_loadu_epi16(mask, w.as_ptr().add(whole * CHUNK) as *const i16)
+        });
+        step(whole, words);
+    }
+    std::array::from_fn(|r| reduce16(even[r], odd[r]))
+}
 
 /// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, a
 /// sign extension to int16 and one `vpdpwssd` (two products per 32-bit lane), widened to 64 bits every

@@ -1,5 +1,6 @@
-//! NEON kernels (aarch64). Each follows the contract in [`crate::dot`]: an 8-lane accumulator is a pair of
-//! `float32x4_t` (lanes 0..4 and 4..8), so lane-wise FMAs and the fixed reduction give the scalar twin's bits.
+//! NEON kernels (aarch64). f32 rows follow the contract in [`crate::dot`] (an 8-lane accumulator is a pair of
+//! `float32x4_t`, lanes 0..4 and 4..8), bf16 rows the one in [`crate::bf16_contract`] (a 16-lane accumulator is
+//! four), so lane-wise FMAs and the fixed reductions give the scalar twins' bits.
 //!
 //! Untested here: the project builds and tests on x86-64; this module is type-checked with
 //! `cargo check --target aarch64-unknown-linux-gnu -p deltafin-quant`.
@@ -100,17 +101,47 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     )
 }
 
-/// NEON twin of [`crate::dot::dot_bf16_ref`].
-pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    let wp = w.as_ptr();
-    let load = |i: usize| {
-        // SAFETY: 8 u16 at wp + i are in bounds (see dot_with).
-        unsafe {
-            let h = vld1q_u16(wp.add(i));
-            let lo = vshlq_n_u32::<16>(vmovl_u16(vget_low_u16(h)));
-            let hi = vshlq_n_u32::<16>(vmovl_u16(vget_high_u16(h)));
-            [vreinterpretq_f32_u32(lo), vreinterpretq_f32_u32(hi)]
+/// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]): each chunk of 32 weights is
+/// four 16-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask (odd weights); the
+/// contract's 16-lane accumulators are four quarters here.
+pub fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+    use crate::bf16_contract::{CHUNK, padded_len};
+    let n = rows[0].len();
+    if rows.iter().any(|w| w.len() != n) || xp.len() < padded_len(n) {
+        return rows.map(|w| crate::bf16_contract::dot_ref(w, xp));
+    }
+    // SAFETY: NEON is baseline on aarch64; every load below is inside a row, its padded copy or `xp` (checked).
+    unsafe {
+        let zero = vdupq_n_f32(0.0);
+        let high = vdupq_n_u32(0xffff_0000);
+        let mut even = [[zero; 4]; R];
+        let mut odd = [[zero; 4]; R];
+        for c in 0..n.div_ceil(CHUNK) {
+            let at = xp.as_ptr().add(c * CHUNK);
+            for r in 0..R {
+                let w = rows[r];
+                let mut padded = [0u16; CHUNK];
+                let p = if (c + 1) * CHUNK <= n {
+                    w.as_ptr().add(c * CHUNK)
+                } else {
+                    padded[..n - c * CHUNK].copy_from_slice(&w[c * CHUNK..]);
+                    padded.as_ptr()
+                };
+                for q in 0..4 {
+                    let v = vld1q_u32(p.add(8 * q) as *const u32);
+                    let e = vreinterpretq_f32_u32(vshlq_n_u32::<16>(v));
+                    let o = vreinterpretq_f32_u32(vandq_u32(v, high));
+                    even[r][q] = vfmaq_f32(even[r][q], e, vld1q_f32(at.add(4 * q)));
+                    odd[r][q] = vfmaq_f32(odd[r][q], o, vld1q_f32(at.add(16 + 4 * q)));
+                }
+            }
         }
-    };
-    dot_with(w.len(), x, load, |i| crate::dot::bf16_to_f32(w[i]))
+        std::array::from_fn(|r| {
+            let v: [float32x4_t; 4] = std::array::from_fn(|q| vaddq_f32(even[r][q], odd[r][q]));
+            let s8 = [vaddq_f32(v[0], v[2]), vaddq_f32(v[1], v[3])]; // lanes l and l + 8
+            let s4 = vaddq_f32(s8[0], s8[1]); // lanes l and l + 4
+            let s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4)); // lanes l and l + 2
+            vget_lane_f32::<0>(s2) + vget_lane_f32::<1>(s2)
+        })
+    }
 }
