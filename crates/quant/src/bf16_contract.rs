@@ -13,6 +13,7 @@
 //!
 //! Every SIMD path computes exactly these operations per lane, so its result is bit-identical to [`dot_ref`].
 
+use crate::aligned::Lines;
 use crate::dot::bf16_to_f32;
 
 /// Weights per chunk.
@@ -25,39 +26,17 @@ pub fn padded_len(n: usize) -> usize {
     n.div_ceil(CHUNK) * CHUNK
 }
 
-/// A permuted input: the values of [`permute_input`], each 16-value half chunk on a cache line of its own (64-byte
-/// aligned), so that a kernel's full-width loads never straddle two lines.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Permuted {
-    lines: Vec<Line>,
-}
-
-/// One 64-byte cache line of inputs.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[repr(C, align(64))]
-struct Line([f32; LANES]);
-
-impl std::ops::Deref for Permuted {
-    type Target = [f32];
-
-    fn deref(&self) -> &[f32] {
-        // SAFETY: `Line` is `repr(C)` of 16 f32 with no padding (64 bytes at 64-byte alignment), so the lines are
-        // `16 · len` contiguous f32.
-        unsafe {
-            std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>(), self.lines.len() * LANES)
-        }
-    }
-}
-
 /// The input `x` in the contract's order, zero-padded to whole chunks.
-pub fn permute_input(x: &[f32]) -> Permuted {
-    let mut lines = vec![Line([0.0; LANES]); 2 * padded_len(x.len()) / CHUNK];
-    for (c, pair) in lines.chunks_exact_mut(2).enumerate() {
+///
+/// The result starts a cache line (each half chunk is a line of its own), so no full-width load of it straddles two.
+pub fn permute_input(x: &[f32]) -> Lines {
+    let mut xp = Lines::zeroed(padded_len(x.len()));
+    for (c, out) in xp.chunks_exact_mut(CHUNK).enumerate() {
         for (i, &v) in x[c * CHUNK..].iter().take(CHUNK).enumerate() {
-            pair[i % 2].0[i / 2] = v;
+            out[(i % 2) * LANES + i / 2] = v;
         }
     }
-    Permuted { lines }
+    xp
 }
 
 /// Reduces the two accumulators in the contract's order.

@@ -354,7 +354,7 @@ fn by_pairs(
 /// ([`int8_contract`]).
 enum Prepared<'x> {
     F32(&'x [f32]),
-    Bf16(bf16_contract::Permuted),
+    Bf16(crate::aligned::Lines),
     Int8(QuantizedInput),
 }
 

@@ -5,6 +5,7 @@
 //! for bit against it.
 #![deny(missing_docs)]
 
+pub mod aligned;
 pub mod bf16_contract;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -209,20 +209,28 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
     let mut r = rng();
     for &cols in MXFP4_COLS {
         let rows = 37; // odd: the last row of a pair runs alone
-        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 254]);
-        let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
-        for t_rows in [1, 2, 5] {
-            let xs = randn(&mut r, t_rows * cols);
-            let mut y = vec![0.0; t_rows * rows];
-            m.gemm(&xs, t_rows, &mut y).expect("gemm");
-            for t in 0..t_rows {
-                let x = &xs[t * cols..(t + 1) * cols];
-                for row in 0..rows {
-                    let (a, b) = (y[t * rows + row], m.dot_row_ref(row, x));
-                    assert!(
-                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
-                    );
+        // Extreme scales (where one group's term can swamp the rest) and scales of like size (where every term
+        // counts, so a wrong order of additions shows).
+        for scales in [
+            &[0u8, 1, 126, 127, 128, 140, 254][..],
+            &[124, 125, 126, 127, 128, 129],
+        ] {
+            let (packed, s) = random_mxfp4(&mut r, rows, cols, scales);
+            let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
+            // 4 and more run in tiles of three inputs on AVX-512 (remainders of one and two included).
+            for t_rows in [1, 2, 4, 5, 7, 13] {
+                let xs = randn(&mut r, t_rows * cols);
+                let mut y = vec![0.0; t_rows * rows];
+                m.gemm(&xs, t_rows, &mut y).expect("gemm");
+                for t in 0..t_rows {
+                    let x = &xs[t * cols..(t + 1) * cols];
+                    for row in 0..rows {
+                        let (a, b) = (y[t * rows + row], m.dot_row_ref(row, x));
+                        assert!(
+                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                            "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
@@ -240,6 +248,7 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
         (256, 3072, 1),
         (0, 96, 1),
         (129, 384, 5),
+        (40, 3584, 9),
         (64, 32, 0),
     ];
     let data: Vec<_> = shapes

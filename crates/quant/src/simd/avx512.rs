@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use crate::dot::{BLOCK, LANES};
 use crate::int8_contract::SEGMENT_STEPS;
 use crate::mxfp4_bf16_contract::CHUNK_WORDS;
-use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK};
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE, GROUPS_PER_CHUNK};
 
 /// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
 #[inline]
@@ -681,6 +681,100 @@ pub unsafe fn mxfp4_dot_rows<const R: usize>(rows: [(&[u8], &[u8]); R], xp: &[f3
             }
             sums
         })
+    }
+}
+
+/// f32 values of one decoded chunk of an MXFP4 row ([`mxfp4_decode_rows`]): the contract's eight weight vectors,
+/// then the chunk's per-lane scales.
+pub const DECODED_CHUNK: usize = CHUNK + CHUNK_LANES;
+
+/// Decodes whole MXFP4 rows (`(packed, scales)`, each `n_chunks` chunks, the last one possibly partial) for the
+/// multi-token tiles: chunk `c` of row `r` becomes [`DECODED_CHUNK`] values at `out[(r · n_chunks + c) ·
+/// DECODED_CHUNK ..]`, the eight weight vectors of [`crate::mxfp4_contract`] (exact) and the lane scales (exact).
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW; `out` holds `rows.len() · n_chunks · DECODED_CHUNK` values.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn mxfp4_decode_rows(rows: &[(&[u8], &[u8])], n_chunks: usize, out: &mut [f32]) {
+    let table = e2m1_table();
+    for (r, (packed, scales)) in rows.iter().enumerate() {
+        let mut s16 = _mm512_setzero_ps();
+        for c in 0..n_chunks {
+            if c % 4 == 0 {
+                s16 = scales16(scales, c * 4);
+            }
+            // SAFETY: chunk c of the row (masked at its end); the caller sized `out`.
+            unsafe {
+                let w = decode(chunk_words(packed, c), table);
+                let at = out.as_mut_ptr().add((r * n_chunks + c) * DECODED_CHUNK);
+                for (s, v) in w.iter().enumerate() {
+                    _mm512_storeu_ps(at.add(s * CHUNK_LANES), *v);
+                }
+                _mm512_storeu_ps(at.add(CHUNK), chunk_scale(s16, c % 4));
+            }
+        }
+    }
+}
+
+/// Chunks `c0 .. c1` of `R` decoded MXFP4 rows ([`mxfp4_decode_rows`]; row `r` starts at `rows[r]`) against `T`
+/// permuted inputs ([`crate::mxfp4_contract::permute_input`]): the multi-token form of [`mxfp4_dot_rows`], for
+/// prefill, where a row is decoded once for every token routed to its expert. Each (row, input) pair follows the
+/// contract exactly: per chunk `te`/`to` chains from a product, then `acc[c % 2] = fma(te + to, scale, acc[c % 2])`
+/// with `acc[r * stride + t]` read at the start and written back at the end (so a caller can walk the chunks in
+/// blocks that keep the inputs in L1); [`bf16_finish`]'s reduction is the contract's too.
+///
+/// # Safety
+/// The CPU must support AVX-512F; every decoded row holds `c1` chunks and every input `c1 · 128` values;
+/// `acc` holds `(R - 1) * stride + T` entries.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    rows: [&[f32]; R],
+    xps: [&[f32]; T],
+    (c0, c1): (usize, usize),
+    acc: &mut [Bf16Acc],
+    stride: usize,
+) {
+    let mut a: [[[__m512; 2]; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t]));
+    for c in c0..c1 {
+        // SAFETY (caller): chunk c of every decoded row and every input lies in it.
+        unsafe {
+            let w = rows.map(|p| p.as_ptr().add(c * DECODED_CHUNK));
+            let x = xps.map(|p| p.as_ptr().add(c * CHUNK));
+            let z = _mm512_setzero_ps();
+            let (mut te, mut to) = ([[z; T]; R], [[z; T]; R]);
+            for s in 0..CODES_PER_LANE {
+                let ws: [__m512; R] =
+                    std::array::from_fn(|r| _mm512_loadu_ps(w[r].add(s * CHUNK_LANES)));
+                for t in 0..T {
+                    let xs = _mm512_loadu_ps(x[t].add(s * CHUNK_LANES));
+                    for r in 0..R {
+                        let acc_s = if s % 2 == 0 {
+                            &mut te[r][t]
+                        } else {
+                            &mut to[r][t]
+                        };
+                        *acc_s = if s < 2 {
+                            _mm512_mul_ps(ws[r], xs)
+                        } else {
+                            _mm512_fmadd_ps(ws[r], xs, *acc_s)
+                        };
+                    }
+                }
+            }
+            for r in 0..R {
+                let scale = _mm512_loadu_ps(w[r].add(CHUNK));
+                for t in 0..T {
+                    let sum = _mm512_add_ps(te[r][t], to[r][t]);
+                    a[r][t][c % 2] = _mm512_fmadd_ps(sum, scale, a[r][t][c % 2]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            acc[r * stride + t] = a[r][t];
+        }
     }
 }
 
