@@ -400,3 +400,81 @@ fn a_token_mask_restricts_every_choice_and_rows_are_the_prefill_rows() {
         }
     }
 }
+
+/// Layer-major prefill: a whole prompt in one pass (`K3_PREFILL_CHUNK=auto` gives the demo models passes far longer
+/// than these prompts) ends in the same bits as feeding it token by token, at lengths that fill no chunk evenly;
+/// each selected expert is read once per layer for the whole prompt; and generation after it, with and without
+/// speculation, gives the same tokens.
+#[test]
+fn a_whole_prompt_in_one_pass_is_bit_identical_to_token_by_token() {
+    for dir in [fixture("k3/k3-tiny-b"), synthetic_demo()] {
+        let auto = Engine::open(&dir, EngineOptions::default()).expect("open");
+        let stepwise = open_with_chunk(&dir, 1);
+        assert!(
+            auto.prefill_chunk() >= 130,
+            "{}: {}",
+            dir.display(),
+            auto.prefill_chunk()
+        );
+        for len in [1usize, 5, 64, 97, 130] {
+            let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 37 + 11) % 500).collect();
+            auto.reset_expert_reads();
+            let mut one = auto.session();
+            let last = one.prefill_last(&prompt).expect("prefill");
+            assert_eq!(one.stats().passes, 1, "len {len}: one pass");
+            let reads = auto.expert_reads();
+            for (l, d) in reads.distinct.iter().enumerate() {
+                assert_eq!(
+                    reads.reads[l],
+                    d.len() as u64,
+                    "len {len}, layer {l}: read twice"
+                );
+            }
+            let mut steps = stepwise.session();
+            let mut stepped = Vec::new();
+            for &t in &prompt {
+                stepped = steps.step(t).expect("step");
+            }
+            assert_eq!(last.len(), stepped.len());
+            for (a, b) in last.iter().zip(&stepped) {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{} len {len}: {a} vs {b}",
+                    dir.display()
+                );
+            }
+            assert_eq!(
+                state_bits(one.state()),
+                state_bits(steps.state()),
+                "{} len {len}: states differ",
+                dir.display()
+            );
+            let plain = greedy(&mut stepwise.session(), &prompt, 0, 6);
+            let speculative = greedy(&mut auto.session(), &prompt, 4, 6);
+            assert_eq!(plain, speculative, "{} len {len}", dir.display());
+        }
+    }
+}
+
+/// The bits of every value of a session state, layer by layer: KDA conv windows and recurrent states, MLA cache rows
+/// (however the cache groups them into blocks).
+fn state_bits(state: &deltafin_model::SessionState) -> Vec<u32> {
+    use deltafin_model::state::LayerState;
+    let mut bits = Vec::new();
+    for layer in &state.layers {
+        match layer {
+            LayerState::Kda(k) => {
+                for v in k.conv.iter().flatten().chain(&k.s) {
+                    bits.push(v.to_bits());
+                }
+            }
+            LayerState::Mla(c) => {
+                for v in c.rows().flatten() {
+                    bits.push(v.to_bits());
+                }
+            }
+        }
+    }
+    bits
+}

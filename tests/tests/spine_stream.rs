@@ -216,7 +216,11 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
             );
         }
         // A prefill chunk reads each streamed layer once, however many tokens it holds.
-        let chunks = ids.len().div_ceil(engine.options().prefill_chunk) as u64;
+        let chunks = ids.len().div_ceil(
+            engine
+                .prefill_chunk()
+                .min(deltafin_runtime::budget::ALL_LOGITS_CHUNK),
+        ) as u64;
         let before = engine.spine_reads().bytes;
         engine.session().prefill(&ids).expect("prefill");
         assert_eq!(

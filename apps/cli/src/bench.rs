@@ -133,7 +133,7 @@ fn proc_value(file: &str, key: &str) -> Option<u64> {
 }
 
 /// `read_bytes` of `/proc/self/io` (0 where unavailable).
-fn proc_read_bytes() -> u64 {
+pub(crate) fn proc_read_bytes() -> u64 {
     proc_value("/proc/self/io", "read_bytes:").unwrap_or(0)
 }
 

@@ -29,9 +29,10 @@ pub struct EngineArgs {
     /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI or AVX2) [K3_EXPERT_INPUT].
     #[arg(long)]
     pub expert_input: Option<deltafin_model::ExpertInput>,
-    /// Tokens per prefill pass [K3_PREFILL_CHUNK; default 64].
+    /// Tokens per prefill pass: auto (the longest pass the memory budget has scratch room for) or a count
+    /// [K3_PREFILL_CHUNK; default auto].
     #[arg(long)]
-    pub prefill_chunk: Option<usize>,
+    pub prefill_chunk: Option<String>,
     /// Tokens of context reserved for a session's attention cache, charged to the memory budget [K3_CONTEXT;
     /// default 8192].
     #[arg(long)]
@@ -79,9 +80,9 @@ impl EngineArgs {
         if let Some(i) = self.expert_input {
             o.expert_input = i;
         }
-        if let Some(n) = self.prefill_chunk {
-            anyhow::ensure!(n > 0, "--prefill-chunk must be at least 1");
-            o.prefill_chunk = n;
+        if let Some(n) = &self.prefill_chunk {
+            o.prefill_chunk =
+                deltafin_runtime::PrefillChunk::parse(n).context("--prefill-chunk")?;
         }
         if let Some(n) = self.context {
             anyhow::ensure!(n > 0, "--context must be at least 1");

@@ -4,11 +4,13 @@
 //! project and stay stable.
 
 mod bench;
+mod bench_prefill;
 mod demo;
 mod engine_args;
 mod ids;
 mod nll;
 mod out;
+mod progress;
 mod run;
 mod serve;
 mod setup;
@@ -43,6 +45,9 @@ enum Command {
     /// Decode benchmark run by `cargo xtask bench` (prints one JSON object).
     #[command(hide = true)]
     BenchDecode(bench::BenchArgs),
+    /// Time to first token of a long prompt against its storage and compute bounds (prints one JSON object).
+    #[command(hide = true)]
+    BenchPrefill(bench_prefill::BenchPrefillArgs),
     /// Encode text or render a chat with the model's tokenizer.
     Tokenize(tokenize::TokenizeArgs),
     /// Install Kimi K3 from the hub (--full, --stream), or fill a streaming install (fetch-experts-all).
@@ -70,6 +75,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::run(a, dev),
         Command::Nll(a) => nll::run(a, dev),
         Command::BenchDecode(a) => bench::run(a, dev),
+        Command::BenchPrefill(a) => bench_prefill::run(a, dev),
         Command::Tokenize(a) => tokenize::run(a),
         Command::Setup(a) => setup::run(a),
         Command::Serve(a) => serve::run(a, dev),

@@ -116,6 +116,7 @@ pub fn run(args: RunArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-ids 1,2,3"),
     };
     let mut session = engine.session();
+    session.set_progress(crate::progress::prefill_bar());
     if let Some(path) = &args.load_snapshot {
         session
             .load_snapshot(path)
@@ -187,6 +188,14 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     let x = engine.expert_stats();
     let per_token = |d: std::time::Duration| d.as_secs_f64() / tokens;
     eprintln!("--- stats (per generated token, prefill included)");
+    eprintln!(
+        "prefill              {} tokens in {:.3} s ({:.1} tokens/s), {:.1} MB read, passes of up to {} tokens",
+        s.prefill_tokens,
+        s.prefill_seconds,
+        s.prefill_tokens as f64 / s.prefill_seconds.max(1e-9),
+        s.prefill_read_bytes as f64 / 1e6,
+        engine.prefill_chunk()
+    );
     eprintln!(
         "wall time            {:.3} s total, {:.4} s/token",
         elapsed.as_secs_f64(),

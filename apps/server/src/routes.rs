@@ -793,6 +793,9 @@ fn usage_json(usage: &Usage) -> Value {
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        // deltafin's own: what the prompt cost (OpenAI clients ignore unknown fields).
+        "prefill_time_s": usage.prefill_seconds,
+        "prefill_read_bytes": usage.prefill_read_bytes,
     })
 }
 
@@ -1000,6 +1003,7 @@ pub(crate) mod wire_tests {
                 prompt_tokens: 5,
                 completion_tokens: 3,
                 cached_tokens: 0,
+                ..Usage::default()
             },
         };
         let v = chat_wire().full(&answer, &outcome);
@@ -1070,6 +1074,7 @@ pub(crate) mod wire_tests {
                 prompt_tokens: 1,
                 completion_tokens: ids.len(),
                 cached_tokens: 0,
+                ..Usage::default()
             },
         };
         let v = chat_wire().full(&answer, &outcome);

@@ -566,6 +566,19 @@ async fn chat_streamed_and_not_reassemble_to_the_same_answer() {
     // Same tokens as the engine's own greedy generation on the same rendered prompt.
     let prompt: Vec<u32> = serde_json::from_value(v["prompt_token_ids"].clone()).expect("ids");
     assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    // What the prompt cost: its time, and the bytes it read (the fixture's experts are read from disk).
+    assert!(
+        v["usage"]["prefill_time_s"]
+            .as_f64()
+            .is_some_and(|s| s > 0.0),
+        "{}",
+        v["usage"]
+    );
+    assert!(
+        v["usage"]["prefill_read_bytes"].as_u64().is_some(),
+        "{}",
+        v["usage"]
+    );
     let reference = engine(EngineOptions::default());
     let mut session = reference.session();
     let direct = session

@@ -62,8 +62,8 @@ impl Finish {
     }
 }
 
-/// Token counts of one request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Token counts of one request, and what its prompt cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
@@ -71,10 +71,37 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens that were not fed again thanks to prefix reuse.
     pub cached_tokens: usize,
+    /// Seconds from the request's turn to its first token (the prefill).
+    pub prefill_seconds: f64,
+    /// Bytes read from storage until the first token (expert spans and streamed spine layers).
+    pub prefill_read_bytes: u64,
+}
+
+/// How often a long prefill is logged.
+const PROGRESS_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A progress callback that logs a long prefill every [`PROGRESS_LOG_EVERY`].
+fn progress_log<'e>() -> deltafin_runtime::ProgressFn<'e> {
+    let last = std::cell::Cell::new(std::time::Duration::ZERO);
+    Box::new(move |p: &deltafin_runtime::PrefillProgress| {
+        if p.elapsed >= last.get() + PROGRESS_LOG_EVERY {
+            last.set(p.elapsed);
+            tracing::info!(
+                "prefill: {}/{} tokens, layer {}/{} of a {}-token pass, {:.0}% after {:.1} s",
+                p.tokens_done,
+                p.tokens_total,
+                p.layers_done,
+                p.layers,
+                p.pass_tokens,
+                100.0 * p.fraction(),
+                p.elapsed.as_secs_f64()
+            );
+        }
+    })
 }
 
 /// How a generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Outcome {
     /// Why.
     pub finish: Finish,
@@ -134,9 +161,11 @@ pub fn engine_loop(
     shutting_down: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
 ) {
+    let mut session = engine.session();
+    session.set_progress(Some(progress_log()));
     let mut worker = Worker {
         engine: &engine,
-        session: engine.session(),
+        session,
         checkpoint: None,
         tokenizer,
         shutting_down,
@@ -160,6 +189,7 @@ pub fn engine_loop(
                 worker.spec_base.0 += lost.drafted;
                 worker.spec_base.1 += lost.accepted;
                 worker.session = engine.session();
+                worker.session.set_progress(Some(progress_log()));
                 worker.forget();
                 let what = panic
                     .downcast_ref::<&str>()
@@ -222,6 +252,7 @@ impl Worker<'_> {
     fn run(&mut self, job: &mut Job) -> Result<Outcome, String> {
         let started = std::time::Instant::now();
         let prompt = &job.prompt[..];
+        let read0 = self.engine.read_bytes();
         let input = self.reuse(prompt)?;
         let cached = prompt.len() - input.len();
         let shutting_down = Arc::clone(&self.shutting_down);
@@ -248,6 +279,8 @@ impl Worker<'_> {
                     prompt_tokens: prompt.len(),
                     completion_tokens: 0,
                     cached_tokens: cached,
+                    prefill_seconds: counts.prefill_secs,
+                    prefill_read_bytes: self.engine.read_bytes() - read0,
                 },
             });
         };
@@ -259,6 +292,7 @@ impl Worker<'_> {
         )
         .map_err(|e| format!("output parser: {e}"))?;
         let mut first_token = None;
+        let mut first_read = None;
         let top_logprobs = job.top_logprobs;
         let events = &job.events;
         let metrics = Arc::clone(&self.metrics);
@@ -268,6 +302,7 @@ impl Worker<'_> {
             .session
             .generate_with(input, &job.options, mask, |id, row| {
                 first_token.get_or_insert_with(std::time::Instant::now);
+                first_read.get_or_insert_with(|| engine.read_bytes());
                 let mut delta = out.push(id);
                 if let Some(top) = top_logprobs {
                     delta.logprobs.push(token_logprob(row, id, top));
@@ -309,6 +344,8 @@ impl Worker<'_> {
                 prompt_tokens: prompt.len(),
                 completion_tokens: generation.tokens.len(),
                 cached_tokens: cached,
+                prefill_seconds: counts.prefill_secs,
+                prefill_read_bytes: first_read.unwrap_or_else(|| self.engine.read_bytes()) - read0,
             },
         })
     }
@@ -335,7 +372,7 @@ impl Worker<'_> {
         input: &'p [u32],
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Option<&'p [u32]>, String> {
-        let chunk = self.engine.options().prefill_chunk.max(1);
+        let chunk = self.engine.prefill_chunk();
         // Pending tokens are fed first, so chunk boundaries count from them.
         let pending = self.session.snapshot().pending;
         let total = pending + input.len();

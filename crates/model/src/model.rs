@@ -281,6 +281,18 @@ impl Model {
         experts: &dyn ExpertSource,
         logit_rows: LogitRows,
     ) -> Result<Tensor> {
+        self.forward_observed(ids, state, experts, logit_rows, &|_| {})
+    }
+
+    /// [`Self::forward`], calling `layer_done(l)` after each decoder layer `l` (for progress reports).
+    pub fn forward_observed(
+        &self,
+        ids: &[u32],
+        state: &mut SessionState,
+        experts: &dyn ExpertSource,
+        logit_rows: LogitRows,
+        layer_done: &dyn Fn(usize),
+    ) -> Result<Tensor> {
         if ids.is_empty() {
             return Ok(Tensor::zeros(
                 (0, self.cfg.vocab_size),
@@ -323,6 +335,7 @@ impl Model {
                     }
                 };
                 p = layer.forward(p, &mut bank, layer_state, &pass, following)?;
+                layer_done(l);
             }
             Ok(p)
         })?;

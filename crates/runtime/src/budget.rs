@@ -17,8 +17,10 @@ pub const STREAMED_LAYERS_IN_MEMORY: u64 = 2 + READ_AHEAD_LAYERS as u64;
 const KDA_STATE_COPIES: u64 = 2;
 
 /// Activation rows of scratch per token of a prefill chunk, in units of the widest activation: the layer's
-/// inputs and outputs, projections, the AttnRes bank and the MoE's per-expert rows.
-const SCRATCH_ROWS_PER_TOKEN: u64 = 48;
+/// inputs and outputs, projections, the AttnRes bank and the MoE's per-expert rows. At K3's size a token's live
+/// activations come to about 12 rows of the widest (the dense FFN's 33,792): KDA's raw and per-head q, k, v and
+/// gate, the top-16 experts' gate, up and activation rows, MLA's queries and outputs; this leaves room for copies.
+const SCRATCH_ROWS_PER_TOKEN: u64 = 24;
 
 /// What the plan is computed from.
 #[derive(Clone, Debug)]
@@ -119,7 +121,43 @@ pub fn session_state_bytes(cfg: &ModelConfig, context: usize) -> u64 {
         .sum()
 }
 
-/// Scratch of one prefill pass: logits for every row plus activation rows of the widest block.
+/// Logit rows a pass that returns every row's logits (`Session::prefill`, speculative verification) covers at most:
+/// such passes are cut to this many tokens, so a long pass's scratch holds one row of logits per token of this
+/// many, not of the whole pass.
+pub const ALL_LOGITS_CHUNK: usize = 64;
+
+/// Largest pass `auto` picks: beyond it a pass reads no fewer bytes for any model this engine runs (every expert of
+/// a layer is already needed), and its scratch would only take memory from the expert cache.
+const MAX_AUTO_CHUNK: usize = 4096;
+
+/// The pass length whose scratch the memory plan reserves under `auto`; longer passes borrow the difference from the
+/// expert cache while they run ([`auto_prefill_chunk`]).
+pub const BASE_PREFILL_CHUNK: usize = 64;
+
+/// `K3_PREFILL_CHUNK=auto`: the longest pass (a power of two from [`BASE_PREFILL_CHUNK`] up to [`MAX_AUTO_CHUNK`] and
+/// the context) whose scratch beyond the reserved base pass's fits in three quarters of the expert cache's bytes,
+/// `cache`. Such a pass shrinks the cache by that much while it runs, so the engine stays inside its budget, decode
+/// keeps every pinned layer, and a long prompt still reads each streamed layer and each expert once per pass: while
+/// a prompt is fed, a pass reads every expert it needs once per layer anyway, so the cache is worth least then.
+pub fn auto_prefill_chunk(cfg: &ModelConfig, cache: u64, context: usize) -> usize {
+    let base = scratch_bytes(cfg, BASE_PREFILL_CHUNK);
+    let mut t = BASE_PREFILL_CHUNK;
+    while t * 2 <= MAX_AUTO_CHUNK.min(context.max(BASE_PREFILL_CHUNK))
+        && scratch_bytes(cfg, t * 2) - base <= cache / 4 * 3
+    {
+        t *= 2;
+    }
+    t
+}
+
+/// Scratch a pass of `tokens` needs beyond what the plan reserved for `reserved_chunk` tokens (0 when it needs no
+/// more): what it borrows from the expert cache.
+pub fn extra_scratch(cfg: &ModelConfig, tokens: usize, reserved_chunk: usize) -> u64 {
+    scratch_bytes(cfg, tokens).saturating_sub(scratch_bytes(cfg, reserved_chunk))
+}
+
+/// Scratch of one prefill pass of `prefill_chunk` tokens: activation rows of the widest block per token, plus the
+/// logits of the rows a pass returns (at most [`ALL_LOGITS_CHUNK`]).
 pub fn scratch_bytes(cfg: &ModelConfig, prefill_chunk: usize) -> u64 {
     let widest = [
         cfg.hidden_size,
@@ -132,7 +170,8 @@ pub fn scratch_bytes(cfg: &ModelConfig, prefill_chunk: usize) -> u64 {
     .max()
     .unwrap_or(0) as u64;
     let t = prefill_chunk.max(1) as u64;
-    4 * t * (cfg.vocab_size as u64 + SCRATCH_ROWS_PER_TOKEN * widest)
+    let logit_rows = t.min(ALL_LOGITS_CHUNK as u64);
+    4 * (logit_rows * cfg.vocab_size as u64 + t * SCRATCH_ROWS_PER_TOKEN * widest)
 }
 
 /// Spends `inputs.budget` as `pins` asks: under [`PinLayers::Auto`] every layer stays resident if everything fits,
@@ -268,6 +307,46 @@ mod tests {
         );
         // The chunk's logits alone are 64 × 163,840 floats.
         assert!(scratch_bytes(&cfg, 64) > 64 * 163_840 * 4);
+    }
+
+    #[test]
+    fn auto_chunk_borrows_at_most_three_quarters_of_the_cache() {
+        let cfg = k3();
+        let base = scratch_bytes(&cfg, BASE_PREFILL_CHUNK);
+        for gib in [0u64, 1, 4, 16, 64, 1024] {
+            let cache = gib << 30;
+            let t = auto_prefill_chunk(&cfg, cache, 8192);
+            assert!(
+                t.is_power_of_two() && (BASE_PREFILL_CHUNK..=MAX_AUTO_CHUNK).contains(&t),
+                "{gib}: {t}"
+            );
+            // This pass's extra scratch fits, the next power of two's would not (unless the cap stopped it).
+            assert!(
+                scratch_bytes(&cfg, t) - base <= cache / 4 * 3,
+                "{gib} GiB cache: {t}"
+            );
+            assert!(t == MAX_AUTO_CHUNK || scratch_bytes(&cfg, 2 * t) - base > cache / 4 * 3);
+            assert_eq!(
+                extra_scratch(&cfg, t, BASE_PREFILL_CHUNK),
+                scratch_bytes(&cfg, t) - base
+            );
+        }
+        assert_eq!(auto_prefill_chunk(&cfg, 0, 8192), BASE_PREFILL_CHUNK);
+        assert!(auto_prefill_chunk(&cfg, 16 << 30, 8192) > auto_prefill_chunk(&cfg, 1 << 30, 8192));
+        // Never past the context.
+        assert_eq!(auto_prefill_chunk(&cfg, 1 << 40, 256), 256);
+        // A pass's logits count at most ALL_LOGITS_CHUNK rows: past them scratch grows by activations alone.
+        let step =
+            scratch_bytes(&cfg, 4 * ALL_LOGITS_CHUNK) - scratch_bytes(&cfg, 3 * ALL_LOGITS_CHUNK);
+        assert_eq!(
+            scratch_bytes(&cfg, 5 * ALL_LOGITS_CHUNK) - scratch_bytes(&cfg, 4 * ALL_LOGITS_CHUNK),
+            step
+        );
+        assert_eq!(
+            step,
+            // The widest row at K3's size is the dense layer's 33,792-wide FFN activation.
+            ALL_LOGITS_CHUNK as u64 * SCRATCH_ROWS_PER_TOKEN * 33_792 * 4
+        );
     }
 
     #[test]

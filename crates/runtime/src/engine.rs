@@ -30,6 +30,12 @@ pub struct Engine {
     options: EngineOptions,
     /// How the memory budget is spent.
     plan: MemoryPlan,
+    /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, `auto` resolved against the budget).
+    prefill_chunk: usize,
+    /// Tokens per pass whose scratch the plan reserves; a longer pass borrows the rest from the expert cache.
+    reserved_chunk: usize,
+    /// Bytes of one routed expert as stored (0 without experts).
+    expert_bytes: u64,
     spine_int8: bool,
     spine_bytes: u64,
     spine: Arc<SpineSource>,
@@ -102,6 +108,11 @@ impl Engine {
             } else {
                 0
             };
+        // Under `auto` the plan reserves the base pass's scratch; longer passes borrow from the expert cache.
+        let reserved_chunk = match options.prefill_chunk {
+            crate::PrefillChunk::Auto => budget::BASE_PREFILL_CHUNK,
+            crate::PrefillChunk::Tokens(n) => n.max(1),
+        };
         let (plan, over) = budget::plan(
             &PlanInputs {
                 budget,
@@ -111,7 +122,7 @@ impl Engine {
                 expert_bytes,
                 expert_buffers,
                 context: options.context,
-                prefill_chunk: options.prefill_chunk,
+                prefill_chunk: reserved_chunk,
             },
             &cfg,
             &options.pin_layers,
@@ -123,6 +134,12 @@ impl Engine {
                 over as f64 / GIB
             );
         }
+        let prefill_chunk = match options.prefill_chunk {
+            crate::PrefillChunk::Auto => {
+                budget::auto_prefill_chunk(&cfg, plan.expert_cache, options.context)
+            }
+            crate::PrefillChunk::Tokens(_) => reserved_chunk,
+        };
         // The resident layers are read in order, each while the one before it is built.
         spine.set_order(
             (0..n_layers)
@@ -189,6 +206,9 @@ impl Engine {
             tokenizer,
             options,
             plan,
+            prefill_chunk,
+            reserved_chunk,
+            expert_bytes,
             spine_int8,
             spine_bytes,
             fingerprint: hasher.finalize(),
@@ -208,6 +228,31 @@ impl Engine {
     /// over `spans` experts; see [`ExpertStore::expert_read_rate`]). Benchmarks take their I/O bound from it.
     pub fn expert_read_rate(&self, spans: usize) -> Result<f64> {
         self.experts.inner().expert_read_rate(spans)
+    }
+
+    /// Runs `f` (a pass of `tokens` tokens) with the expert cache shrunk by the scratch the pass needs beyond the
+    /// plan's reservation (see `budget::auto_prefill_chunk`), so the engine stays inside its memory budget; the
+    /// cache gets its bytes back afterwards (it refills as experts are read).
+    pub(crate) fn with_pass_scratch<T>(&self, tokens: usize, f: impl FnOnce() -> T) -> T {
+        let extra = budget::extra_scratch(self.config(), tokens, self.reserved_chunk);
+        if extra == 0 {
+            return f();
+        }
+        let store = self.experts.inner();
+        store.shrink_cache(extra);
+        let out = f();
+        store.shrink_cache(0);
+        out
+    }
+
+    /// Empties the expert cache (benchmarks that compare cold runs).
+    pub fn clear_expert_cache(&self) {
+        self.experts.inner().clear_cache()
+    }
+
+    /// Bytes of one routed expert as stored (0 for a model without experts).
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes
     }
 
     /// Reads every expert it can into the RAM cache (whole layers, while the cache's budget allows); returns how many
@@ -282,6 +327,12 @@ impl Engine {
         &self.options
     }
 
+    /// Tokens per prefill pass: `K3_PREFILL_CHUNK`, or under `auto` the longest pass the memory budget has scratch
+    /// room for (`budget::auto_prefill_chunk`).
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
     /// Identifies the model (config and checkpoint size) in snapshots.
     pub fn fingerprint(&self) -> u32 {
         self.fingerprint
@@ -321,6 +372,12 @@ impl Engine {
     /// Spine bytes read by forward passes since open (streamed layers; zero when the spine is resident).
     pub fn spine_reads(&self) -> SpineReadStats {
         self.spine.read_stats()
+    }
+
+    /// Bytes forward passes have read from storage since open: expert spans from the device (the read pool's
+    /// device bytes) and streamed spine layers.
+    pub fn read_bytes(&self) -> u64 {
+        self.expert_stats().reader.disk.device_bytes + self.spine_reads().bytes
     }
 
     /// Time per phase of every forward pass so far.

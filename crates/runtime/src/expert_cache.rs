@@ -54,6 +54,8 @@ struct Entry {
 /// A byte-bounded map from (layer, expert) to decoded weights.
 pub struct ExpertCache {
     budget: u64,
+    /// Bytes of the budget lent out for now ([`ExpertCache::lend`]).
+    lent: u64,
     entries: HashMap<(usize, usize), Entry>,
     clock: u64,
     since_aging: u64,
@@ -81,6 +83,7 @@ impl ExpertCache {
     pub fn new(budget: u64) -> Self {
         Self {
             budget,
+            lent: 0,
             entries: HashMap::new(),
             clock: 0,
             since_aging: 0,
@@ -109,22 +112,16 @@ impl ExpertCache {
         }
     }
 
-    /// Whether the expert is cached (counts nothing, changes nothing).
-    pub fn contains(&self, layer: usize, expert: usize) -> bool {
-        self.entries.contains_key(&(layer, expert))
+    /// Lends `bytes` of the budget out (a long prefill pass's scratch), evicting the least used entries until the
+    /// rest fits in what is left; `0` gives the budget back. Lending replaces any earlier loan.
+    pub fn lend(&mut self, bytes: u64) {
+        self.lent = bytes.min(self.budget);
+        self.evict_to(self.budget - self.lent);
     }
 
-    /// Adds an expert just loaded (after a miss), evicting others to stay within the budget. An expert
-    /// larger than the whole budget is not kept.
-    pub fn insert(&mut self, layer: usize, expert: usize, weights: Arc<ExpertWeights>) {
-        let bytes = weights_bytes(&weights);
-        if bytes > self.budget {
-            return;
-        }
-        if let Some(old) = self.entries.remove(&(layer, expert)) {
-            self.stats.bytes -= old.bytes;
-        }
-        while self.stats.bytes + bytes > self.budget {
+    /// Evicts least-used-then-least-recent entries until at most `limit` bytes are held.
+    fn evict_to(&mut self, limit: u64) {
+        while self.stats.bytes > limit {
             let Some(victim) = self
                 .entries
                 .iter()
@@ -138,6 +135,31 @@ impl ExpertCache {
                 self.stats.evictions += 1;
             }
         }
+    }
+
+    /// Drops every entry (the counters stay).
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.stats.bytes = 0;
+    }
+
+    /// Whether the expert is cached (counts nothing, changes nothing).
+    pub fn contains(&self, layer: usize, expert: usize) -> bool {
+        self.entries.contains_key(&(layer, expert))
+    }
+
+    /// Adds an expert just loaded (after a miss), evicting others to stay within the budget. An expert
+    /// larger than the whole budget is not kept.
+    pub fn insert(&mut self, layer: usize, expert: usize, weights: Arc<ExpertWeights>) {
+        let bytes = weights_bytes(&weights);
+        let available = self.budget - self.lent;
+        if bytes > available {
+            return;
+        }
+        if let Some(old) = self.entries.remove(&(layer, expert)) {
+            self.stats.bytes -= old.bytes;
+        }
+        self.evict_to(available - bytes);
         self.entries.insert(
             (layer, expert),
             Entry {
@@ -235,5 +257,25 @@ mod tests {
         c.insert(0, 0, expert(1));
         assert!(c.get(0, 0).is_none());
         assert_eq!(c.stats().bytes, 0);
+    }
+
+    #[test]
+    fn a_loan_evicts_what_no_longer_fits_and_ends() {
+        let mut c = ExpertCache::new(10_000);
+        for e in 0..4 {
+            c.insert(0, e, expert(2_000));
+        }
+        assert_eq!(c.stats().bytes, 8_000);
+        c.lend(5_000);
+        assert!(c.stats().bytes <= 5_000, "{:?}", c.stats());
+        // While lent, an insert stays within what is left.
+        c.insert(1, 0, expert(2_000));
+        assert!(c.stats().bytes <= 5_000);
+        c.insert(1, 1, expert(6_000));
+        assert!(!c.contains(1, 1), "larger than what is left");
+        c.lend(0);
+        c.insert(1, 1, expert(6_000));
+        assert!(c.contains(1, 1));
+        assert!(c.stats().bytes <= 10_000);
     }
 }

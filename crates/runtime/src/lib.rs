@@ -27,21 +27,21 @@ pub use budget::MemoryPlan;
 pub use constraint::TokenMask;
 pub use deltafin_model::{DeviceOptions, DevicePref};
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
-pub use deltafin_quant::membw;
+pub use deltafin_quant::{flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::Engine;
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
 pub use memory::SystemMemory;
 pub use options::{
-    DEFAULT_CONTEXT, DEFAULT_PREFILL_CHUNK, ENGINE_VARS, EngineOptions, MAX_RAM_SHARE, ram_budget,
+    DEFAULT_CONTEXT, ENGINE_VARS, EngineOptions, MAX_RAM_SHARE, PrefillChunk, ram_budget,
 };
 pub use pinning::PinLayers;
 pub use prefetch::{PrefetchStats, parse_on_off};
 pub use sampling::{Sampler, SamplingParams, argmax};
 pub use session::{
-    FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, Session, SessionStats,
-    Snapshot,
+    FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, PrefillProgress, ProgressFn,
+    Session, SessionStats, Snapshot,
 };
 pub use sources::ExpertStats;
 pub use spine::{

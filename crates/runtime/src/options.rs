@@ -15,8 +15,35 @@ use crate::pinning::PinLayers;
 use crate::prefetch::parse_on_off;
 use crate::spine::SpineMode;
 
-/// Default prefill chunk: tokens per pass, so each expert a chunk needs is read once per layer.
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+/// Tokens per prefill pass (`K3_PREFILL_CHUNK`): each expert a pass needs is read once per layer, and a streamed
+/// spine layer once per pass, so the longer the pass the fewer bytes a prompt reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillChunk {
+    /// The longest pass whose scratch the memory budget gives room for (`auto`, the default; see
+    /// `budget::auto_prefill_chunk`).
+    Auto,
+    /// This many tokens per pass.
+    Tokens(usize),
+}
+
+impl PrefillChunk {
+    /// `auto` or a count of at least 1.
+    pub fn parse(v: &str) -> Result<Self> {
+        if v.trim().eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        Ok(Self::Tokens(parse_count("K3_PREFILL_CHUNK", v)?))
+    }
+}
+
+impl std::fmt::Display for PrefillChunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => write!(f, "auto"),
+            Self::Tokens(n) => write!(f, "{n}"),
+        }
+    }
+}
 
 /// Default context reserved for a session's MLA latent cache, in tokens (`K3_CONTEXT`).
 pub const DEFAULT_CONTEXT: usize = 8192;
@@ -37,8 +64,8 @@ pub const ENGINE_VARS: &[&str] = &[
 /// Options for [`crate::Engine::open`].
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
-    /// Tokens per prefill pass (`K3_PREFILL_CHUNK`, default 64).
-    pub prefill_chunk: usize,
+    /// Tokens per prefill pass (`K3_PREFILL_CHUNK`: `auto`, the default, or a count).
+    pub prefill_chunk: PrefillChunk,
     /// Spine precision (`K3_SPINE`: bf16, int8, auto).
     pub spine: SpineMode,
     /// Memory for the engine, in GiB (`K3_RAM_GB`): weights, caches, session state and scratch all come out of
@@ -65,7 +92,7 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         Self {
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: PrefillChunk::Auto,
             spine: SpineMode::Auto,
             ram_gb: None,
             pin_layers: PinLayers::Auto,
@@ -120,7 +147,7 @@ impl EngineOptions {
                 .map_err(|e| RuntimeError::Usage(format!("K3_EXPERT_INPUT: {e}")))?;
         }
         if let Some(v) = var("K3_PREFILL_CHUNK") {
-            o.prefill_chunk = parse_count("K3_PREFILL_CHUNK", &v)?;
+            o.prefill_chunk = PrefillChunk::parse(&v)?;
         }
         if let Some(v) = var("K3_CONTEXT") {
             o.context = parse_count("K3_CONTEXT", &v)?;
@@ -138,7 +165,7 @@ impl EngineOptions {
 
     /// These options with `prefill_chunk` set to `n` (at least 1).
     pub fn with_prefill_chunk(mut self, n: usize) -> Self {
-        self.prefill_chunk = n.max(1);
+        self.prefill_chunk = PrefillChunk::Tokens(n.max(1));
         self
     }
 
@@ -260,7 +287,7 @@ mod tests {
         let o = EngineOptions::from_vars(vars(&[])).expect("no variables");
         assert_eq!(o.ram_gb, None);
         assert_eq!(o.spine, SpineMode::Auto);
-        assert_eq!(o.prefill_chunk, DEFAULT_PREFILL_CHUNK);
+        assert_eq!(o.prefill_chunk, PrefillChunk::Auto);
         assert_eq!(o.context, DEFAULT_CONTEXT);
         assert_eq!(o.device.pref, DevicePref::Cpu);
         assert!(!o.prefetch);
@@ -285,7 +312,7 @@ mod tests {
         assert_eq!(o.spine, SpineMode::Int8);
         assert!(o.prefetch);
         assert_eq!(o.expert_input, ExpertInput::I16);
-        assert_eq!(o.prefill_chunk, 128);
+        assert_eq!(o.prefill_chunk, PrefillChunk::Tokens(128));
         assert_eq!(o.context, 4096);
         assert_eq!(o.device.pref, DevicePref::Auto);
         assert_eq!(o.device.gpu_cache_bytes, Some(2 << 30));

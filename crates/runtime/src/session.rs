@@ -7,6 +7,8 @@
 //! old immutable objects, no copying back) and the accepted tokens join the pending ones, fed by the next pass.
 //! Rows of a pass do not depend on how many tokens share it (fixed-order kernels), so this is bit-exact.
 
+use std::time::Instant;
+
 use deltafin_model::{LogitRows, SessionState};
 
 use crate::constraint::{TokenMask, masked_row};
@@ -93,7 +95,7 @@ pub struct Generation {
 }
 
 /// Counters of one session (printed by `--stats`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct SessionStats {
     /// Forward passes run.
     pub passes: u64,
@@ -109,7 +111,42 @@ pub struct SessionStats {
     pub decode_passes: u64,
     /// Tokens skipped thanks to prefix reuse.
     pub reused_tokens: u64,
+    /// Tokens fed by prefills: feeds of more than one token (a prompt, or its tail after a reused prefix).
+    pub prefill_tokens: u64,
+    /// Time those feeds took.
+    pub prefill_seconds: f64,
+    /// Bytes those feeds read from storage: expert spans from the device and streamed spine layers.
+    pub prefill_read_bytes: u64,
 }
+
+/// Where a prefill stands, as reported to [`Session::set_progress`] after every decoder layer of every pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillProgress {
+    /// Tokens of this feed already through every layer.
+    pub tokens_done: usize,
+    /// Tokens in the pass under way.
+    pub pass_tokens: usize,
+    /// Tokens of the whole feed.
+    pub tokens_total: usize,
+    /// Decoder layers the pass under way has finished.
+    pub layers_done: usize,
+    /// Decoder layers of the model.
+    pub layers: usize,
+    /// Time since the feed began.
+    pub elapsed: std::time::Duration,
+}
+
+impl PrefillProgress {
+    /// Share of the feed's work done (layers × tokens), from 0 to 1.
+    pub fn fraction(&self) -> f64 {
+        let total = (self.tokens_total * self.layers).max(1) as f64;
+        ((self.tokens_done * self.layers + self.layers_done * self.pass_tokens) as f64 / total)
+            .min(1.0)
+    }
+}
+
+/// A progress report callback ([`Session::set_progress`]).
+pub type ProgressFn<'e> = Box<dyn Fn(&PrefillProgress) + 'e>;
 
 /// A copy of a session's position that can be restored later (cheap: states are shared, not copied).
 #[derive(Clone, Debug, PartialEq)]
@@ -129,6 +166,9 @@ pub struct Session<'e> {
     tokens: Vec<u32>,
     pending: usize,
     stats: SessionStats,
+    /// Longest pass this session runs (at most the engine's; see [`Session::limit_prefill_chunk`]).
+    chunk_limit: usize,
+    progress: Option<ProgressFn<'e>>,
 }
 
 impl<'e> Session<'e> {
@@ -139,7 +179,21 @@ impl<'e> Session<'e> {
             tokens: Vec::new(),
             pending: 0,
             stats: SessionStats::default(),
+            chunk_limit: usize::MAX,
+            progress: None,
         }
+    }
+
+    /// Caps this session's passes at `n` tokens (at least 1). The engine's pass length is the longest its memory
+    /// budget has room for, so a session can ask for shorter passes (benchmarks compare them), never longer.
+    pub fn limit_prefill_chunk(&mut self, n: usize) {
+        self.chunk_limit = n.max(1);
+    }
+
+    /// Calls `f` after every decoder layer of every pass of a feed of more than one token (a prompt), with where
+    /// the feed stands; `None` stops the reports.
+    pub fn set_progress(&mut self, f: Option<ProgressFn<'e>>) {
+        self.progress = f;
     }
 
     /// Every token the session has consumed, in order.
@@ -252,18 +306,43 @@ impl<'e> Session<'e> {
         self.tokens.extend_from_slice(ids);
         self.pending += ids.len();
         let input: Vec<u32> = self.tokens[self.tokens.len() - self.pending..].to_vec();
-        let chunk = self.engine.options().prefill_chunk.max(1);
-        let rows = if all_rows {
-            LogitRows::All
+        // A pass returning every row's logits holds them all: such passes stay within the budget's logit rows.
+        let (chunk, rows) = if all_rows {
+            (
+                self.engine
+                    .prefill_chunk()
+                    .min(crate::budget::ALL_LOGITS_CHUNK),
+                LogitRows::All,
+            )
         } else {
-            LogitRows::Last
+            (self.engine.prefill_chunk(), LogitRows::Last)
         };
+        let chunk = chunk.min(self.chunk_limit).max(1);
+        let started = Instant::now();
+        let is_prefill = input.len() > 1;
+        let read0 = self.engine.read_bytes();
         let mut data = Vec::new();
         let mut offset = 0;
+        // Taken out while the passes run (they borrow the session mutably), put back below.
+        let progress = self.progress.take();
+        let layers = self.engine.config().n_layers;
         for piece in input.chunks(chunk) {
-            let (logits, state) = match self.pass(piece, rows) {
+            let report = |layers_done: usize| {
+                if let (true, Some(f)) = (is_prefill, &progress) {
+                    f(&PrefillProgress {
+                        tokens_done: offset,
+                        pass_tokens: piece.len(),
+                        tokens_total: input.len(),
+                        layers_done,
+                        layers,
+                        elapsed: started.elapsed(),
+                    });
+                }
+            };
+            let (logits, state) = match self.pass(piece, rows, &|l| report(l + 1)) {
                 Ok(x) => x,
                 Err(e) => {
+                    self.progress = progress;
                     let unfed_new = ids.len().min(self.pending);
                     self.tokens.truncate(self.tokens.len() - unfed_new);
                     self.pending -= unfed_new;
@@ -281,11 +360,22 @@ impl<'e> Session<'e> {
             }
             offset += piece.len();
         }
+        self.progress = progress;
+        if is_prefill {
+            self.stats.prefill_tokens += input.len() as u64;
+            self.stats.prefill_seconds += started.elapsed().as_secs_f64();
+            self.stats.prefill_read_bytes += self.engine.read_bytes().saturating_sub(read0);
+        }
         Ok(Logits { vocab, data })
     }
 
     /// One forward pass of `input` on a copy of the committed state; returns the rows and the new state.
-    fn pass(&mut self, input: &[u32], rows: LogitRows) -> Result<(Vec<f32>, SessionState)> {
+    fn pass(
+        &mut self,
+        input: &[u32],
+        rows: LogitRows,
+        layer_done: &dyn Fn(usize),
+    ) -> Result<(Vec<f32>, SessionState)> {
         let context = self.engine.options().context;
         if self.committed.n_tokens + input.len() > context {
             return Err(RuntimeError::Budget(format!(
@@ -296,10 +386,12 @@ impl<'e> Session<'e> {
             )));
         }
         let mut st = self.committed.clone();
-        let t = self
-            .engine
-            .model()
-            .forward(input, &mut st, self.engine.experts(), rows)?;
+        let engine = self.engine;
+        let t = engine.with_pass_scratch(input.len(), || {
+            engine
+                .model()
+                .forward_observed(input, &mut st, engine.experts(), rows, layer_done)
+        })?;
         let data = t
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
@@ -409,7 +501,7 @@ impl<'e> Session<'e> {
             };
             let mut input: Vec<u32> = self.tokens[self.tokens.len() - self.pending..].to_vec();
             input.extend_from_slice(&drafts);
-            let (rows, state) = self.pass(&input, LogitRows::Tail(drafts.len() + 1))?;
+            let (rows, state) = self.pass(&input, LogitRows::Tail(drafts.len() + 1), &|_| {})?;
             self.stats.decode_passes += 1;
             self.stats.drafted += drafts.len() as u64;
             let mut accepted = 0;

@@ -160,6 +160,17 @@ impl ExpertStore {
         }
     }
 
+    /// Lends `bytes` of the RAM cache's budget to something else (evicting what no longer fits), or with 0 gives
+    /// back whatever was lent.
+    pub fn shrink_cache(&self, bytes: u64) {
+        self.core.cache().lend(bytes);
+    }
+
+    /// Empties the RAM cache (benchmarks that compare cold runs).
+    pub fn clear_cache(&self) {
+        self.core.cache().clear();
+    }
+
     /// Reads every expert of every MoE layer into the RAM cache, layer by layer, until the cache's byte budget is
     /// reached; returns how many experts it now holds. For benchmarks of compute with every weight resident.
     pub fn warm(&self) -> Result<usize, RuntimeError> {
