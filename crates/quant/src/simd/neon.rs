@@ -251,9 +251,8 @@ fn reduce16(acc: [[float32x4_t; 4]; 2]) -> f32 {
 /// Drives an MXFP4 kernel over `R` neighbouring rows and `T` inputs: for chunk `c` and lane quarter `v`,
 /// `decode(words)` turns a row's four code words into weights once, and `sum(&w, t, c, v)` gives the unscaled sum
 /// of those lanes against input `t`; the driver applies the group's scale into the contracts' even and odd
-/// accumulators (`acc[c % 2] = fma(sum, scale, acc[c % 2])`) and reduces. Every row has at least `n_chunks`
-/// chunks' worth of scale groups or fewer (past its end the words are zero and the scale is 1, as the contracts
-/// say).
+/// accumulators (`acc[c % 2] = fma(sum, scale, acc[c % 2])`) and reduces. Past a row's end its words are zero and
+/// its scale is 1, as the contracts say.
 #[inline(always)]
 fn mxfp4_rows<Wt, const R: usize, const T: usize>(
     rows: [(&[u8], &[u8]); R],
