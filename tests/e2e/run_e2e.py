@@ -1,6 +1,7 @@
-"""Starts `deltafin serve` on a free 127.0.0.1 port, runs the openai-client tests against it, always stops it.
+"""Starts `deltafin serve` on a free 127.0.0.1 port, runs a test suite against it, always stops it.
 
-    python3 tests/e2e/run_e2e.py --bin target/debug/deltafin --model tests/fixtures/k3/k3-tiny-a
+    python3 tests/e2e/run_e2e.py --bin target/debug/deltafin --model tests/fixtures/k3/k3-tiny-a \
+        [--suite tests/e2e/test_openai_client.py]
 
 The server is asked for port 0 and the port it got is read from its log. After the tests it must shut down
 cleanly on SIGTERM (graceful shutdown); if it does not within a few seconds it is killed and the run fails.
@@ -28,11 +29,12 @@ def main():
     ap.add_argument("--bin", required=True, help="the deltafin binary")
     ap.add_argument("--model", required=True, help="model directory (a fixture)")
     ap.add_argument("--model-id", default="k3-tiny-a")
+    ap.add_argument("--suite", default=os.path.join(HERE, "test_openai_client.py"), help="the tests to run")
     args = ap.parse_args()
 
     cmd = [
         args.bin, "serve", "--model", args.model, "--host", "127.0.0.1", "--port", "0",
-        "--served-model-name", args.model_id, "--keep-alive-secs", "1",
+        "--served-model-name", args.model_id, "--keep-alive-secs", "1", "--max-queue", "2",
     ]
     print("starting:", " ".join(cmd), flush=True)
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -78,7 +80,7 @@ def main():
             "PYTHONUNBUFFERED": "1",
         })
         try:
-            tests = subprocess.run([sys.executable, os.path.join(HERE, "test_openai_client.py")], env=env,
+            tests = subprocess.run([sys.executable, args.suite], env=env,
                                    timeout=SUITE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             print(f"e2e suite exceeded {SUITE_TIMEOUT_S} s", flush=True)

@@ -334,3 +334,69 @@ fn a_session_stops_at_its_reserved_context_and_stays_usable() {
     let vocab = engine.config().vocab_size;
     assert_eq!(logits[vocab..], fresh[5 * vocab..]);
 }
+
+/// Allows only ids divisible by 7 and records what it was told.
+struct Sevens(Vec<u32>);
+
+impl deltafin_runtime::TokenMask for Sevens {
+    fn restrict(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        for (i, v) in logits.iter_mut().enumerate() {
+            if i % 7 != 0 {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    fn accept(&mut self, id: u32) -> Result<(), String> {
+        self.0.push(id);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_token_mask_restricts_every_choice_and_rows_are_the_prefill_rows() {
+    let engine = open_with_chunk(&fixture("k3/k3-tiny-a"), 64);
+    let prompt = [556u32, 10, 20, 30];
+    for temperature in [0.0, 0.9] {
+        let opts = GenerateOptions {
+            max_new: 24,
+            sampling: SamplingParams {
+                temperature,
+                seed: 3,
+                ..SamplingParams::default()
+            },
+            ignore_eos: true,
+            speculation_depth: 2,
+            ..GenerateOptions::default()
+        };
+        let mut mask = Sevens(Vec::new());
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        let mut session = engine.session();
+        let g = session
+            .generate_with(&prompt, &opts, Some(&mut mask), |_, row| {
+                rows.push(row.to_vec());
+                true
+            })
+            .expect("generate");
+        assert_eq!(g.tokens.len(), 24);
+        assert!(g.tokens.iter().all(|t| t % 7 == 0), "{:?}", g.tokens);
+        assert_eq!(mask.0, g.tokens, "the mask is told every token");
+        // Speculation is off under a mask.
+        assert_eq!(session.stats().drafted, 0);
+        // Each row is the unmasked row prefill gives at that position (what `deltafin nll` scores).
+        let mut all = prompt.to_vec();
+        all.extend_from_slice(&g.tokens);
+        let reference = engine.session().prefill(&all).expect("prefill");
+        for (i, row) in rows.iter().enumerate() {
+            let want = reference.row(prompt.len() - 1 + i);
+            assert!(max_abs_diff(row, want) <= 1e-5, "row {i}");
+            assert!(row.iter().all(|v| v.is_finite()));
+        }
+        // Without the mask, greedy picks ids the mask forbids (the mask did something).
+        if temperature == 0.0 {
+            let free = greedy(&mut engine.session(), &prompt, 0, 24);
+            assert!(free.iter().any(|t| t % 7 != 0), "{free:?}");
+        }
+    }
+}

@@ -28,10 +28,19 @@ pub struct BenchArgs {
     /// (0: skip).
     #[arg(long, default_value_t = 2.0)]
     membw_gib: f64,
+    /// GiB of memory to read on every core right before each decoded token, for a read bound beside every token
+    /// (0: skip). Memory speed on a shared machine moves from minute to minute; a bound read next to each token
+    /// follows it. The buffer stays allocated during decoding and is left out of `peak_rss_bytes`.
+    #[arg(long, default_value_t = 0.0)]
+    membw_per_token_gib: f64,
     /// Experts to read through the engine's read path before decoding, for the storage read bound of the same run
     /// (0: skip).
     #[arg(long, default_value_t = 0)]
     disk_spans: usize,
+    /// Read every expert into the RAM cache before decoding (whole layers, while the cache's budget allows), so
+    /// that a run with every layer pinned measures compute with every weight resident.
+    #[arg(long)]
+    warm_experts: bool,
     /// Prompt length (token ids 1..=N).
     #[arg(long, default_value_t = 4)]
     prompt_len: usize,
@@ -39,9 +48,18 @@ pub struct BenchArgs {
 
 #[derive(Serialize)]
 struct Report {
+    /// Experts read into the RAM cache before decoding (`--warm-experts`).
+    warm_experts: usize,
     tokens: usize,
     /// Seconds for each decoded token (after the prefill and its first token).
     token_s: Vec<f64>,
+    /// The all-core memory read rate measured right before each decoded token (bytes/s; empty unless
+    /// `--membw-per-token-gib`).
+    token_membw_bytes_per_s: Vec<f64>,
+    /// Each token's time over its compute bound (weight bytes a step touches ÷ the read rate measured right before
+    /// it), and their median (0 when not measured).
+    token_bound_ratio: Vec<f64>,
+    bound_ratio_median: f64,
     /// Expert bytes read from the device plus streamed spine bytes.
     engine_disk_bytes: u64,
     engine_disk_reads: u64,
@@ -63,7 +81,11 @@ struct Report {
     expert_compute_s: f64,
     attention_s: f64,
     kda_s: f64,
+    /// Of `kda_s`, the dense projections.
+    kda_proj_s: f64,
     mla_s: f64,
+    /// Of `mla_s`, the dense projections.
+    mla_proj_s: f64,
     spine_compute_s: f64,
     dense_ffn_s: f64,
     moe_trunk_s: f64,
@@ -78,6 +100,13 @@ struct Report {
     /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
     open_s: f64,
     open_read_bytes: u64,
+    /// Expert spans read through a fresh read pool right before and right after `Engine::open` (distinct spans, none
+    /// of them read by the open), bytes/s: the storage bound of the open, measured around it (0 when
+    /// `--disk-spans` is 0).
+    open_disk_before_bytes_per_s: f64,
+    open_disk_after_bytes_per_s: f64,
+    /// `open_read_bytes / open_s` over the mean of the two rates around it (0 when not measured).
+    open_disk_ratio: f64,
     /// Spine bytes kept resident (read once at open).
     resident_spine_bytes: u64,
     /// Experts read from storage through the engine's read path before decoding (bytes/s; 0 when not measured).
@@ -143,6 +172,27 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
+        deltafin_runtime::membw::ReadBuffer::new(
+            (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
+        )
+    });
+    let per_token_bytes = per_token_buffer.as_ref().map_or(0, |b| b.len() as u64);
+    // The open's storage bound: expert spans (which the open does not read) right before and right after it.
+    let around_open = |skip: usize| -> anyhow::Result<f64> {
+        if args.disk_spans == 0 {
+            return Ok(0.0);
+        }
+        let files = deltafin_storage::ModelFiles::open(&args.model)?;
+        let map = deltafin_storage::ExpertMap::build(&files)?;
+        Ok(deltafin_storage::expert_spans_read_rate(
+            &files,
+            &map,
+            skip,
+            args.disk_spans,
+        )?)
+    };
+    let open_disk_before = around_open(0)?;
     reset_peak_rss();
     let (open_io0, open_from) = (proc_read_bytes(), Instant::now());
     let engine = Engine::open(&args.model, options)
@@ -151,14 +201,26 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         open_from.elapsed().as_secs_f64(),
         proc_read_bytes() - open_io0,
     );
+    let open_disk_after = around_open(args.disk_spans)?;
+    let open_disk_ratio = if open_disk_before + open_disk_after > 0.0 {
+        open_read_bytes as f64 / open_s / ((open_disk_before + open_disk_after) / 2.0)
+    } else {
+        0.0
+    };
     let disk_rate = if args.disk_spans > 0 {
         engine.expert_read_rate(args.disk_spans)?
     } else {
         0.0
     };
+    let warm_experts = if args.warm_experts {
+        engine.warm_expert_cache()?
+    } else {
+        0
+    };
     let prompt: Vec<u32> = (1..=args.prompt_len as u32).collect();
     let mut session = engine.session();
     let mut token_s = Vec::with_capacity(args.tokens);
+    let mut token_membw = Vec::with_capacity(args.tokens);
     let mut last = Instant::now();
     // Counters start after the first token (prefill + its first token), so every number is per decoded token.
     type Start = (
@@ -186,6 +248,11 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
             } else {
                 token_s.push(last.elapsed().as_secs_f64());
             }
+            if token_s.len() < args.tokens
+                && let Some(b) = &per_token_buffer
+            {
+                token_membw.push(b.read_rate());
+            }
             last = Instant::now();
             true
         },
@@ -201,9 +268,31 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         3 * (w * i / 2 + w * i / 32)
     };
     let token_count = token_s.len();
+    let spine_bytes_touched_per_token = engine.layer_spine_bytes().iter().sum::<u64>()
+        + engine.head_bytes()
+        + (cfg.hidden_size * 2) as u64;
+    let expert_bytes_touched_per_token =
+        (stats.cache.hits + stats.cache.misses - stats0.cache.hits - stats0.cache.misses)
+            * expert_bytes
+            / token_count.max(1) as u64;
+    let touched = (spine_bytes_touched_per_token + expert_bytes_touched_per_token) as f64;
+    let token_bound_ratio: Vec<f64> = token_s
+        .iter()
+        .zip(&token_membw)
+        .map(|(s, rate)| s / (touched / rate))
+        .collect();
+    let bound_ratio_median = {
+        let mut v = token_bound_ratio.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
     let report = Report {
+        warm_experts,
         tokens: token_s.len(),
         token_s,
+        token_membw_bytes_per_s: token_membw,
+        token_bound_ratio,
+        bound_ratio_median,
         engine_disk_bytes: stats.reader.disk.device_bytes - stats0.reader.disk.device_bytes
             + spine_read_bytes,
         engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads + spine.reads
@@ -216,14 +305,16 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         cache_budget_bytes: stats.cache.budget,
         expert_bytes,
         spine_bytes: engine.spine_bytes(),
-        peak_rss_bytes: peak_rss().unwrap_or(0),
+        peak_rss_bytes: peak_rss().unwrap_or(0).saturating_sub(per_token_bytes),
         budget_bytes: engine.memory_budget(),
         anon_huge_bytes: anon_huge_bytes(),
         expert_wait_s: p.expert_wait.as_secs_f64(),
         expert_compute_s: p.expert_compute.as_secs_f64(),
         attention_s: p.attention().as_secs_f64(),
         kda_s: p.kda.as_secs_f64(),
+        kda_proj_s: p.kda_proj.as_secs_f64(),
         mla_s: p.mla.as_secs_f64(),
+        mla_proj_s: p.mla_proj.as_secs_f64(),
         spine_compute_s: p.spine_compute().as_secs_f64(),
         dense_ffn_s: p.dense_ffn.as_secs_f64(),
         moe_trunk_s: p.moe_trunk.as_secs_f64(),
@@ -234,15 +325,12 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         disk_bytes_per_s: disk_rate,
         open_s,
         open_read_bytes,
+        open_disk_before_bytes_per_s: open_disk_before,
+        open_disk_after_bytes_per_s: open_disk_after,
+        open_disk_ratio,
         resident_spine_bytes: engine.memory_plan().fixed_spine + engine.memory_plan().pinned_layers,
-        spine_bytes_touched_per_token: engine.layer_spine_bytes().iter().sum::<u64>()
-            + engine.head_bytes()
-            + (cfg.hidden_size * 2) as u64,
-        expert_bytes_touched_per_token: (stats.cache.hits + stats.cache.misses
-            - stats0.cache.hits
-            - stats0.cache.misses)
-            * expert_bytes
-            / token_count.max(1) as u64,
+        spine_bytes_touched_per_token,
+        expert_bytes_touched_per_token,
         spine_wait_s: p.spine_wait.as_secs_f64(),
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,

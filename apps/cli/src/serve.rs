@@ -37,6 +37,9 @@ pub struct ServeArgs {
     /// `max_tokens` of a chat completion that gives none.
     #[arg(long, default_value_t = deltafin_server::DEFAULT_CHAT_MAX_TOKENS)]
     default_max_tokens: usize,
+    /// Requests that may wait behind the running generation (first in, first out); more are answered 429.
+    #[arg(long, default_value_t = deltafin_server::DEFAULT_MAX_QUEUE)]
+    max_queue: usize,
     /// n-gram speculation for greedy requests (lossless).
     #[arg(long, env = "K3_SPEC", default_value = "on", value_parser = crate::engine_args::parse_on_off)]
     spec: bool,
@@ -69,6 +72,7 @@ pub fn run(args: ServeArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         keep_alive: std::time::Duration::from_secs(args.keep_alive_secs.max(1)),
         default_chat_max_tokens: args.default_max_tokens.max(1),
         speculation_depth: if args.spec { args.spec_depth } else { 0 },
+        max_queue: args.max_queue,
         ..ServerConfig::new(model_id)
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()

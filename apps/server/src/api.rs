@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::logprobs::MAX_TOP_LOGPROBS;
 
 /// A field accepted only with its default (or a harmless) value; `ok` tells which values pass.
 struct Restricted {
@@ -28,14 +29,8 @@ fn is_zero(v: &Value) -> bool {
 fn is_one(v: &Value) -> bool {
     v.as_f64() == Some(1.0)
 }
-fn is_false_or_zero(v: &Value) -> bool {
-    is_false(v) || is_zero(v)
-}
 fn is_empty_object(v: &Value) -> bool {
     v.as_object().is_some_and(Map::is_empty)
-}
-fn is_bool(v: &Value) -> bool {
-    v.is_boolean()
 }
 fn is_string(v: &Value) -> bool {
     v.is_string()
@@ -60,6 +55,9 @@ const CHAT_FIELDS: &[&str] = &[
     "chat_template_kwargs",
     "response_format",
     "return_token_ids",
+    "logprobs",
+    "top_logprobs",
+    "parallel_tool_calls",
 ];
 
 /// Fields of `/v1/completions` that are honoured.
@@ -75,6 +73,7 @@ const COMPLETION_FIELDS: &[&str] = &[
     "top_k",
     "seed",
     "return_token_ids",
+    "logprobs",
 ];
 
 /// Fields accepted by both endpoints when they ask for nothing this server would do differently.
@@ -106,30 +105,9 @@ const COMMON_RESTRICTED: &[Restricted] = &[
     },
 ];
 
-const CHAT_RESTRICTED: &[Restricted] = &[
-    Restricted {
-        name: "logprobs",
-        ok: is_false,
-        what: "logprobs are not supported (only false)",
-    },
-    Restricted {
-        name: "top_logprobs",
-        ok: is_zero,
-        what: "top_logprobs are not supported (only 0)",
-    },
-    Restricted {
-        name: "parallel_tool_calls",
-        ok: is_bool,
-        what: "must be a boolean",
-    },
-];
+const CHAT_RESTRICTED: &[Restricted] = &[];
 
 const COMPLETION_RESTRICTED: &[Restricted] = &[
-    Restricted {
-        name: "logprobs",
-        ok: is_false_or_zero,
-        what: "logprobs are not supported (only 0)",
-    },
     Restricted {
         name: "echo",
         ok: is_false,
@@ -310,6 +288,12 @@ pub struct ChatRequest {
     pub response_format: Option<Value>,
     /// Return the prompt's and the answer's token ids (vLLM's extension).
     pub return_token_ids: Option<bool>,
+    /// Return each answer token's log-probability.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`, also this many most likely tokens at each position (0 to 20).
+    pub top_logprobs: Option<u64>,
+    /// `false`: at most one tool call per answer.
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// `prompt` of `/v1/completions`: text or token ids, one prompt only.
@@ -388,6 +372,9 @@ pub struct CompletionRequest {
     pub seed: Option<i64>,
     /// Return the prompt's and the answer's token ids (vLLM's extension).
     pub return_token_ids: Option<bool>,
+    /// Return each answer token's log-probability and this many most likely alternatives (0 to 20; `false` =
+    /// none).
+    pub logprobs: Option<Value>,
 }
 
 impl ChatRequest {
@@ -395,12 +382,48 @@ impl ChatRequest {
     pub fn sampling(&self) -> SamplingFields {
         sampling_fields!(self)
     }
+
+    /// `Some(n)`: log-probabilities with `n` alternatives per token; checked against OpenAI's rules.
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let top = match self.top_logprobs {
+            Some(n) if n > MAX_TOP_LOGPROBS as u64 => {
+                return Err(ApiError::invalid(
+                    "top_logprobs",
+                    format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                ));
+            }
+            Some(n) => n as usize,
+            None => 0,
+        };
+        match self.logprobs {
+            Some(true) => Ok(Some(top)),
+            _ if top > 0 => Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            )),
+            _ => Ok(None),
+        }
+    }
 }
 
 impl CompletionRequest {
     /// The sampling and length fields.
     pub fn sampling(&self) -> SamplingFields {
         sampling_fields!(self)
+    }
+
+    /// `Some(n)`: log-probabilities with `n` alternatives per token (`logprobs: n`; `false` means none).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match &self.logprobs {
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= MAX_TOP_LOGPROBS as u64 => Ok(Some(n as usize)),
+                _ => Err(ApiError::invalid(
+                    "logprobs",
+                    format!("logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}"),
+                )),
+            },
+        }
     }
 }
 
@@ -470,7 +493,6 @@ mod tests {
         for (extra, field) in [
             (r#""frobnicate":1"#, "frobnicate"),
             (r#""n":2"#, "n"),
-            (r#""logprobs":true"#, "logprobs"),
             (r#""presence_penalty":0.5"#, "presence_penalty"),
             (r#""functions":[]"#, "functions"),
         ] {
@@ -483,6 +505,32 @@ mod tests {
             r#"{{{base},"n":1,"logprobs":false,"presence_penalty":0,"functions":null,"user":"u"}}"#
         );
         parse_chat(ok.as_bytes()).expect("defaults are accepted");
+    }
+
+    #[test]
+    fn logprobs_fields_are_checked() {
+        let base = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+        let chat = |extra: &str| {
+            parse_chat(format!("{{{base},{extra}}}").as_bytes()).and_then(|r| r.logprobs())
+        };
+        assert_eq!(chat(r#""logprobs":true"#), Ok(Some(0)));
+        assert_eq!(chat(r#""logprobs":true,"top_logprobs":20"#), Ok(Some(20)));
+        assert_eq!(chat(r#""logprobs":false"#), Ok(None));
+        let e = chat(r#""logprobs":true,"top_logprobs":21"#).expect_err("21");
+        assert_eq!(param(&e), Some("top_logprobs"));
+        let e = chat(r#""top_logprobs":3"#).expect_err("needs logprobs");
+        assert_eq!(param(&e), Some("top_logprobs"));
+        let completion = |extra: &str| {
+            parse_completion(format!(r#"{{"model":"m","prompt":"x",{extra}}}"#).as_bytes())
+                .and_then(|r| r.logprobs())
+        };
+        assert_eq!(completion(r#""logprobs":5"#), Ok(Some(5)));
+        assert_eq!(completion(r#""logprobs":0"#), Ok(Some(0)));
+        assert_eq!(completion(r#""logprobs":false"#), Ok(None));
+        for bad in [r#""logprobs":21"#, r#""logprobs":true"#, r#""logprobs":-1"#] {
+            let e = completion(bad).expect_err(bad);
+            assert_eq!(param(&e), Some("logprobs"), "{bad}");
+        }
     }
 
     #[test]

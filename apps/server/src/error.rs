@@ -8,7 +8,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-/// Seconds a client is told to wait (`Retry-After`) when the engine is busy.
+/// Seconds a client is told to wait (`Retry-After`) when the queue is full.
 pub const RETRY_AFTER_SECS: u64 = 5;
 
 /// Why the server could not start.
@@ -65,7 +65,7 @@ pub enum ApiError {
         /// The limit in bytes.
         limit: usize,
     },
-    /// Another generation is running (429, with `Retry-After`).
+    /// The queue in front of the engine is full (429, with `Retry-After`).
     Busy,
     /// Something failed inside the server (500). The detail is logged, never returned.
     Internal(String),
@@ -160,7 +160,8 @@ impl ApiError {
             ),
             Self::Busy => (
                 format!(
-                    "the server is busy with another generation (one at a time); retry in {RETRY_AFTER_SECS} s"
+                    "the server is busy: one generation runs and the queue behind it is full; retry in \
+                     {RETRY_AFTER_SECS} s"
                 ),
                 "rate_limit_error",
                 None,

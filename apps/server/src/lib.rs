@@ -1,20 +1,31 @@
-//! deltafin's OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+//! deltafin's OpenAI-compatible HTTP server: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
+//! `/metrics` and a chat page at `/`.
 //!
 //! [`app`] builds the router over an [`AppState`]; [`serve`] runs it on a socket with graceful shutdown. The
 //! state holds a channel to a dedicated engine thread (`worker`), which owns the [`Engine`] and one long-lived
-//! session and runs one generation at a time; a second concurrent request is answered 429 with `Retry-After`.
-//! Tokens come back over a channel as they are decided and are streamed as server-sent events (with keep-alive
-//! comments while a token is being computed) or gathered into one JSON answer. A client that goes away drops the
-//! receiving side, and generation stops within one token.
+//! session and runs one generation at a time; other requests wait their turn in a bounded FIFO queue (`queue`),
+//! and a request that finds it full is answered 429 with `Retry-After`. Tokens come back over a channel as they
+//! are decided and are streamed as server-sent events (with keep-alive comments while a token is being computed,
+//! and the queue position while waiting) or gathered into one JSON answer. A client that goes away drops the
+//! receiving side (or its place in the queue), and generation stops within one token. Requests may constrain the
+//! answer to a grammar (`grammar`, `constraint`: JSON response formats and tool schemas) and ask for
+//! log-probabilities (`logprobs`); `metrics` counts what the server and the engine did.
 //!
 //! **Invariant:** this crate knows HTTP and OpenAI's JSON shapes; it knows no model math and no storage. It uses
-//! the runtime's `Engine`/`Session` and the model crate's chat renderer, parser and tokenizer, nothing below.
+//! the runtime's `Engine`/`Session` (and its `TokenMask` hook) and the model crate's chat renderer, parser and
+//! tokenizer, nothing below.
 
 #![deny(missing_docs)]
 
 mod api;
+pub mod constraint;
 pub mod error;
+mod grammar;
+mod logprobs;
+mod metrics;
 mod output;
+mod page;
+mod queue;
 mod routes;
 mod worker;
 
@@ -31,8 +42,11 @@ use deltafin_model::chat::END_OF_MSG;
 use deltafin_model::tokenizer::Tokenizer;
 use deltafin_runtime::Engine;
 
+use constraint::Grammars;
 pub use error::{ApiError, ServerError};
-use worker::{BusyPermit, BusySlot, Job};
+use metrics::Metrics;
+use queue::{EngineQueue, Place};
+use worker::Job;
 
 /// Default request body limit: 16 MiB (a long conversation is a few MiB of JSON).
 pub const DEFAULT_BODY_LIMIT: usize = 16 << 20;
@@ -42,6 +56,9 @@ pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(15);
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 4096;
 /// Default `max_tokens` of a text completion (OpenAI's default).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+/// Default number of requests that may wait behind the running one (editors and agents often send two or three
+/// at once).
+pub const DEFAULT_MAX_QUEUE: usize = 4;
 
 /// Settings of a server.
 #[derive(Debug, Clone)]
@@ -58,6 +75,8 @@ pub struct ServerConfig {
     pub default_chat_max_tokens: usize,
     /// Draft depth of n-gram speculation for greedy requests (0 = off; lossless).
     pub speculation_depth: usize,
+    /// Requests that may wait behind the running one; more are answered 429.
+    pub max_queue: usize,
 }
 
 impl ServerConfig {
@@ -70,6 +89,7 @@ impl ServerConfig {
             keep_alive: DEFAULT_KEEP_ALIVE,
             default_chat_max_tokens: DEFAULT_CHAT_MAX_TOKENS,
             speculation_depth: 1,
+            max_queue: DEFAULT_MAX_QUEUE,
         }
     }
 }
@@ -83,7 +103,9 @@ pub struct AppState {
 struct Inner {
     config: ServerConfig,
     jobs: std::sync::mpsc::Sender<Job>,
-    busy: Arc<BusySlot>,
+    queue: Arc<EngineQueue>,
+    metrics: Arc<Metrics>,
+    grammars: Arc<Grammars>,
     shutting_down: Arc<AtomicBool>,
     tokenizer: Arc<Tokenizer>,
     vocab_size: usize,
@@ -109,22 +131,39 @@ impl AppState {
             .map_err(|e| model_error(format!("the tokenizer lacks K3's chat markup: {e}")))?;
         log_startup(&engine, &config);
         let vocab_size = engine.config().vocab_size;
+        let grammars = Arc::new(
+            Grammars::new(&tokenizer, vocab_size, end_of_msg).map_err(|e| {
+                model_error(format!("cannot index the vocabulary for grammars: {e}"))
+            })?,
+        );
         let (jobs, job_rx) = std::sync::mpsc::channel();
         let shutting_down = Arc::new(AtomicBool::new(false));
+        let metrics = Arc::new(Metrics::default());
         let thread_tokenizer = Arc::clone(&tokenizer);
         let thread_shutdown = Arc::clone(&shutting_down);
+        let thread_metrics = Arc::clone(&metrics);
         std::thread::Builder::new()
             .name("deltafin-engine".to_owned())
-            .spawn(move || worker::engine_loop(engine, thread_tokenizer, job_rx, thread_shutdown))
+            .spawn(move || {
+                worker::engine_loop(
+                    engine,
+                    thread_tokenizer,
+                    job_rx,
+                    thread_shutdown,
+                    thread_metrics,
+                )
+            })
             .map_err(ServerError::Thread)?;
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         Ok(Self {
             inner: Arc::new(Inner {
+                queue: EngineQueue::new(config.max_queue),
                 config,
                 jobs,
-                busy: Arc::new(BusySlot::default()),
+                metrics,
+                grammars,
                 shutting_down,
                 tokenizer,
                 vocab_size,
@@ -141,7 +180,12 @@ impl AppState {
 
     /// Whether a generation is running.
     pub fn is_busy(&self) -> bool {
-        self.inner.busy.is_busy()
+        self.inner.queue.is_running()
+    }
+
+    /// Requests waiting for the engine.
+    pub fn waiting(&self) -> usize {
+        self.inner.queue.waiting()
     }
 
     /// Stops the running generation (within one token) and makes new requests fail with 503.
@@ -149,13 +193,21 @@ impl AppState {
         self.inner.shutting_down.store(true, Ordering::Relaxed);
     }
 
-    fn acquire(&self) -> Result<BusyPermit, ApiError> {
-        if self.inner.shutting_down.load(Ordering::Relaxed) {
+    fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// Joins the engine's queue: run now, or wait with a ticket; 429 when the queue is full, 503 at shutdown.
+    fn join_queue(&self) -> Result<Place, ApiError> {
+        if self.is_shutting_down() {
             return Err(ApiError::Unavailable(
                 "the server is shutting down".to_owned(),
             ));
         }
-        self.inner.busy.try_acquire().ok_or(ApiError::Busy)
+        self.inner.queue.join().ok_or_else(|| {
+            self.inner.metrics.rejected();
+            ApiError::Busy
+        })
     }
 }
 

@@ -9,6 +9,8 @@ use std::sync::Arc;
 use deltafin_model::chat::{ChatEvent, OutputParser, ParsedToolCall, ParserStart};
 use deltafin_model::tokenizer::{StreamDecoder, Tokenizer};
 
+use crate::logprobs::TokenLogprob;
+
 /// How generated ids are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutputKind {
@@ -22,10 +24,12 @@ pub enum OutputKind {
 }
 
 /// What one generated token (or the end of generation) adds to the answer.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Delta {
     /// The ids this delta covers.
     pub token_ids: Vec<u32>,
+    /// Their log-probabilities, when the request asked for them (one per id).
+    pub logprobs: Vec<TokenLogprob>,
     /// More reasoning text.
     pub reasoning: String,
     /// More answer text.
@@ -43,6 +47,7 @@ impl Delta {
     /// Appends `other` to this delta.
     pub fn append(&mut self, other: Delta) {
         self.token_ids.extend(other.token_ids);
+        self.logprobs.extend(other.logprobs);
         self.reasoning.push_str(&other.reasoning);
         self.content.push_str(&other.content);
         self.tool_calls.extend(other.tool_calls);

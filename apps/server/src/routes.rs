@@ -1,4 +1,5 @@
-//! Handlers: request → prompt ids and options → a job on the engine thread → a JSON answer or an SSE stream.
+//! Handlers: request → prompt ids, options and grammar → a place in the engine's queue → a job on the engine
+//! thread → a JSON answer or an SSE stream; plus `/health`, `/metrics` and the chat page.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use axum::routing::{get, post};
 use deltafin_model::chat::{
     self, ChatError, ChatOptions, ParsedToolCall, ResponseFormat, ThinkingEffort, ToolChoice,
 };
+use deltafin_model::tokenizer::Tokenizer;
 use deltafin_runtime::{GenerateOptions, SamplingParams};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
@@ -23,8 +25,13 @@ use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::api::{self, ChatRequest, Prompt, SamplingFields};
+use crate::constraint::GrammarMask;
 use crate::error::ApiError;
+use crate::grammar::{self, AnswerSpec};
+use crate::logprobs::{self as lp, TokenLogprob};
+use crate::metrics::RequestKind;
 use crate::output::{Delta, OutputKind};
+use crate::queue::{EnginePermit, Place, Ticket};
 use crate::worker::{CancelOnDrop, Event, Job, Outcome, Usage};
 use crate::{AppState, DEFAULT_COMPLETION_MAX_TOKENS};
 
@@ -41,6 +48,8 @@ pub(crate) fn router(state: AppState) -> Router {
     Router::new()
         .merge(v1)
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/", get(crate::page::chat_page))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.config().body_limit))
@@ -80,8 +89,26 @@ async fn health(State(state): State<AppState>) -> Response {
         "model": state.config().model_id,
         "busy": busy,
         "state": if busy { "generating" } else { "idle" },
+        "queued": state.waiting(),
     }))
     .into_response()
+}
+
+/// Prometheus' text format (version 0.0.4).
+async fn metrics(State(state): State<AppState>) -> Response {
+    let text =
+        state
+            .inner
+            .metrics
+            .render(&state.config().model_id, state.waiting(), state.is_busy());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 fn model_object(state: &AppState) -> Value {
@@ -145,6 +172,8 @@ struct Prepared {
     stream: bool,
     include_usage: bool,
     return_token_ids: bool,
+    mask: Option<GrammarMask>,
+    top_logprobs: Option<usize>,
 }
 
 async fn chat_completions(
@@ -165,18 +194,23 @@ async fn chat_completions(
     // The turn ends at `<|end_of_msg|>` even where a config names another end-of-sequence id.
     generate.stop_tokens.push(state.inner.end_of_msg);
     let stops = stop_strings(&request.sampling())?;
-    let permit = state.acquire()?;
+    let top_logprobs = request.logprobs()?;
     let tokenizer = Arc::clone(&state.inner.tokenizer);
+    let grammars = Arc::clone(&state.inner.grammars);
     let messages = request.messages;
     let thinking = options.thinking;
-    let rendered =
-        tokio::task::spawn_blocking(move || chat::render(&tokenizer, &messages, &options))
-            .await
-            .map_err(|e| ApiError::Internal(format!("rendering task: {e}")))?
-            .map_err(|e| match e {
-                ChatError::Tokenizer(e) => ApiError::Internal(format!("rendering the prompt: {e}")),
-                other => ApiError::invalid("messages", other.to_string()),
-            })?;
+    let parallel_calls = request.parallel_tool_calls.unwrap_or(true);
+    // Rendering and compiling the grammar take a moment for long chats and large schemas: off the async threads.
+    let (rendered, mask) = tokio::task::spawn_blocking(move || {
+        let rendered = chat::render(&tokenizer, &messages, &options).map_err(|e| match e {
+            ChatError::Tokenizer(e) => ApiError::Internal(format!("rendering the prompt: {e}")),
+            other => ApiError::invalid("messages", other.to_string()),
+        })?;
+        let mask = answer_grammar(&grammars, &options, parallel_calls)?;
+        Ok::<_, ApiError>((rendered, mask))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("rendering task: {e}")))??;
     let prepared = Prepared {
         endpoint: Endpoint::Chat,
         prompt: rendered.ids,
@@ -186,8 +220,10 @@ async fn chat_completions(
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
         return_token_ids: request.return_token_ids.unwrap_or(false),
+        mask,
+        top_logprobs,
     };
-    run(state, prepared, permit).await
+    run(state, prepared).await
 }
 
 async fn completions(
@@ -205,6 +241,7 @@ async fn completions(
         DEFAULT_COMPLETION_MAX_TOKENS,
     )?;
     let stops = stop_strings(&sampling)?;
+    let top_logprobs = request.logprobs()?;
     let prompt = request.prompt.single()?;
     if let Prompt::Ids(ids) = &prompt
         && let Some(bad) = ids
@@ -219,7 +256,6 @@ async fn completions(
             ),
         ));
     }
-    let permit = state.acquire()?;
     let ids = match prompt {
         Prompt::Ids(ids) => ids,
         Prompt::Text(text) => {
@@ -238,8 +274,41 @@ async fn completions(
         stream: request.stream.unwrap_or(false),
         include_usage: request.stream_options.is_some_and(|o| o.include_usage),
         return_token_ids: request.return_token_ids.unwrap_or(false),
+        mask: None,
+        top_logprobs,
     };
-    run(state, prepared, permit).await
+    run(state, prepared).await
+}
+
+/// The compiled grammar of a chat answer, when the request constrains it (a JSON response format, or tools whose
+/// calls must follow their schemas); a schema that cannot be compiled is a 400 naming its field.
+fn answer_grammar(
+    grammars: &crate::constraint::Grammars,
+    options: &ChatOptions,
+    parallel_calls: bool,
+) -> Result<Option<GrammarMask>, ApiError> {
+    let spec = AnswerSpec {
+        thinking: options.thinking,
+        format: &options.response_format,
+        tools: &options.tools,
+        tool_choice: options.tool_choice,
+        parallel_calls,
+    };
+    if !spec.is_constrained() {
+        return Ok(None);
+    }
+    let lark = grammar::lark(&spec).map_err(|e| ApiError::invalid(e.param, e.message))?;
+    grammars.compile(&lark).map(Some).map_err(|e| {
+        let param = if matches!(spec.format, ResponseFormat::Text) {
+            "tools"
+        } else {
+            "response_format"
+        };
+        ApiError::invalid(
+            param,
+            format!("cannot constrain the answer to this schema: {e}"),
+        )
+    })
 }
 
 /// K3 rendering options from a chat request: thinking (on by default), effort, tools, tool choice, format.
@@ -404,12 +473,14 @@ fn stop_strings(s: &SamplingFields) -> Result<Arc<[String]>, ApiError> {
     })
 }
 
-/// Hands the job to the engine thread and answers as the request asked.
-async fn run(
-    state: AppState,
-    prepared: Prepared,
-    permit: crate::worker::BusyPermit,
-) -> Result<Response, ApiError> {
+/// Takes a place in the engine's queue, hands the job to the engine thread in its turn and answers as the request
+/// asked. A streamed answer starts at once (it says its queue position in SSE comments while it waits).
+async fn run(state: AppState, mut prepared: Prepared) -> Result<Response, ApiError> {
+    let place = state.join_queue()?;
+    state.inner.metrics.request(match prepared.endpoint {
+        Endpoint::Chat => RequestKind::Chat,
+        Endpoint::Completion => RequestKind::Completion,
+    });
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
@@ -419,20 +490,37 @@ async fn run(
         stops: Arc::clone(&prepared.stops),
         events: tx,
         cancel: Arc::clone(&cancel),
-        permit: Some(permit),
+        permit: None,
+        mask: prepared.mask.take(),
+        top_logprobs: prepared.top_logprobs,
     };
+    let wire = Wire::new(&state, &prepared);
+    let guard = CancelOnDrop(cancel);
+    if prepared.stream {
+        return Ok(stream_response(state, wire, rx, guard, place, job));
+    }
+    // Dropping this future while it waits (client gone) drops the ticket: the request leaves the queue.
+    let permit = match place {
+        Place::Run(permit) => permit,
+        Place::Wait(ticket) => ticket.wait().await,
+    };
+    submit(&state, job, permit)?;
+    collect_response(wire, rx, guard).await
+}
+
+/// Gives the job, holding the engine, to the engine thread.
+fn submit(state: &AppState, mut job: Job, permit: EnginePermit) -> Result<(), ApiError> {
+    if state.is_shutting_down() {
+        return Err(ApiError::Unavailable(
+            "the server is shutting down".to_owned(),
+        ));
+    }
+    job.permit = Some(permit);
     state
         .inner
         .jobs
         .send(job)
-        .map_err(|_| ApiError::Unavailable("the engine thread has stopped".to_owned()))?;
-    let wire = Wire::new(&state, &prepared);
-    let guard = CancelOnDrop(cancel);
-    if prepared.stream {
-        Ok(stream_response(state, wire, rx, guard))
-    } else {
-        collect_response(wire, rx, guard).await
-    }
+        .map_err(|_| ApiError::Unavailable("the engine thread has stopped".to_owned()))
 }
 
 /// Waits for the whole answer. Dropping this future (client gone) drops `guard` and the receiver, which stops
@@ -463,15 +551,28 @@ fn stream_response(
     wire: Wire,
     rx: UnboundedReceiver<Event>,
     guard: CancelOnDrop,
+    place: Place,
+    job: Job,
 ) -> Response {
+    let keep_alive = state.config().keep_alive;
+    let (queued, job) = match place {
+        Place::Run(permit) => (None, submit(&state, job, permit).err()),
+        Place::Wait(ticket) => (Some((ticket, job)), None),
+    };
     let streamer = Streamer {
+        state,
+        queued,
+        position: 0,
         rx,
         _guard: guard,
         wire,
         pending_ids: Vec::new(),
+        pending_logprobs: Vec::new(),
+        text_offset: 0,
         sent_first: false,
         n_tool_calls: 0,
         done: false,
+        failed: job,
     };
     let events = futures_util::stream::unfold(streamer, |mut s| async move {
         let batch = s.next_batch().await?;
@@ -482,55 +583,105 @@ fn stream_response(
     })
     .flatten();
     Sse::new(events)
-        .keep_alive(
-            KeepAlive::new()
-                .interval(state.config().keep_alive)
-                .text("keep-alive"),
-        )
+        .keep_alive(KeepAlive::new().interval(keep_alive).text("keep-alive"))
         .into_response()
 }
 
 /// Turns engine events into SSE events. Owned by the response body: when the client goes away the body is dropped,
 /// and with it the receiver and the cancel guard.
 struct Streamer {
+    state: AppState,
+    /// While waiting in the queue: the ticket and the job to submit in its turn.
+    queued: Option<(Ticket, Job)>,
+    /// The queue position last told to the client.
+    position: usize,
     rx: UnboundedReceiver<Event>,
     _guard: CancelOnDrop,
     wire: Wire,
     /// Ids decided since the last chunk (sent with the next one when `return_token_ids`).
     pending_ids: Vec<u32>,
+    /// Their log-probabilities (sent with the next chunk when asked for).
+    pending_logprobs: Vec<TokenLogprob>,
+    /// Characters of completion text covered by log-probabilities sent so far.
+    text_offset: usize,
     sent_first: bool,
     n_tool_calls: usize,
     done: bool,
+    /// A job that could not be submitted: its error is the stream's only event.
+    failed: Option<ApiError>,
 }
 
 impl Streamer {
+    /// Waits for this request's turn, telling the client each new queue position as an SSE comment; `Some` with
+    /// a batch to send, `None` once the job is with the engine.
+    async fn wait_turn(&mut self) -> Option<Vec<SseEvent>> {
+        let (ticket, _) = self.queued.as_mut()?;
+        if self.position == 0 {
+            self.position = ticket.position();
+            return Some(vec![queue_comment(self.position)]);
+        }
+        loop {
+            match ticket.next().await {
+                Ok(permit) => {
+                    let (_, job) = self.queued.take()?;
+                    if let Err(e) = submit(&self.state, job, permit) {
+                        self.done = true;
+                        return Some(vec![data(&e.body())]);
+                    }
+                    return None;
+                }
+                Err(position) if position != self.position => {
+                    self.position = position;
+                    return Some(vec![queue_comment(position)]);
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
     async fn next_batch(&mut self) -> Option<Vec<SseEvent>> {
         if self.done {
             return None;
         }
+        if let Some(e) = self.failed.take() {
+            self.done = true;
+            return Some(vec![data(&e.body())]);
+        }
+        if let Some(batch) = self.wait_turn().await {
+            return Some(batch);
+        }
         if !self.sent_first && self.wire.endpoint == Endpoint::Chat {
             // The role chunk goes out at once, so the client sees the answer has started.
             self.sent_first = true;
-            let chunk =
-                self.wire
-                    .chat_chunk(json!({"role": "assistant", "content": ""}), None, &[], true);
+            let chunk = self.wire.chat_chunk(
+                json!({"role": "assistant", "content": ""}),
+                None,
+                &[],
+                &[],
+                true,
+            );
             return Some(vec![data(&chunk)]);
         }
         loop {
             match self.rx.recv().await {
                 Some(Event::Delta(d)) => {
                     self.pending_ids.extend_from_slice(&d.token_ids);
+                    self.pending_logprobs.extend_from_slice(&d.logprobs);
                     if d.has_output() {
                         let ids = std::mem::take(&mut self.pending_ids);
+                        let logprobs = std::mem::take(&mut self.pending_logprobs);
                         let first = !self.sent_first;
                         self.sent_first = true;
                         let chunk = match self.wire.endpoint {
                             Endpoint::Chat => {
                                 let delta = chat_delta(&d, &mut self.n_tool_calls);
-                                self.wire.chat_chunk(delta, None, &ids, first)
+                                self.wire.chat_chunk(delta, None, &ids, &logprobs, first)
                             }
                             Endpoint::Completion => {
-                                self.wire.text_chunk(&d.content, None, &ids, first)
+                                let offset = self.text_offset;
+                                self.text_offset += lp::text_len(&self.wire.tokenizer, &logprobs);
+                                self.wire
+                                    .text_chunk(&d.content, None, &ids, &logprobs, offset, first)
                             }
                         };
                         return Some(vec![data(&chunk)]);
@@ -539,11 +690,22 @@ impl Streamer {
                 Some(Event::Done(outcome)) => {
                     self.done = true;
                     let ids = std::mem::take(&mut self.pending_ids);
+                    let logprobs = std::mem::take(&mut self.pending_logprobs);
                     let first = !self.sent_first;
                     let finish = Some(outcome.finish.as_str());
                     let last = match self.wire.endpoint {
-                        Endpoint::Chat => self.wire.chat_chunk(json!({}), finish, &ids, first),
-                        Endpoint::Completion => self.wire.text_chunk("", finish, &ids, first),
+                        Endpoint::Chat => {
+                            self.wire
+                                .chat_chunk(json!({}), finish, &ids, &logprobs, first)
+                        }
+                        Endpoint::Completion => self.wire.text_chunk(
+                            "",
+                            finish,
+                            &ids,
+                            &logprobs,
+                            self.text_offset,
+                            first,
+                        ),
                     };
                     let mut batch = vec![data(&last)];
                     if self.wire.include_usage {
@@ -569,6 +731,11 @@ impl Streamer {
 
 fn data(value: &Value) -> SseEvent {
     SseEvent::default().data(value.to_string())
+}
+
+/// `: queued, position N` (1 = next).
+fn queue_comment(position: usize) -> SseEvent {
+    SseEvent::default().comment(format!("queued, position {position}"))
 }
 
 /// A chat delta object: only the fields this delta has.
@@ -638,6 +805,9 @@ pub(crate) struct Wire {
     include_usage: bool,
     return_token_ids: bool,
     prompt_ids: Vec<u32>,
+    /// Whether answers carry log-probabilities.
+    logprobs: bool,
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl Wire {
@@ -660,6 +830,19 @@ impl Wire {
             } else {
                 Vec::new()
             },
+            logprobs: p.top_logprobs.is_some(),
+            tokenizer: Arc::clone(&state.inner.tokenizer),
+        }
+    }
+
+    /// `choices[].logprobs`: `null` unless the request asked for them.
+    fn logprobs_json(&self, tokens: &[TokenLogprob], offset: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.endpoint {
+            Endpoint::Chat => lp::chat_json(&self.tokenizer, tokens),
+            Endpoint::Completion => lp::completion_json(&self.tokenizer, tokens, offset),
         }
     }
 
@@ -690,10 +873,12 @@ impl Wire {
                     message["tool_calls"] =
                         Value::Array(tool_calls_json(&answer.tool_calls, 0, false));
                 }
-                json!({"index": 0, "message": message, "logprobs": null,
+                json!({"index": 0, "message": message,
+                       "logprobs": self.logprobs_json(&answer.logprobs, 0),
                        "finish_reason": outcome.finish.as_str()})
             }
-            Endpoint::Completion => json!({"index": 0, "text": answer.content, "logprobs": null,
+            Endpoint::Completion => json!({"index": 0, "text": answer.content,
+                                           "logprobs": self.logprobs_json(&answer.logprobs, 0),
                                            "finish_reason": outcome.finish.as_str()}),
         };
         if self.return_token_ids {
@@ -729,13 +914,30 @@ impl Wire {
         object
     }
 
-    fn chat_chunk(&self, delta: Value, finish: Option<&str>, ids: &[u32], first: bool) -> Value {
-        let choice = json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish});
+    fn chat_chunk(
+        &self,
+        delta: Value,
+        finish: Option<&str>,
+        ids: &[u32],
+        logprobs: &[TokenLogprob],
+        first: bool,
+    ) -> Value {
+        let choice = json!({"index": 0, "delta": delta, "logprobs": self.logprobs_json(logprobs, 0),
+                            "finish_reason": finish});
         self.chunk(choice, ids, first)
     }
 
-    fn text_chunk(&self, text: &str, finish: Option<&str>, ids: &[u32], first: bool) -> Value {
-        let choice = json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish});
+    fn text_chunk(
+        &self,
+        text: &str,
+        finish: Option<&str>,
+        ids: &[u32],
+        logprobs: &[TokenLogprob],
+        offset: usize,
+        first: bool,
+    ) -> Value {
+        let choice = json!({"index": 0, "text": text, "logprobs": self.logprobs_json(logprobs, offset),
+                            "finish_reason": finish});
         self.chunk(choice, ids, first)
     }
 
@@ -768,13 +970,22 @@ pub(crate) mod wire_tests {
             include_usage: true,
             return_token_ids: false,
             prompt_ids: Vec::new(),
+            logprobs: false,
+            tokenizer: Arc::new(fixture_tokenizer()),
         }
+    }
+
+    pub(crate) fn fixture_tokenizer() -> deltafin_model::tokenizer::Tokenizer {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/k3/k3-tiny-a");
+        deltafin_model::tokenizer::Tokenizer::from_dir(&dir).expect("fixture tokenizer")
     }
 
     #[test]
     fn parsed_tool_calls_become_openai_tool_calls() {
         let answer = Delta {
             token_ids: vec![1, 2, 3],
+            logprobs: Vec::new(),
             reasoning: "think".into(),
             content: String::new(),
             tool_calls: vec![ParsedToolCall {
@@ -823,11 +1034,7 @@ pub(crate) mod wire_tests {
         use crate::output::OutputAssembler;
         use deltafin_runtime::FinishReason;
 
-        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures/k3/k3-tiny-a");
-        let tokenizer = Arc::new(
-            deltafin_model::tokenizer::Tokenizer::from_dir(&dir).expect("fixture tokenizer"),
-        );
+        let tokenizer = Arc::new(fixture_tokenizer());
         // What K3 writes after the thinking generation prompt when it calls a tool.
         let generated = "let me check<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>\
                          <|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\

@@ -337,14 +337,13 @@ async fn unsupported_fields_are_400_naming_the_field() {
     let app = app(state());
     let mut body = chat_body("hi", 1);
     body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(21);
     let e = post(&app, "/v1/chat/completions", body)
         .await
         .error(StatusCode::BAD_REQUEST);
-    assert_eq!(e["param"], "logprobs");
+    assert_eq!(e["param"], "top_logprobs");
     assert!(
-        e["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("logprobs")),
+        e["message"].as_str().is_some_and(|m| m.contains("20")),
         "{e}"
     );
     for (field, value) in [
@@ -402,15 +401,72 @@ async fn unsupported_fields_are_400_naming_the_field() {
     assert_eq!(e["param"], "top_p");
 }
 
+/// Holds the engine as a generation would, until dropped.
+fn hold_engine(state: &AppState) -> crate::queue::EnginePermit {
+    match state.inner.queue.join() {
+        Some(crate::queue::Place::Run(permit)) => permit,
+        _ => panic!("the engine is not free"),
+    }
+}
+
+/// Waits until `waiting` requests are queued.
+async fn until_queued(state: &AppState, waiting: usize) {
+    let start = Instant::now();
+    while state.waiting() != waiting {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{} waiting, expected {waiting}",
+            state.waiting()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test]
-async fn busy_is_429_with_retry_after_and_the_next_request_is_served() {
-    let state = state();
+async fn requests_wait_in_order_and_a_full_queue_is_429_with_retry_after() {
+    let state = state_with(EngineOptions::default(), |c| c.max_queue = 2);
     let app = app(state.clone());
-    let permit = state.acquire().expect("idle");
+    let permit = hold_engine(&state);
+    let health = call(&app, "GET", "/health", None, &[]).await.json();
+    assert_eq!(health["state"], "generating");
+    assert_eq!(health["queued"], 0);
+
+    // A streamed request starts its answer at once and says where it waits.
+    let mut body = chat_body("first in line", 3);
+    body["stream"] = json!(true);
+    let request = Request::builder()
+        .method("POST")
+        .uri("/v1/chat/completions")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body.to_string()))
+        .expect("request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut streamed = response.into_body().into_data_stream();
+    use futures_util::StreamExt;
+    let first = streamed.next().await.expect("an event").expect("bytes");
     assert_eq!(
-        call(&app, "GET", "/health", None, &[]).await.json()["state"],
-        "generating"
+        String::from_utf8_lossy(&first).trim(),
+        ": queued, position 1"
     );
+    // A second, not streamed, waits behind it.
+    let second = tokio::spawn({
+        let app = app.clone();
+        async move {
+            post(
+                &app,
+                "/v1/completions",
+                json!({"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+            )
+            .await
+        }
+    });
+    until_queued(&state, 2).await;
+    assert_eq!(
+        call(&app, "GET", "/health", None, &[]).await.json()["queued"],
+        2
+    );
+    // The queue is full: a third is refused, whatever its endpoint.
     for (uri, body) in [
         ("/v1/chat/completions", chat_body("hi", 2)),
         ("/v1/completions", json!({"model": MODEL, "prompt": "hi"})),
@@ -420,9 +476,51 @@ async fn busy_is_429_with_retry_after_and_the_next_request_is_served() {
         assert_eq!(e["code"], "server_busy");
         assert_eq!(a.headers[header::RETRY_AFTER], "5");
     }
+    let metrics = call(&app, "GET", "/metrics", None, &[]).await.text;
+    assert!(
+        metrics.lines().any(|l| l == "deltafin_queue_waiting 2"),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "deltafin_requests_rejected_total 2"),
+        "{metrics}"
+    );
+
+    // Freed, the engine serves them in order: the streamed one runs first and finishes.
+    drop(permit);
+    let mut rest = String::new();
+    while let Some(bytes) = streamed.next().await {
+        rest.push_str(&String::from_utf8_lossy(&bytes.expect("bytes")));
+    }
+    assert!(rest.contains("data: [DONE]"), "{rest}");
+    let second = second.await.expect("task");
+    assert_eq!(second.status, StatusCode::OK, "{}", second.text);
+    assert_eq!(second.json()["usage"]["completion_tokens"], 2);
+    assert_eq!(state.waiting(), 0);
+}
+
+#[tokio::test]
+async fn a_waiter_that_goes_away_leaves_the_queue() {
+    let state = state_with(EngineOptions::default(), |c| c.max_queue = 1);
+    let app = app(state.clone());
+    let permit = hold_engine(&state);
+    let waiter = tokio::spawn({
+        let app = app.clone();
+        async move { post(&app, "/v1/chat/completions", chat_body("hi", 2)).await }
+    });
+    until_queued(&state, 1).await;
+    post(&app, "/v1/chat/completions", chat_body("hi", 2))
+        .await
+        .error(StatusCode::TOO_MANY_REQUESTS);
+    waiter.abort();
+    until_queued(&state, 0).await;
+    // Its place is free again; and with the engine free nothing is left waiting for the gone client.
     drop(permit);
     let a = post(&app, "/v1/chat/completions", chat_body("hi", 2)).await;
     assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    assert!(!state.is_busy());
 }
 
 #[tokio::test]
@@ -851,4 +949,439 @@ async fn shutting_down_is_503_and_server_errors_hide_their_detail() {
     let body = crate::ApiError::Internal(secret.to_owned()).body();
     assert!(!body.to_string().contains("shard"), "{body}");
     assert_eq!(body["error"]["type"], "server_error");
+}
+
+/// `choices[0].message` of a chat answer, checked to be a 200.
+fn message(a: &Answer) -> Value {
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    a.json()["choices"][0]["message"].clone()
+}
+
+/// A schema only enforcement can satisfy on random weights, with bounded output.
+fn weather_schema() -> Value {
+    json!({"type": "object",
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                          "metric": {"type": "boolean"}},
+           "required": ["city", "days", "metric"], "additionalProperties": false})
+}
+
+/// Checks `v` against [`weather_schema`] by hand.
+fn check_weather(v: &Value) {
+    let obj = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {v}"));
+    assert_eq!(obj.len(), 3, "{v}");
+    assert!(
+        ["Paris", "Oslo", "Lima"].contains(&v["city"].as_str().unwrap_or_default()),
+        "{v}"
+    );
+    assert!(
+        v["days"].as_i64().is_some_and(|d| (1..=14).contains(&d)),
+        "{v}"
+    );
+    assert!(v["metric"].is_boolean(), "{v}");
+}
+
+#[tokio::test]
+async fn json_schema_answers_follow_the_schema_greedy_and_sampled() {
+    let app = app(state());
+    for (temperature, seed) in [(0.0, 0), (1.0, 1), (1.0, 2)] {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+            "max_tokens": 200, "temperature": temperature, "seed": seed,
+            "reasoning_effort": "none",
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "w", "strict": true, "schema": weather_schema()}}});
+        let a = post(&app, "/v1/chat/completions", body.clone()).await;
+        let m = message(&a);
+        assert_eq!(
+            a.json()["choices"][0]["finish_reason"],
+            "stop",
+            "{}",
+            a.text
+        );
+        let content = m["content"].as_str().expect("content");
+        let v: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {content}"));
+        check_weather(&v);
+        // Streamed, the same answer (greedy, or the same seed).
+        let mut streamed = body;
+        streamed["stream"] = json!(true);
+        let (_, content_streamed, finish, _) =
+            reassemble_chat(&post(&app, "/v1/chat/completions", streamed).await);
+        assert_eq!(content_streamed, content);
+        assert_eq!(finish, "stop");
+    }
+    // Unconstrained, the same request does not give JSON (so the grammar did the work).
+    let free = post(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "max_tokens": 40,
+        "messages": [{"role": "user", "content": "Weather?"}], "reasoning_effort": "none"}),
+    )
+    .await;
+    let content = message(&free)["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        serde_json::from_str::<Value>(&content).is_err(),
+        "{content}"
+    );
+    let metrics = call(&app, "GET", "/metrics", None, &[]).await.text;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "deltafin_requests_constrained_total 6"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_schema_that_cannot_be_compiled_is_400() {
+    let app = app(state());
+    for format in [
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}),
+        json!({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
+    ] {
+        let mut body = chat_body("hi", 4);
+        body["response_format"] = format;
+        let e = post(&app, "/v1/chat/completions", body)
+            .await
+            .error(StatusCode::BAD_REQUEST);
+        assert_eq!(e["param"], "response_format", "{e}");
+    }
+    let mut body = chat_body("hi", 4);
+    body["tools"] = json!([{"type": "function", "function": {"name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "no-such-type"}}}}}]);
+    let e = post(&app, "/v1/chat/completions", body)
+        .await
+        .error(StatusCode::BAD_REQUEST);
+    assert_eq!(e["param"], "tools", "{e}");
+}
+
+#[tokio::test]
+async fn required_tool_calls_follow_each_tools_schema() {
+    let app = app(state());
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": weather_schema()}},
+        // A pattern cannot be written as a raw argument: this tool's calls use K3's json element.
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["code"],
+            "additionalProperties": false}}}
+    ]);
+    for (temperature, seed) in [(0.0, 0), (1.0, 5), (1.0, 6), (1.0, 7)] {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "max_tokens": 200, "temperature": temperature, "seed": seed, "tools": tools,
+            "tool_choice": "required", "reasoning_effort": "none", "parallel_tool_calls": false});
+        let a = post(&app, "/v1/chat/completions", body).await;
+        let m = message(&a);
+        assert_eq!(
+            a.json()["choices"][0]["finish_reason"],
+            "tool_calls",
+            "{}",
+            a.text
+        );
+        let calls = m["tool_calls"].as_array().expect("calls");
+        assert_eq!(calls.len(), 1, "parallel_tool_calls: false");
+        for call in calls {
+            let f = &call["function"];
+            let args: Value = serde_json::from_str(f["arguments"].as_str().expect("string"))
+                .unwrap_or_else(|e| panic!("{e}: {f}"));
+            match f["name"].as_str() {
+                Some("get_weather") => check_weather(&args),
+                Some("lookup") => {
+                    let code = args["code"].as_str().expect("code");
+                    assert!(
+                        code.len() == 3 && code.chars().all(|c| c.is_ascii_uppercase()),
+                        "{args}"
+                    );
+                }
+                other => panic!("unknown tool {other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_grammar_accepts_what_k3_writes_and_nothing_else() {
+    use deltafin_model::chat::{ResponseFormat, Tool, ToolChoice};
+    use deltafin_runtime::TokenMask;
+
+    let tokenizer = std::sync::Arc::new(
+        deltafin_model::tokenizer::Tokenizer::from_dir(fixture()).expect("tokenizer"),
+    );
+    let end = tokenizer.require_special("<|end_of_msg|>").expect("end");
+    let grammars = crate::constraint::Grammars::new(&tokenizer, tokenizer.vocab_size(), end)
+        .expect("grammars");
+    let tools: Vec<Tool> = serde_json::from_value(json!([{"type": "function", "function": {
+        "name": "get_weather", "parameters": weather_schema()}}]))
+    .expect("tools");
+    let schema = ResponseFormat::JsonSchema(weather_schema());
+    let cases = [
+        // Thinking on, JSON answer.
+        (
+            true,
+            &schema,
+            &[][..],
+            ToolChoice::Auto,
+            "hmm<|close|>think<|sep|><|open|>response<|sep|>{\"city\": \"Oslo\", \"days\": 3, \"metric\": true}\
+          <|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            true,
+        ),
+        (
+            true,
+            &schema,
+            &[][..],
+            ToolChoice::Auto,
+            "hmm<|close|>think<|sep|><|open|>response<|sep|>{\"city\": \"Rome\"",
+            false,
+        ),
+        // A tool call in K3's argument form, after some answer text.
+        (
+            true,
+            &ResponseFormat::Text,
+            &tools[..],
+            ToolChoice::Auto,
+            "x<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|><|open|>tools<|sep|>\
+          <|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\
+          <|open|>argument key=\"city\" type=\"string\"<|sep|>Paris<|close|>argument<|sep|>\
+          <|open|>argument key=\"days\" type=\"number\"<|sep|>2<|close|>argument<|sep|>\
+          <|open|>argument key=\"metric\" type=\"boolean\"<|sep|>false<|close|>argument<|sep|>\
+          <|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            true,
+        ),
+        // Plain text is fine with tool_choice auto...
+        (
+            false,
+            &ResponseFormat::Text,
+            &tools[..],
+            ToolChoice::Auto,
+            "Hello.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            true,
+        ),
+        // ... but not when a call is required, nor a call of an undeclared tool.
+        (
+            false,
+            &ResponseFormat::Text,
+            &tools[..],
+            ToolChoice::Required,
+            "Hello.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            false,
+        ),
+        (
+            false,
+            &ResponseFormat::Text,
+            &tools[..],
+            ToolChoice::Auto,
+            "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"rm_rf\"",
+            false,
+        ),
+        // A required argument cannot be left out.
+        (
+            false,
+            &ResponseFormat::Text,
+            &tools[..],
+            ToolChoice::Required,
+            "<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>\
+          <|close|>call",
+            false,
+        ),
+    ];
+    for (i, (thinking, format, tools, choice, text, valid)) in cases.into_iter().enumerate() {
+        let spec = crate::grammar::AnswerSpec {
+            thinking,
+            format,
+            tools,
+            tool_choice: choice,
+            parallel_calls: true,
+        };
+        let mut mask = grammars
+            .compile(&crate::grammar::lark(&spec).expect("lark"))
+            .expect("compile");
+        let ids = tokenizer.encode_with_specials(text);
+        let mut ok = true;
+        for &id in &ids {
+            let allowed = mask.allowed().expect("mask");
+            if !allowed[id as usize] {
+                ok = false;
+                break;
+            }
+            if id != end {
+                mask.accept(id).expect("accept an allowed token");
+            }
+        }
+        assert_eq!(ok, valid, "case {i}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn logprobs_are_the_log_softmax_of_the_rows_prefill_gives() {
+    let state = state();
+    let app = app(state.clone());
+    let prompt = vec![556u32, 64, 65, 66, 67];
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "logprobs": 5,
+                      "return_token_ids": true});
+    let a = post(&app, "/v1/completions", body.clone()).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text);
+    let v = a.json();
+    let choice = &v["choices"][0];
+    let ids: Vec<u32> = serde_json::from_value(choice["token_ids"].clone()).expect("ids");
+    let lp = &choice["logprobs"];
+    let token_logprobs = lp["token_logprobs"].as_array().expect("token_logprobs");
+    assert_eq!(token_logprobs.len(), ids.len());
+    assert_eq!(lp["top_logprobs"].as_array().map(Vec::len), Some(ids.len()));
+    // The reference: one prefill of prompt + answer, scored as `deltafin nll` scores it.
+    let engine = engine(EngineOptions::default());
+    let mut all = prompt.clone();
+    all.extend_from_slice(&ids);
+    let rows = engine.session().prefill(&all).expect("prefill");
+    for (i, &id) in ids.iter().enumerate() {
+        let row = rows.row(prompt.len() - 1 + i);
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let lse = max
+            + row
+                .iter()
+                .map(|&x| (x as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        let want = row[id as usize] as f64 - lse;
+        let got = token_logprobs[i].as_f64().expect("number");
+        assert!((got - want).abs() < 1e-4, "token {i}: {got} vs {want}");
+        // Greedy: the chosen token is the most likely one, and five alternatives are listed.
+        let top = lp["top_logprobs"][i].as_object().expect("top");
+        assert!(!top.is_empty() && top.len() <= 5, "{top:?}");
+        let best = top
+            .values()
+            .filter_map(Value::as_f64)
+            .fold(f64::NEG_INFINITY, f64::max);
+        assert!((best - got).abs() < 1e-9, "{best} vs {got}");
+    }
+    // Streamed: the same log-probabilities, chunk by chunk.
+    let mut streamed_body = body;
+    streamed_body["stream"] = json!(true);
+    let s = post(&app, "/v1/completions", streamed_body).await;
+    let mut streamed = Vec::new();
+    for d in s.sse_data().iter().filter(|d| d.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(d).expect("chunk");
+        if let Some(values) = chunk["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+            streamed.extend(values.iter().filter_map(Value::as_f64));
+        }
+    }
+    let full: Vec<f64> = token_logprobs.iter().filter_map(Value::as_f64).collect();
+    assert_eq!(streamed, full);
+
+    // Chat: one entry per generated token, with up to 20 alternatives, streamed too.
+    let mut chat = chat_body("Hello there", 6);
+    chat["logprobs"] = json!(true);
+    chat["top_logprobs"] = json!(20);
+    chat["return_token_ids"] = json!(true);
+    let c = post(&app, "/v1/chat/completions", chat.clone())
+        .await
+        .json();
+    let content = c["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("content")
+        .clone();
+    assert_eq!(content.len(), 6);
+    assert_eq!(
+        content[0]["top_logprobs"].as_array().map(Vec::len),
+        Some(20)
+    );
+    assert!(
+        content
+            .iter()
+            .all(|e| e["logprob"].as_f64().is_some_and(|x| x <= 0.0))
+    );
+    chat["stream"] = json!(true);
+    let s = post(&app, "/v1/chat/completions", chat).await;
+    let mut streamed = Vec::new();
+    for d in s.sse_data().iter().filter(|d| d.as_str() != "[DONE]") {
+        let chunk: Value = serde_json::from_str(d).expect("chunk");
+        if let Some(entries) = chunk["choices"][0]["logprobs"]["content"].as_array() {
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+}
+
+#[tokio::test]
+async fn metrics_count_requests_tokens_and_engine_work() {
+    let app = app(state());
+    let a = post(&app, "/v1/chat/completions", chat_body("count me", 5)).await;
+    assert_eq!(a.status, StatusCode::OK);
+    let usage = a.json()["usage"].clone();
+    let m = call(&app, "GET", "/metrics", None, &[]).await;
+    assert_eq!(m.status, StatusCode::OK);
+    assert!(
+        m.headers[header::CONTENT_TYPE]
+            .to_str()
+            .is_ok_and(|c| c.starts_with("text/plain; version=0.0.4")),
+        "{:?}",
+        m.headers
+    );
+    let value = |name: &str| -> f64 {
+        m.text
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in\n{}", m.text))
+    };
+    assert_eq!(value("deltafin_requests_total{endpoint=\"chat\"}"), 1.0);
+    assert_eq!(
+        value("deltafin_generated_tokens_total"),
+        usage["completion_tokens"].as_f64().expect("n")
+    );
+    assert_eq!(
+        value("deltafin_prompt_tokens_total"),
+        usage["prompt_tokens"].as_f64().expect("n")
+    );
+    assert!(value("deltafin_prefill_seconds_total") > 0.0);
+    assert!(value("deltafin_decode_seconds_total") > 0.0);
+    // The fixture's experts are all read through the cache: every request is a hit or a miss.
+    assert!(
+        value("deltafin_expert_cache_hits_total") + value("deltafin_expert_cache_misses_total")
+            > 0.0
+    );
+    assert_eq!(value("deltafin_queue_waiting"), 0.0);
+    for name in [
+        "deltafin_read_bytes_total{kind=\"experts\"}",
+        "deltafin_speculation_drafted_total",
+        "deltafin_speculation_accepted_total",
+    ] {
+        assert!(value(name) >= 0.0);
+    }
+}
+
+#[tokio::test]
+async fn the_chat_page_is_served_and_loads_nothing_from_elsewhere() {
+    let app = app(state_with(EngineOptions::default(), |c| {
+        c.api_key = Some("k".into())
+    }));
+    // No key needed for the page itself; it sends the key the user types to /v1.
+    let page = call(&app, "GET", "/", None, &[]).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(
+        page.headers[header::CONTENT_TYPE]
+            .to_str()
+            .is_ok_and(|c| c.starts_with("text/html")),
+        "{:?}",
+        page.headers
+    );
+    for id in [
+        "id=\"send\"",
+        "id=\"stop\"",
+        "id=\"thinking\"",
+        "id=\"effort\"",
+        "reasoning_content",
+        "/v1/chat/completions",
+    ] {
+        assert!(page.text.contains(id), "{id}");
+    }
+    for outside in ["http://", "https://", "src=", "<link", "@import"] {
+        assert!(
+            !page.text.contains(outside),
+            "the page refers elsewhere: {outside}"
+        );
+    }
+    assert!(page.headers.contains_key(header::CONTENT_SECURITY_POLICY));
 }

@@ -17,10 +17,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use deltafin_model::tokenizer::Tokenizer;
-use deltafin_runtime::{Engine, FinishReason, GenerateOptions, Session, Snapshot};
+use deltafin_runtime::{Engine, FinishReason, GenerateOptions, Session, Snapshot, TokenMask};
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::constraint::GrammarMask;
+use crate::logprobs::token_logprob;
+use crate::metrics::{EngineCounters, GenerationCounts, Metrics};
 use crate::output::{Delta, OutputAssembler, OutputKind};
+use crate::queue::EnginePermit;
 
 /// Why an answer ended, as OpenAI names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,35 +93,6 @@ pub enum Event {
     Failed(String),
 }
 
-/// The one-generation-at-a-time slot. Whoever holds a [`BusyPermit`] owns the engine.
-#[derive(Debug, Default)]
-pub struct BusySlot(AtomicBool);
-
-impl BusySlot {
-    /// Takes the slot, or `None` when a generation holds it.
-    pub fn try_acquire(self: &Arc<Self>) -> Option<BusyPermit> {
-        self.0
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| BusyPermit(Arc::clone(self)))
-    }
-
-    /// Whether a generation holds the slot.
-    pub fn is_busy(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-}
-
-/// Holding the engine; released on drop.
-#[derive(Debug)]
-pub struct BusyPermit(Arc<BusySlot>);
-
-impl Drop for BusyPermit {
-    fn drop(&mut self) {
-        self.0.0.store(false, Ordering::Release);
-    }
-}
-
 /// One generation request.
 pub struct Job {
     /// The whole prompt.
@@ -132,8 +107,12 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// Set when the client is gone.
     pub cancel: Arc<AtomicBool>,
-    /// The slot, released before the final event is sent.
-    pub permit: Option<BusyPermit>,
+    /// The engine, released before the final event is sent.
+    pub permit: Option<EnginePermit>,
+    /// The grammar every token must follow (constrained decoding), if any.
+    pub mask: Option<GrammarMask>,
+    /// `Some(n)`: report each token's log-probability and the `n` most likely alternatives.
+    pub top_logprobs: Option<usize>,
 }
 
 /// Sets a flag when dropped: held by whatever delivers a job's events to the client, so that dropping it (client
@@ -153,6 +132,7 @@ pub fn engine_loop(
     tokenizer: Arc<Tokenizer>,
     jobs: std::sync::mpsc::Receiver<Job>,
     shutting_down: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 ) {
     let mut worker = Worker {
         engine: &engine,
@@ -160,16 +140,25 @@ pub fn engine_loop(
         checkpoint: None,
         tokenizer,
         shutting_down,
+        metrics: Arc::clone(&metrics),
+        spec_base: (0, 0),
     };
+    worker.publish_engine_counters();
     while let Ok(mut job) = jobs.recv() {
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| worker.run(&job)));
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| worker.run(&mut job)));
+        worker.publish_engine_counters();
         let event = match result {
             Ok(Ok(outcome)) => Event::Done(outcome),
             Ok(Err(detail)) => {
+                metrics.failed();
                 worker.forget();
                 Event::Failed(detail)
             }
             Err(panic) => {
+                metrics.failed();
+                let lost = worker.session.stats();
+                worker.spec_base.0 += lost.drafted;
+                worker.spec_base.1 += lost.accepted;
                 worker.session = engine.session();
                 worker.forget();
                 let what = panic
@@ -188,6 +177,18 @@ pub fn engine_loop(
     tracing::debug!("engine thread: no more jobs");
 }
 
+/// The engine's expert cache and read counters.
+fn read_counters(engine: &Engine) -> EngineCounters {
+    let experts = engine.expert_stats();
+    EngineCounters {
+        expert_cache_hits: experts.cache.hits,
+        expert_cache_misses: experts.cache.misses,
+        expert_bytes_read: experts.reader.disk.bytes,
+        spine_bytes_read: engine.spine_reads().bytes,
+        ..EngineCounters::default()
+    }
+}
+
 struct Worker<'e> {
     engine: &'e Engine,
     session: Session<'e>,
@@ -195,29 +196,52 @@ struct Worker<'e> {
     checkpoint: Option<Snapshot>,
     tokenizer: Arc<Tokenizer>,
     shutting_down: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    /// Speculation counts of sessions replaced after a panic (drafted, accepted), so the exported totals never
+    /// go back.
+    spec_base: (u64, u64),
 }
 
 impl Worker<'_> {
+    /// Copies the engine's cumulative counters into the metrics.
+    fn publish_engine_counters(&self) {
+        let session = self.session.stats();
+        self.metrics.set_engine(&EngineCounters {
+            spec_drafted: self.spec_base.0 + session.drafted,
+            spec_accepted: self.spec_base.1 + session.accepted,
+            ..read_counters(self.engine)
+        });
+    }
+
     /// Forgets all state after a failure, so the next request starts clean.
     fn forget(&mut self) {
         self.session.reset();
         self.checkpoint = None;
     }
 
-    fn run(&mut self, job: &Job) -> Result<Outcome, String> {
+    fn run(&mut self, job: &mut Job) -> Result<Outcome, String> {
         let started = std::time::Instant::now();
         let prompt = &job.prompt[..];
         let input = self.reuse(prompt)?;
         let cached = prompt.len() - input.len();
         let shutting_down = Arc::clone(&self.shutting_down);
-        let cancelled =
-            || job.cancel.load(Ordering::Relaxed) || shutting_down.load(Ordering::Relaxed);
+        let cancel = Arc::clone(&job.cancel);
+        let cancelled = || cancel.load(Ordering::Relaxed) || shutting_down.load(Ordering::Relaxed);
+        let mut counts = GenerationCounts {
+            prompt_tokens: prompt.len() as u64,
+            cached_tokens: cached as u64,
+            constrained: job.mask.is_some(),
+            ..GenerationCounts::default()
+        };
         let Some(input) = self.prefill_whole_chunks(input, &cancelled)? else {
             tracing::info!(
                 "request cancelled during prefill: prompt {} tokens ({cached} reused), {:.1} s",
                 prompt.len(),
                 started.elapsed().as_secs_f64()
             );
+            counts.prefill_secs = started.elapsed().as_secs_f64();
+            counts.cancelled = true;
+            self.metrics.generation(&counts);
             return Ok(Outcome {
                 finish: Finish::Cancelled,
                 usage: Usage {
@@ -234,11 +258,22 @@ impl Worker<'_> {
             Arc::clone(&job.stops),
         )
         .map_err(|e| format!("output parser: {e}"))?;
+        let mut first_token = None;
+        let top_logprobs = job.top_logprobs;
+        let events = &job.events;
+        let metrics = Arc::clone(&self.metrics);
+        let engine = self.engine;
+        let mask = job.mask.as_mut().map(|m| m as &mut dyn TokenMask);
         let generation = self
             .session
-            .generate(input, &job.options, |id| {
-                let delta = out.push(id);
-                job.events.send(Event::Delta(delta)).is_ok() && !out.stopped() && !cancelled()
+            .generate_with(input, &job.options, mask, |id, row| {
+                first_token.get_or_insert_with(std::time::Instant::now);
+                let mut delta = out.push(id);
+                if let Some(top) = top_logprobs {
+                    delta.logprobs.push(token_logprob(row, id, top));
+                }
+                metrics.set_reads(&read_counters(engine));
+                events.send(Event::Delta(delta)).is_ok() && !out.stopped() && !cancelled()
             })
             .map_err(|e| format!("generation: {e}"))?;
         let tail = out.finish();
@@ -247,6 +282,21 @@ impl Worker<'_> {
             let _ = job.events.send(Event::Delta(tail));
         }
         let finish = Finish::of(generation.finish, out.stopped(), out.n_tool_calls());
+        let ended = std::time::Instant::now();
+        let first = first_token.unwrap_or(ended);
+        counts.prefill_secs = first.duration_since(started).as_secs_f64();
+        counts.decode_secs = ended.duration_since(first).as_secs_f64();
+        counts.generated_tokens = generation.tokens.len() as u64;
+        counts.cancelled = finish == Finish::Cancelled;
+        let mask_cost = job.mask.as_ref().map(GrammarMask::cost);
+        if let Some((spent, masks)) = mask_cost {
+            counts.mask_secs = spent.as_secs_f64();
+            tracing::debug!(
+                "grammar: {masks} masks, {:.3} ms per token",
+                spent.as_secs_f64() * 1e3 / masks.max(1) as f64
+            );
+        }
+        self.metrics.generation(&counts);
         tracing::info!(
             "generated {} tokens ({finish:?}) after a prompt of {} ({cached} reused) in {:.1} s",
             generation.tokens.len(),
@@ -326,16 +376,5 @@ mod tests {
             "stop"
         );
         assert_eq!(Finish::ToolCalls.as_str(), "tool_calls");
-    }
-
-    #[test]
-    fn the_slot_is_exclusive_and_released_on_drop() {
-        let slot = Arc::new(BusySlot::default());
-        let permit = slot.try_acquire().expect("free");
-        assert!(slot.is_busy());
-        assert!(slot.try_acquire().is_none());
-        drop(permit);
-        assert!(!slot.is_busy());
-        assert!(slot.try_acquire().is_some());
     }
 }

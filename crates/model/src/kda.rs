@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::ops::{inv_rms, linear, linear_many, sigmoid, silu, softplus, tensor, values};
+use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
 
@@ -126,7 +127,12 @@ impl Kda {
     /// The new state is written to a reused buffer while the old one is read, so the caller's old state (kept for a
     /// rollback, a snapshot or a speculative pass) is never copied first: the first token's decay reads the old
     /// matrices and writes the new ones in one pass, and later tokens update the new ones in place.
-    pub fn forward(&self, x: &Tensor, state: &mut Arc<KdaState>) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        state: &mut Arc<KdaState>,
+        profile: &Profile,
+    ) -> Result<Tensor> {
         let (h, d) = (self.cfg.n_heads, self.cfg.head_dim);
         let c = h * d;
         let t_len = x.dim(0)?;
@@ -136,30 +142,32 @@ impl Kda {
             OutGate::Full(w) => w,
             OutGate::LowRank { down, .. } => down,
         };
-        let outs = linear_many(
-            x,
-            &[
-                &self.q_proj,
-                &self.k_proj,
-                &self.v_proj,
-                &self.f_a,
-                &self.b_proj,
-                gate_in,
-            ],
-        )?;
-        let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
-            .try_into()
-            .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
-        let p = Projected {
-            raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
-            f_a: values(&f_a)?,
-            b: values(&b_raw)?,
-            og: values(&match &self.gate {
-                OutGate::Full(_) => gate_raw,
-                OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
-            })?,
-            t_len,
-        };
+        let p = profile.time(Phase::KdaProj, || -> Result<Projected> {
+            let outs = linear_many(
+                x,
+                &[
+                    &self.q_proj,
+                    &self.k_proj,
+                    &self.v_proj,
+                    &self.f_a,
+                    &self.b_proj,
+                    gate_in,
+                ],
+            )?;
+            let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
+                .try_into()
+                .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
+            Ok(Projected {
+                raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
+                f_a: values(&f_a)?,
+                b: values(&b_raw)?,
+                og: values(&match &self.gate {
+                    OutGate::Full(_) => gate_raw,
+                    OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
+                })?,
+                t_len,
+            })
+        })?;
         // The conv windows advance by the new rows: the last K-1 rows of (window ++ raw), C values each.
         let conv: [Vec<f32>; 3] = std::array::from_fn(|i| {
             let mut ext = old.conv[i].clone();
@@ -171,7 +179,8 @@ impl Kda {
         if let Some(done) = self.forward_on_device(old, &p)? {
             let (s, out) = done;
             *state = Arc::new(KdaState { conv, s });
-            return linear(&tensor(out, t_len, c)?, &self.o_proj);
+            let out = tensor(out, t_len, c)?;
+            return profile.time(Phase::KdaProj, || linear(&out, &self.o_proj));
         }
 
         let mut s_new = crate::state::state_buffer(old.s.len());
@@ -195,7 +204,8 @@ impl Kda {
                     .copy_from_slice(&o[t * d..(t + 1) * d]);
             }
         }
-        linear(&tensor(out, t_len, c)?, &self.o_proj)
+        let out = tensor(out, t_len, c)?;
+        profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }
 
     /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
@@ -379,8 +389,13 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// One head's delta-rule recurrence over `t_len` tokens: writes the new state into `s` (`[D, D]`) from the old one
-/// `s_prev`, which is only read, and returns the head's outputs `[T, D]`.
+/// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
+/// `s_prev` and ends as the head's new state; returns the output rows `[T, D]`.
+///
+/// Per token, in two passes over the state (each element read and written once a pass, where the textbook form
+/// takes four): first the decay `s ← s · exp(g)` (row-wise) with `u = sᵀk` accumulated as the rows go by, then
+/// `δ = β (v − u)`, and `s ← s + k δᵀ` with `o = sᵀq` accumulated. Every element sees the same operations in the
+/// same order as the four-pass form, so the results are the same bits.
 fn recurrence_head(
     s: &mut [f32],
     s_prev: &[f32],
@@ -392,66 +407,49 @@ fn recurrence_head(
         s.copy_from_slice(s_prev);
     }
     let mut out = vec![0.0f32; t_len * d];
+    let mut u = vec![0.0f32; d];
+    let mut delta = vec![0.0f32; d];
     for t in 0..t_len {
         let row = t * d..(t + 1) * d;
-        let gate = &inp.g[row.clone()];
-        if t == 0 {
-            decay_from(s, s_prev, gate);
-        } else {
-            decay(s, gate);
-        }
-        delta_rule_update(
-            s,
+        let (q, k, v) = (
             &inp.q[row.clone()],
             &inp.k[row.clone()],
             &inp.v[row.clone()],
-            inp.beta[t],
-            &mut out[row],
         );
+        u.fill(0.0);
+        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
+            let decay = inp.g[t * d + i].exp();
+            if t == 0 {
+                decay_row_from(s_row, &s_prev[i * d..(i + 1) * d], decay);
+            } else {
+                s_row.iter_mut().for_each(|x| *x *= decay);
+            }
+            accumulate(&mut u, s_row, k[i]);
+        }
+        for ((dl, vi), ui) in delta.iter_mut().zip(v).zip(&u) {
+            *dl = inp.beta[t] * (vi - ui);
+        }
+        let o = &mut out[row];
+        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
+            for (x, dl) in s_row.iter_mut().zip(&delta) {
+                *x += k[i] * dl;
+            }
+            accumulate(o, s_row, q[i]);
+        }
     }
     out
 }
 
-/// `s ← s_prev` with row `i` scaled by `exp(g[i])` (the decay of a head's first token, read from the old state).
-fn decay_from(s: &mut [f32], s_prev: &[f32], g: &[f32]) {
-    let d = g.len();
-    for ((row, prev), &gk) in s.chunks_exact_mut(d).zip(s_prev.chunks_exact(d)).zip(g) {
-        let decay = gk.exp();
-        for (x, &p) in row.iter_mut().zip(prev) {
-            *x = p * decay;
-        }
+/// `row ← prev · decay` (the first token's decay, read from the old state).
+fn decay_row_from(row: &mut [f32], prev: &[f32], decay: f32) {
+    for (x, &p) in row.iter_mut().zip(prev) {
+        *x = p * decay;
     }
 }
 
-/// Row `i` of `s` scaled by `exp(g[i])`, in place.
-fn decay(s: &mut [f32], g: &[f32]) {
-    let d = g.len();
-    for (row, &gk) in s.chunks_exact_mut(d).zip(g) {
-        let decay = gk.exp();
-        row.iter_mut().for_each(|x| *x *= decay);
-    }
-}
-
-/// The rest of one delta-rule step for one head after the decay; `s` is `[D_k, D_v]`.
-fn delta_rule_update(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], beta: f32, out: &mut [f32]) {
-    let d = k.len();
-    // u = Sᵀ k
-    let mut u = vec![0.0f32; d];
-    for (row, &kk) in s.chunks_exact(d).zip(k) {
-        for (acc, &x) in u.iter_mut().zip(row) {
-            *acc += x * kk;
-        }
-    }
-    let delta: Vec<f32> = v.iter().zip(&u).map(|(vi, ui)| beta * (vi - ui)).collect();
-    for (row, &kk) in s.chunks_exact_mut(d).zip(k) {
-        for (x, dl) in row.iter_mut().zip(&delta) {
-            *x += kk * dl;
-        }
-    }
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (row, &qk) in s.chunks_exact(d).zip(q) {
-        for (o, &x) in out.iter_mut().zip(row) {
-            *o += x * qk;
-        }
+/// `acc += row · c`, element by element.
+fn accumulate(acc: &mut [f32], row: &[f32], c: f32) {
+    for (a, &x) in acc.iter_mut().zip(row) {
+        *a += x * c;
     }
 }

@@ -158,7 +158,7 @@ impl Layer {
                     Some(p)
                 };
                 let a = profile.time(self.attention_phase(), || {
-                    self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state)
+                    self.attention(&rms_norm(&h, &self.input_norm, self.eps)?, state, profile)
                 })?;
                 let p = match partial {
                     Some(p) => (p + a)?,
@@ -171,7 +171,7 @@ impl Layer {
             }
             _ => {
                 let a = profile.time(self.attention_phase(), || {
-                    self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state)
+                    self.attention(&rms_norm(&p, &self.input_norm, self.eps)?, state, profile)
                 })?;
                 let p = (p + a)?;
                 let f = self.feed_forward(&rms_norm(&p, &self.post_norm, self.eps)?, pass, next)?;
@@ -188,10 +188,10 @@ impl Layer {
         }
     }
 
-    fn attention(&self, x: &Tensor, state: &mut LayerState) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, state: &mut LayerState, profile: &Profile) -> Result<Tensor> {
         match (&self.attn, state) {
-            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(x, s),
-            (Attention::Mla(m), LayerState::Mla(c)) => m.forward(x, c),
+            (Attention::Kda(k), LayerState::Kda(s)) => k.forward(x, s, profile),
+            (Attention::Mla(m), LayerState::Mla(c)) => m.forward(x, c, profile),
             _ => Err(ModelError::BadWeight {
                 name: format!("layer {}", self.index),
                 msg: "session state does not match the layer kind".to_string(),

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
 use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, sigmoid, tensor, values};
+use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
 use crate::weights::Loader;
 
@@ -123,7 +124,7 @@ impl Mla {
 
     /// Runs `x` (`[T, hidden]`, already normed) with causal attention over the cache plus these rows, appending
     /// them to `cache`.
-    pub fn forward(&self, x: &Tensor, cache: &mut MlaCache) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, cache: &mut MlaCache, profile: &Profile) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (nh, kvl, rope, nope, vd) = (
             cfg.n_heads,
@@ -143,19 +144,22 @@ impl Mla {
         };
         let mut ws = vec![q_in, &self.kv_a];
         ws.extend(self.gate.as_ref());
-        let mut outs = linear_many(x, &ws)?.into_iter();
-        let (Some(q_first), Some(kv)) = (outs.next(), outs.next()) else {
-            return Err(crate::error::ModelError::Device(
-                "the MLA projections gave too few outputs".to_string(),
-            ));
-        };
-        let gate = outs.next().map(|g| values(&g)).transpose()?;
-        let q = values(&match &self.q {
-            QueryProj::LowRank { norm, b, .. } => {
-                linear(&rms_norm(&q_first, norm, MLA_LORA_NORM_EPS)?, b)?
-            }
-            QueryProj::Plain(_) => q_first,
-        })?; // [T, heads * (nope + rope)]
+        let (q, kv, gate) = profile.time(Phase::MlaProj, || -> Result<_> {
+            let mut outs = linear_many(x, &ws)?.into_iter();
+            let (Some(q_first), Some(kv)) = (outs.next(), outs.next()) else {
+                return Err(crate::error::ModelError::Device(
+                    "the MLA projections gave too few outputs".to_string(),
+                ));
+            };
+            let gate = outs.next().map(|g| values(&g)).transpose()?;
+            let q = values(&match &self.q {
+                QueryProj::LowRank { norm, b, .. } => {
+                    linear(&rms_norm(&q_first, norm, MLA_LORA_NORM_EPS)?, b)?
+                }
+                QueryProj::Plain(_) => q_first,
+            })?; // [T, heads * (nope + rope)]
+            Ok((q, kv, gate))
+        })?;
 
         // Compressed KV for the new rows, appended to the cache.
         let mut ckv = values(&kv)?; // [T, kvl + rope]: c normalised in place, k_pe raw
@@ -168,7 +172,7 @@ impl Mla {
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             let mut out = g.attend(&q, cache, past, t_len, scale)?;
-            return self.finish(gate.as_deref(), &mut out, t_len);
+            return self.finish(gate.as_deref(), &mut out, t_len, profile);
         }
         let rows: Vec<&[f32]> = cache.rows().collect();
 
@@ -219,18 +223,25 @@ impl Mla {
                     .copy_from_slice(&by_head[(h * t_len + t) * vd..(h * t_len + t + 1) * vd]);
             }
         }
-        self.finish(gate.as_deref(), &mut out, t_len)
+        self.finish(gate.as_deref(), &mut out, t_len, profile)
     }
 
     /// The output gate (its projection `gate [T, heads · v]`, computed with the others) and the output projection
     /// of the attention rows `out [T, heads · v]`.
-    fn finish(&self, gate: Option<&[f32]>, out: &mut [f32], t_len: usize) -> Result<Tensor> {
+    fn finish(
+        &self,
+        gate: Option<&[f32]>,
+        out: &mut [f32],
+        t_len: usize,
+        profile: &Profile,
+    ) -> Result<Tensor> {
         if let Some(gate) = gate {
             for (o, g) in out.iter_mut().zip(gate) {
                 *o *= sigmoid(*g);
             }
         }
         let width = self.cfg.n_heads * self.cfg.v_dim;
-        linear(&tensor(out.to_vec(), t_len, width)?, &self.o_proj)
+        let out = tensor(out.to_vec(), t_len, width)?;
+        profile.time(Phase::MlaProj, || linear(&out, &self.o_proj))
     }
 }

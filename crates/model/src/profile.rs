@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 pub struct Profile {
     kda: AtomicU64,
+    kda_proj: AtomicU64,
     mla: AtomicU64,
+    mla_proj: AtomicU64,
     shared_experts: AtomicU64,
     dense_ffn: AtomicU64,
     moe_trunk: AtomicU64,
@@ -24,8 +26,13 @@ pub struct Profile {
 pub struct ProfileSnapshot {
     /// KDA blocks: projections, conv, recurrence, gated norm, output projection.
     pub kda: Duration,
+    /// Of [`Self::kda`], the dense projections (q, k, v, the gates' projections, β, the output projection).
+    pub kda_proj: Duration,
     /// MLA blocks: projections and attention over the latent cache.
     pub mla: Duration,
+    /// Of [`Self::mla`], the dense projections (query, compressed KV, gate, output); the rest is attention over
+    /// the latent cache with the absorbed per-head matrices.
+    pub mla_proj: Duration,
     /// The MoE layers' shared experts (a dense MLP each).
     pub shared_experts: Duration,
     /// Dense MLP layers.
@@ -57,7 +64,9 @@ impl ProfileSnapshot {
     pub fn since(&self, earlier: &ProfileSnapshot) -> ProfileSnapshot {
         ProfileSnapshot {
             kda: self.kda.saturating_sub(earlier.kda),
+            kda_proj: self.kda_proj.saturating_sub(earlier.kda_proj),
             mla: self.mla.saturating_sub(earlier.mla),
+            mla_proj: self.mla_proj.saturating_sub(earlier.mla_proj),
             shared_experts: self.shared_experts.saturating_sub(earlier.shared_experts),
             dense_ffn: self.dense_ffn.saturating_sub(earlier.dense_ffn),
             moe_trunk: self.moe_trunk.saturating_sub(earlier.moe_trunk),
@@ -74,8 +83,12 @@ impl ProfileSnapshot {
 pub enum Phase {
     /// KDA attention blocks.
     Kda,
+    /// The dense projections inside KDA blocks (also counted in [`Phase::Kda`]).
+    KdaProj,
     /// MLA attention blocks.
     Mla,
+    /// The dense projections inside MLA blocks (also counted in [`Phase::Mla`]).
+    MlaProj,
     /// Shared experts.
     SharedExperts,
     /// Dense MLP.
@@ -93,9 +106,11 @@ pub enum Phase {
 }
 
 /// Every phase, in report order.
-const PHASES: [Phase; 9] = [
+const PHASES: [Phase; 11] = [
     Phase::Kda,
+    Phase::KdaProj,
     Phase::Mla,
+    Phase::MlaProj,
     Phase::SharedExperts,
     Phase::DenseFfn,
     Phase::MoeTrunk,
@@ -109,7 +124,9 @@ impl Profile {
     fn counter(&self, phase: Phase) -> &AtomicU64 {
         match phase {
             Phase::Kda => &self.kda,
+            Phase::KdaProj => &self.kda_proj,
             Phase::Mla => &self.mla,
+            Phase::MlaProj => &self.mla_proj,
             Phase::SharedExperts => &self.shared_experts,
             Phase::DenseFfn => &self.dense_ffn,
             Phase::MoeTrunk => &self.moe_trunk,
@@ -139,7 +156,9 @@ impl Profile {
         let d = |p| Duration::from_nanos(self.counter(p).load(Ordering::Relaxed));
         ProfileSnapshot {
             kda: d(Phase::Kda),
+            kda_proj: d(Phase::KdaProj),
             mla: d(Phase::Mla),
+            mla_proj: d(Phase::MlaProj),
             shared_experts: d(Phase::SharedExperts),
             dense_ffn: d(Phase::DenseFfn),
             moe_trunk: d(Phase::MoeTrunk),

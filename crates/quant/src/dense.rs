@@ -1,17 +1,14 @@
 //! Dense weight matrices (f32, bf16, row-wise int8) and their GEMM over a few rows of activations.
 //!
-//! Every output element is one dot product in the fixed order of [`crate::dot`] (f32 and bf16) or an exact integer
-//! sum against the input row quantised on its own ([`crate::int8_contract`], int8), so results do not depend on the
-//! number of activation rows, the thread count or the SIMD path: a batch of T rows gives bit-identical rows to T
-//! calls with one row each.
-
-use std::borrow::Cow;
+//! Every output element is one dot product in the fixed order of [`crate::dot`] (f32), [`crate::bf16_contract`]
+//! (bf16, against the input permuted once per product) or an exact integer sum against the input row quantised on
+//! its own ([`crate::int8_contract`], int8), so results do not depend on the number of activation rows, the thread
+//! count or the SIMD path: a batch of T rows gives bit-identical rows to T calls with one row each.
 
 use rayon::prelude::*;
 
-use crate::dot::{
-    bf16_to_f32, dot_bf16, dot_bf16_ref, dot_bf16_x2, dot_f32, dot_f32_ref, dot_f32_x2,
-};
+use crate::bf16_contract;
+use crate::dot::{bf16_to_f32, dot_f32, dot_f32_ref, dot_f32_x2};
 use crate::error::{QuantError, Result};
 use crate::int8_contract::{self, QuantizedInput};
 use crate::pages::huge_page_vec;
@@ -123,70 +120,68 @@ impl DenseMatrix {
         }
     }
 
-    /// `w[r] · x` on the fastest path. An int8 matrix quantises `x` for this one row ([`crate::int8_contract`]);
-    /// [`Self::gemm`] quantises each input once for all rows.
+    /// `w[r] · x` on the fastest path. A bf16 matrix permutes `x` and an int8 one quantises it for this one row;
+    /// [`Self::dot_rows`] and [`Self::gemm`] prepare each input once for all rows.
     #[inline]
     pub fn dot_row(&self, r: usize, x: &[f32]) -> f32 {
-        self.row_with(r, x, None)
+        self.row_with(r, &self.prepare(x))
     }
 
     /// `out[i] = w[r0 + i] · x` on the fastest path, two rows per kernel call where the CPU allows (each result
     /// bit-identical to [`Self::dot_row`]).
     pub fn dot_rows(&self, r0: usize, x: &[f32], out: &mut [f32]) {
-        self.rows_with(r0, x, None, out);
+        self.rows_with(r0, &self.prepare(x), out);
     }
 
-    /// [`Self::dot_row`] with `x` already quantised where the matrix is int8 (`None`: quantise it here).
-    fn row_with(&self, r: usize, x: &[f32], xq: Option<&QuantizedInput>) -> f32 {
-        let span = r * self.cols..(r + 1) * self.cols;
-        match &self.data {
-            DenseData::F32(v) => dot_f32(&v[span], x),
-            DenseData::Bf16(v) => dot_bf16(&v[span], x),
-            DenseData::Int8 { q, scales } => {
-                let xq = int8_input(x, xq);
-                xq.finish(int8_contract::dot(&q[span], &xq), scales[r])
-            }
+    /// One input row `x` as this matrix's kernels read it.
+    fn prepare<'x>(&self, x: &'x [f32]) -> Prepared<'x> {
+        match self.data {
+            DenseData::F32(_) => Prepared::F32(x),
+            DenseData::Bf16(_) => Prepared::Bf16(bf16_contract::permute_input(x)),
+            DenseData::Int8 { .. } => Prepared::Int8(QuantizedInput::new(x)),
         }
     }
 
-    /// [`Self::dot_rows`] with `x` already quantised where the matrix is int8 (`None`: quantise it here, once).
-    fn rows_with(&self, r0: usize, x: &[f32], xq: Option<&QuantizedInput>, out: &mut [f32]) {
+    /// Row `r` against a prepared input.
+    fn row_with(&self, r: usize, x: &Prepared<'_>) -> f32 {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match (&self.data, x) {
+            (DenseData::F32(v), Prepared::F32(x)) => dot_f32(&v[span], x),
+            (DenseData::Bf16(v), Prepared::Bf16(xp)) => bf16_contract::dot(&v[span], xp),
+            (DenseData::Int8 { q, scales }, Prepared::Int8(xq)) => {
+                xq.finish(int8_contract::dot(&q[span], xq), scales[r])
+            }
+            // `prepare` matches the data kind; a mismatch is a bug, and NaN makes it loud.
+            _ => f32::NAN,
+        }
+    }
+
+    /// Rows `r0 .. r0 + out.len()` against a prepared input, two rows per kernel call where the CPU allows.
+    fn rows_with(&self, r0: usize, x: &Prepared<'_>, out: &mut [f32]) {
         let c = self.cols;
-        let one = |r: usize, xq: Option<&QuantizedInput>| self.row_with(r, x, xq);
-        match &self.data {
-            DenseData::F32(v) => by_pairs(
+        let one = |r: usize| self.row_with(r, x);
+        match (&self.data, x) {
+            (DenseData::F32(v), Prepared::F32(x)) => by_pairs(
                 out,
                 r0,
                 |r| dot_f32_x2(row(v, r, c), row(v, r + 1, c), x),
-                |r| one(r, None),
+                one,
             ),
-            DenseData::Bf16(v) => by_pairs(
+            (DenseData::Bf16(v), Prepared::Bf16(xp)) => by_pairs(
                 out,
                 r0,
-                |r| dot_bf16_x2(row(v, r, c), row(v, r + 1, c), x),
-                |r| one(r, None),
+                |r| bf16_contract::dot_x2(row(v, r, c), row(v, r + 1, c), xp),
+                one,
             ),
-            DenseData::Int8 { q, scales } => {
-                let xq = int8_input(x, xq);
+            (DenseData::Int8 { q, scales }, Prepared::Int8(xq)) => {
                 crate::simd::prefetch_slice(scales.get(r0..r0 + out.len()).unwrap_or(&[]));
                 let pair = |r: usize| {
-                    let [ya, yb] = int8_contract::dot_x2(row(q, r, c), row(q, r + 1, c), &xq);
+                    let [ya, yb] = int8_contract::dot_x2(row(q, r, c), row(q, r + 1, c), xq);
                     [xq.finish(ya, scales[r]), xq.finish(yb, scales[r + 1])]
                 };
-                by_pairs(out, r0, pair, |r| one(r, Some(&xq)));
+                by_pairs(out, r0, pair, one);
             }
-        }
-    }
-
-    /// The `t_rows` inputs of `x` quantised for the int8 kernels, when this matrix is int8 (else none).
-    fn quantized(&self, x: &[f32], t_rows: usize) -> Vec<QuantizedInput> {
-        match self.data {
-            DenseData::Int8 { .. } => x
-                .chunks(self.cols.max(1))
-                .take(t_rows)
-                .map(QuantizedInput::new)
-                .collect(),
-            _ => Vec::new(),
+            _ => out.fill(f32::NAN),
         }
     }
 
@@ -195,7 +190,7 @@ impl DenseMatrix {
         let span = r * self.cols..(r + 1) * self.cols;
         match &self.data {
             DenseData::F32(v) => dot_f32_ref(&v[span], x),
-            DenseData::Bf16(v) => dot_bf16_ref(&v[span], x),
+            DenseData::Bf16(v) => bf16_contract::dot_bf16_ref(&v[span], x),
             DenseData::Int8 { q, scales } => {
                 let xq = QuantizedInput::new(x);
                 xq.finish(int8_contract::dot_ref(&q[span], &xq), scales[r])
@@ -207,14 +202,35 @@ impl DenseMatrix {
     pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
         self.check(x, t_rows)?;
         let mut y = vec![0.0f32; t_rows * self.rows];
-        let xq = self.quantized(x, t_rows);
         if t_rows == 1 {
-            par_row_blocks(&mut y, |r0, out| self.rows_with(r0, x, xq.first(), out));
+            let x = self.prepare(x);
+            par_row_blocks(&mut y, |r0, out| self.rows_with(r0, &x, out));
             return Ok(y);
         }
-        par_rows(self.rows, t_rows, &mut y, |r, t| {
-            self.row_with(r, &x[t * self.cols..(t + 1) * self.cols], xq.get(t))
-        });
+        let xs: Vec<Prepared<'_>> = x
+            .chunks_exact(self.cols.max(1))
+            .take(t_rows)
+            .map(|x| self.prepare(x))
+            .collect();
+        if let DenseData::Bf16(v) = &self.data {
+            // Tiles of rows by inputs: each weight row is widened once for every input.
+            let xps: Vec<&[f32]> = xs
+                .iter()
+                .filter_map(|p| match p {
+                    Prepared::Bf16(xp) => Some(&**xp),
+                    _ => None,
+                })
+                .collect();
+            let c = self.cols;
+            par_row_tiles(self.rows, t_rows, &mut y, |r0, out| {
+                let rows: Vec<&[u16]> = (r0..r0 + out.len() / t_rows)
+                    .map(|r| row(v, r, c))
+                    .collect();
+                bf16_contract::dot_tiles(&rows, &xps, out);
+            });
+            return Ok(y);
+        }
+        par_rows(self.rows, t_rows, &mut y, |r, t| self.row_with(r, &xs[t]));
         Ok(y)
     }
 
@@ -278,11 +294,20 @@ pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<
     if t_rows != 1 {
         return mats.iter().map(|m| m.gemm(x, t_rows)).collect();
     }
-    // An int8 matrix's input quantised once for all of them.
-    let xq = mats
-        .iter()
-        .find(|m| matches!(m.data, DenseData::Int8 { .. }))
-        .map(|_| QuantizedInput::new(x));
+    // The input prepared once per kind of matrix that reads it.
+    let mut prepared: Vec<Prepared<'_>> = Vec::new();
+    let mut input_of = Vec::with_capacity(mats.len());
+    for m in mats {
+        let p = m.prepare(x);
+        let at = match prepared.iter().position(|q| q.same_kind(&p)) {
+            Some(at) => at,
+            None => {
+                prepared.push(p);
+                prepared.len() - 1
+            }
+        };
+        input_of.push(at);
+    }
     let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; m.rows]).collect();
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
     for (i, y) in ys.iter_mut().enumerate() {
@@ -290,7 +315,9 @@ pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<
             tasks.push((i, k * DENSE_ROWS_PER_TASK, out));
         }
     }
-    let run = |(i, r0, out): (usize, usize, &mut [f32])| mats[i].rows_with(r0, x, xq.as_ref(), out);
+    let run = |(i, r0, out): (usize, usize, &mut [f32])| {
+        mats[i].rows_with(r0, &prepared[input_of[i]], out)
+    };
     if tasks.len() < 4 {
         tasks.into_iter().for_each(run);
     } else {
@@ -323,9 +350,19 @@ fn by_pairs(
     }
 }
 
-/// The input as an int8 matrix reads it: `xq` where the caller quantised it already, else `x` quantised now.
-fn int8_input<'q>(x: &[f32], xq: Option<&'q QuantizedInput>) -> Cow<'q, QuantizedInput> {
-    xq.map_or_else(|| Cow::Owned(QuantizedInput::new(x)), Cow::Borrowed)
+/// One input row as a matrix's kernels read it: as it is (f32 weights), permuted ([`bf16_contract`]) or quantised
+/// ([`int8_contract`]).
+enum Prepared<'x> {
+    F32(&'x [f32]),
+    Bf16(crate::aligned::Lines),
+    Int8(QuantizedInput),
+}
+
+impl Prepared<'_> {
+    /// Whether `other` was prepared for the same kind of matrix (and so from the same input, it is the same).
+    fn same_kind(&self, other: &Prepared<'_>) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+    }
 }
 
 /// Output rows handled by one task.
@@ -360,6 +397,30 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
                 }
             }
         });
+    for r in 0..rows {
+        for t in 0..t_rows {
+            y[t * rows + r] = by_row[r * t_rows + t];
+        }
+    }
+}
+
+/// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
+/// still give every thread several tasks.
+const TILE_ROWS_PER_TASK: usize = 32;
+
+/// Fills `y [t_rows, rows]` in parallel over blocks of [`TILE_ROWS_PER_TASK`] weight rows: `f(r0, out)` fills
+/// `out [rows_here, t_rows]` (by weight row) for rows `r0 ..`, so a kernel can take its rows and inputs in tiles.
+fn par_row_tiles(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let mut by_row = vec![0.0f32; rows * t_rows];
+    let per_task = TILE_ROWS_PER_TASK * t_rows;
+    if by_row.len() <= per_task {
+        f(0, &mut by_row);
+    } else {
+        by_row
+            .par_chunks_mut(per_task)
+            .enumerate()
+            .for_each(|(k, out)| f(k * TILE_ROWS_PER_TASK, out));
+    }
     for r in 0..rows {
         for t in 0..t_rows {
             y[t * rows + r] = by_row[r * t_rows + t];

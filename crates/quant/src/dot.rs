@@ -8,8 +8,8 @@
 //! - Reduction: `v[l] = (a0[l] + a1[l]) + (a2[l] + a3[l])`; then `v[l] + v[l+4]` (l < 4); then lanes `l` and `l+2`
 //!   (l < 2); then lane 0 + lane 1.
 //!
-//! The weight element type varies (f32, bf16, decoded MXFP4); its conversion to f32 is exact in every case. Int8
-//! rows have their own, integer contract ([`crate::int8_contract`]).
+//! f32 rows follow it; bf16 rows have their own, shaped around their widening ([`crate::bf16_contract`]), and int8
+//! rows an integer one ([`crate::int8_contract`]).
 
 /// Lanes of one accumulator (one AVX2 register of f32).
 pub const LANES: usize = 8;
@@ -64,34 +64,10 @@ pub fn dot_f32_ref(w: &[f32], x: &[f32]) -> f32 {
     dot_ref_with(w, x, |v| v)
 }
 
-/// `Σ w·x` for bf16 weights (raw `u16` bits): scalar reference.
-pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
-    dot_ref_with(w, x, bf16_to_f32)
-}
-
 /// The f32 value of raw bf16 bits (exact).
 #[inline]
 pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
-}
-
-/// A dense weight element (f32, or bf16 as raw `u16` bits) and its exact f32 value; the SIMD kernels' loaders build
-/// on it and use it for a row's zero-padded tail.
-pub(crate) trait DenseWeight: Copy {
-    /// The value as f32 (exact).
-    fn to_f32(self) -> f32;
-}
-
-impl DenseWeight for f32 {
-    fn to_f32(self) -> f32 {
-        self
-    }
-}
-
-impl DenseWeight for u16 {
-    fn to_f32(self) -> f32 {
-        bf16_to_f32(self)
-    }
 }
 
 /// `Σ w·x` for f32 weights, on the fastest path this CPU has (bit-identical to [`dot_f32_ref`]).
@@ -114,26 +90,6 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     dot_f32_ref(w, x)
 }
 
-/// `Σ w·x` for bf16 weights, on the fastest path (bit-identical to [`dot_bf16_ref`]).
-pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx512() {
-        // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (checked above).
-        return unsafe { crate::simd::avx512::dot_bf16(w, x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { crate::simd::x86::dot_bf16(w, x) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    if crate::simd::has_neon() {
-        return crate::simd::neon::dot_bf16(w, x);
-    }
-    #[allow(unreachable_code)]
-    dot_bf16_ref(w, x)
-}
-
 /// Two rows of f32 weights against one input: each result bit-identical to [`dot_f32_ref`].
 pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
@@ -151,23 +107,4 @@ pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
         return crate::simd::neon::dot_f32_x2(w0, w1, x);
     }
     [dot_f32(w0, x), dot_f32(w1, x)]
-}
-
-/// Two rows of bf16 weights against one input: each result bit-identical to [`dot_bf16_ref`].
-pub fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx512() && w0.len() == x.len() && w1.len() == x.len() {
-        // SAFETY: AVX-512F, AVX2 and FMA present; lengths checked.
-        return unsafe { crate::simd::avx512::dot_bf16_x2(w0, w1, x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_avx2_fma() && w0.len() == x.len() && w1.len() == x.len() {
-        // SAFETY: AVX2 and FMA present; lengths checked.
-        return unsafe { crate::simd::x86::dot_bf16_x2(w0, w1, x) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    if crate::simd::has_neon() && w0.len() == x.len() && w1.len() == x.len() {
-        return crate::simd::neon::dot_bf16_x2(w0, w1, x);
-    }
-    [dot_bf16(w0, x), dot_bf16(w1, x)]
 }

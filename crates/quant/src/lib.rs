@@ -5,11 +5,14 @@
 //! for bit against it.
 #![deny(missing_docs)]
 
+pub mod aligned;
+pub mod bf16_contract;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dense;
 pub mod dot;
 pub mod error;
+pub mod flops;
 pub mod int8_contract;
 pub mod membw;
 pub mod mxfp4;

@@ -18,8 +18,24 @@ use crate::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
 /// read batched experts more slowly when memory is fast (`docs/performance-log.md`, sixth round).
 const MXFP4_TASK_BYTES: usize = 448 << 10;
 
-/// Rows per task for `matrix` at `t_rows` activation rows: [`MXFP4_TASK_BYTES`] of work, at least one row pair.
+/// Inputs from which a product runs in tiles on AVX-512 (`Mxfp4Matrix::rows_f32_tiles`): with fewer, decoding each
+/// chunk once for all inputs in registers (`mxfp4_row_multi`) costs less than a decoded copy of the rows.
+const TILE_MIN_TOKENS: usize = 4;
+/// Inputs per tile (two rows by three: 12 partial sums, 12 accumulators and the loads fit the 32 vector registers).
+#[cfg(target_arch = "x86_64")]
+const TILE_TOKENS: usize = 3;
+/// Chunks per block of a tiled product: a tile's three inputs over a block (24 KiB) stay in L1.
+#[cfg(target_arch = "x86_64")]
+const TILE_BLOCK_CHUNKS: usize = 16;
+/// Rows per task of a tiled product: decoded, 16 rows of a K3 expert are 258 KB, which stay in L2.
+const TILE_ROWS_PER_TASK: usize = 16;
+
+/// Rows per task for `matrix` at `t_rows` activation rows: [`MXFP4_TASK_BYTES`] of work, at least one row pair;
+/// [`TILE_ROWS_PER_TASK`] where the product runs in tiles.
 fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize) -> usize {
+    if t_rows >= TILE_MIN_TOKENS {
+        return TILE_ROWS_PER_TASK;
+    }
     let row_bytes = matrix.cols / 2 + matrix.cols / MXFP4_GROUP;
     let rows = MXFP4_TASK_BYTES / (row_bytes * t_rows).max(1);
     (rows / 2 * 2).max(2)
@@ -206,6 +222,10 @@ impl<'a> Mxfp4Matrix<'a> {
             return;
         }
         #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512() && t_rows >= TILE_MIN_TOKENS {
+            return self.rows_f32_tiles(r0, xps, t_rows, out);
+        }
+        #[cfg(target_arch = "x86_64")]
         if crate::simd::has_avx512() {
             // SAFETY: AVX-512F/BW, AVX2 and FMA present; two whole rows (checked in `new`) and one permuted input.
             let pair = |rows| unsafe { crate::simd::avx512::mxfp4_dot_rows::<2>(rows, xps) };
@@ -235,6 +255,63 @@ impl<'a> Mxfp4Matrix<'a> {
             }
         };
         self.run_rows(r0, t_rows, out, None, &each);
+    }
+
+    /// [`Self::rows_f32`] for several inputs on AVX-512: the rows are decoded once into a buffer, then multiplied in
+    /// tiles of two rows by three inputs over blocks of [`TILE_BLOCK_CHUNKS`] chunks, so a weight is decoded once for
+    /// every input and each input block is read from L1 by every row pair. Every result is bit-identical to
+    /// [`Self::dot_row_ref`].
+    #[cfg(target_arch = "x86_64")]
+    fn rows_f32_tiles(&self, r0: usize, xps: &[f32], t_rows: usize, out: &mut [f32]) {
+        use crate::simd::avx512::{
+            Bf16Acc, DECODED_CHUNK, bf16_finish, mxfp4_decode_rows, mxfp4_tile,
+        };
+        let n_chunks = mxfp4_contract::chunks(self.cols);
+        let xp_len = n_chunks * mxfp4_contract::CHUNK;
+        let rows_here = out.len() / t_rows;
+        let row_bytes: Vec<RowBytes<'a>> =
+            (r0..r0 + rows_here).map(|r| self.row_bytes(r)).collect();
+        let mut decoded = crate::aligned::Lines::zeroed(rows_here * n_chunks * DECODED_CHUNK);
+        // SAFETY: AVX-512F/BW present (the caller checked); whole rows; `decoded` sized for them.
+        unsafe { mxfp4_decode_rows(&row_bytes, n_chunks, &mut decoded) };
+        let row =
+            |r: usize| &decoded[r * n_chunks * DECODED_CHUNK..(r + 1) * n_chunks * DECODED_CHUNK];
+        let input = |t: usize| &xps[t * xp_len..(t + 1) * xp_len];
+        // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
+        let mut acc: Vec<Bf16Acc> = vec![unsafe { std::mem::zeroed() }; rows_here * t_rows];
+        // SAFETY (every call below): AVX-512F present; decoded rows and inputs of `n_chunks` chunks; `acc` holds
+        // every pair.
+        macro_rules! tile {
+            ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
+                $(
+                    if $width == $t {
+                        let xs: [&[f32]; $t] = std::array::from_fn(|k| input($t0 + k));
+                        let rs: [&[f32]; $r] = std::array::from_fn(|k| row($r0 + k));
+                        unsafe { mxfp4_tile::<$r, $t>(rs, xs, $span, &mut acc[$r0 * t_rows + $t0..], t_rows) };
+                    }
+                )+
+            }};
+        }
+        for c0 in (0..n_chunks).step_by(TILE_BLOCK_CHUNKS) {
+            let span = (c0, (c0 + TILE_BLOCK_CHUNKS).min(n_chunks));
+            for t0 in (0..t_rows).step_by(TILE_TOKENS) {
+                let width = TILE_TOKENS.min(t_rows - t0);
+                let mut r = 0;
+                while r < rows_here {
+                    if rows_here - r >= 2 {
+                        tile!(2, r, t0, width, span, 1 2 3);
+                        r += 2;
+                    } else {
+                        tile!(1, r, t0, width, span, 1 2 3);
+                        r += 1;
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: AVX-512F present.
+            *o = unsafe { bf16_finish(a) };
+        }
     }
 
     /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
@@ -458,7 +535,7 @@ type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
 enum PermutedInput {
-    F32(Vec<f32>),
+    F32(crate::aligned::Lines),
     Bf16(Vec<u32>),
     I16(Vec<u32>),
 }
@@ -468,7 +545,11 @@ impl PermutedInput {
     fn new(x: &[f32], cols: usize, input: Mxfp4Input) -> Self {
         let rows = x.chunks_exact(cols.max(1));
         match input {
-            Mxfp4Input::F32 => Self::F32(rows.flat_map(mxfp4_contract::permute_input).collect()),
+            Mxfp4Input::F32 => Self::F32(crate::aligned::Lines::copy_of(
+                &rows
+                    .flat_map(mxfp4_contract::permute_input)
+                    .collect::<Vec<f32>>(),
+            )),
             Mxfp4Input::Bf16 => {
                 Self::Bf16(rows.flat_map(mxfp4_bf16_contract::permute_input).collect())
             }

@@ -1,7 +1,8 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
+use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::dot::{dot_bf16, dot_bf16_ref, dot_f32, dot_f32_ref};
+use deltafin_quant::dot::{dot_f32, dot_f32_ref};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
 use deltafin_quant::simd::{Contract, kernel_set};
@@ -248,20 +249,28 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
     let mut r = rng();
     for &cols in MXFP4_COLS {
         let rows = 37; // odd: the last row of a pair runs alone
-        let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 254]);
-        let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
-        for t_rows in [1, 2, 5] {
-            let xs = randn(&mut r, t_rows * cols);
-            let mut y = vec![0.0; t_rows * rows];
-            m.gemm(&xs, t_rows, &mut y).expect("gemm");
-            for t in 0..t_rows {
-                let x = &xs[t * cols..(t + 1) * cols];
-                for row in 0..rows {
-                    let (a, b) = (y[t * rows + row], m.dot_row_ref(row, x));
-                    assert!(
-                        a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                        "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
-                    );
+        // Extreme scales (where one group's term can swamp the rest) and scales of like size (where every term
+        // counts, so a wrong order of additions shows).
+        for scales in [
+            &[0u8, 1, 126, 127, 128, 140, 254][..],
+            &[124, 125, 126, 127, 128, 129],
+        ] {
+            let (packed, s) = random_mxfp4(&mut r, rows, cols, scales);
+            let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
+            // 4 and more run in tiles of three inputs on AVX-512 (remainders of one and two included).
+            for t_rows in [1, 2, 4, 5, 7, 13] {
+                let xs = randn(&mut r, t_rows * cols);
+                let mut y = vec![0.0; t_rows * rows];
+                m.gemm(&xs, t_rows, &mut y).expect("gemm");
+                for t in 0..t_rows {
+                    let x = &xs[t * cols..(t + 1) * cols];
+                    for row in 0..rows {
+                        let (a, b) = (y[t * rows + row], m.dot_row_ref(row, x));
+                        assert!(
+                            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                            "cols {cols} t_rows {t_rows} t {t} row {row}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
@@ -283,6 +292,7 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
         (256, 3072, 1),
         (0, 96, 1),
         (129, 384, 5),
+        (40, 3584, 9),
         (64, 32, 0),
     ];
     let data: Vec<_> = shapes
@@ -829,7 +839,7 @@ fn dense_row_pairs_match_twins() {
         "dense_row_pairs_match_twins",
         &[Contract::Dense, Contract::Int8, Contract::Quantise],
     );
-    use deltafin_quant::dot::{dot_bf16_x2, dot_f32_x2};
+    use deltafin_quant::dot::dot_f32_x2;
     let mut r = rng();
     for &n in LENGTHS {
         let x = randn(&mut r, n);
@@ -840,6 +850,7 @@ fn dense_row_pairs_match_twins() {
         };
         let (q0, q1) = (q(&mut r), q(&mut r));
         let (b0, b1) = (b(&w0), b(&w1));
+        let xp = bf16_contract::permute_input(&x);
         let pairs = [
             (
                 dot_f32_x2(&w0, &w1, &x),
@@ -847,7 +858,7 @@ fn dense_row_pairs_match_twins() {
                 "f32",
             ),
             (
-                dot_bf16_x2(&b0, &b1, &x),
+                bf16_contract::dot_x2(&b0, &b1, &xp),
                 [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                 "bf16",
             ),
@@ -872,14 +883,18 @@ fn dense_row_pairs_match_twins() {
             // SAFETY: AVX2 and FMA detected; equal lengths.
             unsafe {
                 same_bits(x86::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
-                same_bits(x86::dot_bf16(&b0, &x), dot_bf16_ref(&b0, &x), "avx2 bf16");
+                same_bits(
+                    x86::bf16_rows::<1>([&b0], &xp)[0],
+                    dot_bf16_ref(&b0, &x),
+                    "avx2 bf16",
+                );
                 let pairs = [
                     (
                         x86::dot_f32_x2(&w0, &w1, &x),
                         [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
                     ),
                     (
-                        x86::dot_bf16_x2(&b0, &b1, &x),
+                        x86::bf16_rows::<2>([&b0, &b1], &xp),
                         [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                     ),
                 ];
@@ -894,6 +909,107 @@ fn dense_row_pairs_match_twins() {
                     x86::int8_dot_x2(&q0, &q1, xq.values()),
                     [want, int8_contract::dot_ref(&q1, &xq)],
                     "avx2 i8 x2 n={n}"
+                );
+            }
+        }
+    }
+}
+
+/// bf16 rows on every kernel set this CPU has, against the contract's reference: random rows of every length (partial
+/// last chunks included) and rows of edge values (signed zeros, denormal and huge weights, products that overflow to
+/// infinity, which then meet their opposite as NaN), so the lane order, the padding and the reduction all show.
+#[test]
+fn bf16_rows_match_their_twin_on_every_kernel_set() {
+    let mut r = rng();
+    let edges: [u16; 10] = [
+        0x0000, 0x8000, 0x0001, 0x8003, 0x7f7f, 0xff7f, 0x3f80, 0xbf80, 0x4b00, 0x0080,
+    ];
+    for &n in LENGTHS.iter().chain(&[2, 15, 16, 17, 48, 4097]) {
+        let x = randn(&mut r, n);
+        let rows: Vec<Vec<u16>> = (0..3)
+            .map(|k| {
+                (0..n)
+                    .map(|i| {
+                        if k == 2 {
+                            edges[i % edges.len()]
+                        } else {
+                            (r.random_range(-4.0f32..4.0).to_bits() >> 16) as u16
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let xp = bf16_contract::permute_input(&x);
+        for w in &rows {
+            let want = bf16_contract::dot_ref(w, &xp);
+            let mut got = vec![("dispatch", bf16_contract::dot(w, &xp))];
+            got.push(("dispatch pair", bf16_contract::dot_x2(w, w, &xp)[1]));
+            #[cfg(target_arch = "x86_64")]
+            {
+                use deltafin_quant::simd::{avx512, has_avx2_fma, has_avx512, x86};
+                // SAFETY: each kernel runs only where its features are detected; `xp` is the padded input.
+                unsafe {
+                    if has_avx512() {
+                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp)[0]));
+                        got.push(("avx512 pair", avx512::bf16_rows::<2>([w, w], &xp)[0]));
+                    }
+                    if has_avx2_fma() {
+                        got.push(("avx2", x86::bf16_rows::<1>([w], &xp)[0]));
+                        got.push(("avx2 pair", x86::bf16_rows::<2>([w, w], &xp)[1]));
+                    }
+                }
+            }
+            #[cfg(target_arch = "aarch64")]
+            {
+                got.push((
+                    "neon",
+                    deltafin_quant::simd::neon::bf16_rows::<1>([w], &xp)[0],
+                ));
+                got.push((
+                    "neon pair",
+                    deltafin_quant::simd::neon::bf16_rows::<2>([w, w], &xp)[1],
+                ));
+            }
+            for (what, v) in got {
+                same_bits(v, want, &format!("{what} bf16 n={n}"));
+            }
+        }
+    }
+}
+
+/// The multi-token bf16 products (prefill's tiles, blocks of chunks) against the contract's reference for every pair:
+/// row counts and input counts that fill no tile evenly, lengths with partial chunks and more than one block.
+#[test]
+fn bf16_tiles_match_their_twin_for_every_row_and_input() {
+    let mut r = rng();
+    for &(rows, tokens, n) in &[
+        (1, 1, 7),
+        (2, 6, 32),
+        (3, 7, 100),
+        (5, 13, 1000),
+        (4, 64, 2080),
+        (7, 9, 7168),
+    ] {
+        let w: Vec<Vec<u16>> = (0..rows)
+            .map(|_| {
+                (0..n)
+                    .map(|_| (r.random_range(-4.0f32..4.0).to_bits() >> 16) as u16)
+                    .collect()
+            })
+            .collect();
+        let xs: Vec<_> = (0..tokens)
+            .map(|_| bf16_contract::permute_input(&randn(&mut r, n)))
+            .collect();
+        let rows_ref: Vec<&[u16]> = w.iter().map(|v| v.as_slice()).collect();
+        let xs_ref: Vec<&[f32]> = xs.iter().map(|x| &**x).collect();
+        let mut out = vec![f32::NAN; rows * tokens];
+        bf16_contract::dot_tiles(&rows_ref, &xs_ref, &mut out);
+        for (i, row) in rows_ref.iter().enumerate() {
+            for (t, x) in xs_ref.iter().enumerate() {
+                same_bits(
+                    out[i * tokens + t],
+                    bf16_contract::dot_ref(row, x),
+                    &format!("tile rows={rows} tokens={tokens} n={n} ({i}, {t})"),
                 );
             }
         }
@@ -945,18 +1061,19 @@ mod neon_kernels {
                 dot_f32_ref(&w0, &x),
                 &format!("f32 n={n}"),
             );
+            let xp = bf16_contract::permute_input(&x);
             same_bits(
-                neon::dot_bf16(&b0, &x),
-                dot_bf16_ref(&b0, &x),
+                neon::bf16_rows::<1>([&b0], &xp)[0],
+                bf16_contract::dot_ref(&b0, &xp),
                 &format!("bf16 n={n}"),
             );
             let f2 = neon::dot_f32_x2(&w0, &w1, &x);
-            let b2 = neon::dot_bf16_x2(&b0, &b1, &x);
+            let b2 = neon::bf16_rows::<2>([&b0, &b1], &xp);
             for (i, (w, bw)) in [(&w0, &b0), (&w1, &b1)].into_iter().enumerate() {
                 same_bits(f2[i], dot_f32_ref(w, &x), &format!("f32 x2 row {i} n={n}"));
                 same_bits(
                     b2[i],
-                    dot_bf16_ref(bw, &x),
+                    bf16_contract::dot_ref(bw, &xp),
                     &format!("bf16 x2 row {i} n={n}"),
                 );
             }

@@ -210,6 +210,12 @@ impl Engine {
         self.experts.inner().expert_read_rate(spans)
     }
 
+    /// Reads every expert it can into the RAM cache (whole layers, while the cache's budget allows); returns how many
+    /// experts the cache holds. For benchmarks of compute with every weight resident.
+    pub fn warm_expert_cache(&self) -> Result<usize> {
+        self.experts.inner().warm()
+    }
+
     /// Expert cache hits and misses, disk reads and network fetches so far.
     pub fn expert_stats(&self) -> ExpertStats {
         self.experts.inner().stats()

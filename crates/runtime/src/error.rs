@@ -52,6 +52,9 @@ pub enum RuntimeError {
     /// A session was asked to do something impossible (empty prompt, …).
     #[error("{0}")]
     Usage(String),
+    /// A token mask (constrained decoding) failed or allowed no token.
+    #[error("constrained decoding: {0}")]
+    Constraint(String),
 }
 
 /// Result alias for this crate.

@@ -5,6 +5,7 @@
 #![deny(missing_docs)]
 
 pub mod budget;
+pub mod constraint;
 pub mod convert;
 pub mod counters;
 pub mod engine;
@@ -23,6 +24,7 @@ pub mod spine;
 mod spine_batch;
 
 pub use budget::MemoryPlan;
+pub use constraint::TokenMask;
 pub use deltafin_model::{DeviceOptions, DevicePref};
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
 pub use deltafin_quant::membw;

@@ -9,6 +9,7 @@
 
 use deltafin_model::{LogitRows, SessionState};
 
+use crate::constraint::{TokenMask, masked_row};
 use crate::engine::Engine;
 use crate::error::{Result, RuntimeError};
 use crate::ngram;
@@ -336,6 +337,19 @@ impl<'e> Session<'e> {
         opts: &GenerateOptions,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Generation> {
+        self.generate_with(input, opts, None, |id, _| on_token(id))
+    }
+
+    /// [`Self::generate`] with an optional [`TokenMask`] that restricts every token chosen (speculation is then
+    /// off), and a callback that also sees the raw logits row the token was chosen from (before any mask or
+    /// temperature: the row `prefill` would give at that position).
+    pub fn generate_with(
+        &mut self,
+        input: &[u32],
+        opts: &GenerateOptions,
+        mut mask: Option<&mut dyn TokenMask>,
+        mut on_token: impl FnMut(u32, &[f32]) -> bool,
+    ) -> Result<Generation> {
         opts.sampling.validate()?;
         let mut out = Vec::new();
         if opts.max_new == 0 {
@@ -345,7 +359,7 @@ impl<'e> Session<'e> {
             });
         }
         let eos = self.engine.config().eos_token_id;
-        let spec_depth = if opts.sampling.is_greedy() {
+        let spec_depth = if opts.sampling.is_greedy() && mask.is_none() {
             opts.speculation_depth
         } else {
             0
@@ -354,24 +368,34 @@ impl<'e> Session<'e> {
         let vocab = self.engine.config().vocab_size;
         let mut row = self.prefill_last(input)?;
         loop {
-            let next = sampler.sample(&row);
-            // `emit` records a decided token as pending and reports whether generation must end.
-            let mut emit = |s: &mut Self, id: u32, out: &mut Vec<u32>| -> Option<FinishReason> {
-                s.tokens.push(id);
-                s.pending += 1;
-                s.stats.generated += 1;
-                out.push(id);
-                if !on_token(id) {
-                    Some(FinishReason::Cancelled)
-                } else if (!opts.ignore_eos && Some(id) == eos) || opts.stop_tokens.contains(&id) {
-                    Some(FinishReason::Stop)
-                } else if out.len() >= opts.max_new {
-                    Some(FinishReason::Length)
-                } else {
-                    None
+            let next = match mask.as_deref_mut() {
+                Some(mask) => {
+                    let id = sampler.sample(&masked_row(mask, &row)?);
+                    mask.accept(id).map_err(RuntimeError::Constraint)?;
+                    id
                 }
+                None => sampler.sample(&row),
             };
-            if let Some(finish) = emit(self, next, &mut out) {
+            // `emit` records a decided token as pending and reports whether generation must end.
+            let mut emit =
+                |s: &mut Self, id: u32, row: &[f32], out: &mut Vec<u32>| -> Option<FinishReason> {
+                    s.tokens.push(id);
+                    s.pending += 1;
+                    s.stats.generated += 1;
+                    out.push(id);
+                    if !on_token(id, row) {
+                        Some(FinishReason::Cancelled)
+                    } else if (!opts.ignore_eos && Some(id) == eos)
+                        || opts.stop_tokens.contains(&id)
+                    {
+                        Some(FinishReason::Stop)
+                    } else if out.len() >= opts.max_new {
+                        Some(FinishReason::Length)
+                    } else {
+                        None
+                    }
+                };
+            if let Some(finish) = emit(self, next, &row, &mut out) {
                 return Ok(Generation {
                     tokens: out,
                     finish,
@@ -390,13 +414,14 @@ impl<'e> Session<'e> {
             self.stats.drafted += drafts.len() as u64;
             let mut accepted = 0;
             while accepted < drafts.len() {
-                let g = argmax(&rows[accepted * vocab..(accepted + 1) * vocab]);
+                let draft_row = &rows[accepted * vocab..(accepted + 1) * vocab];
+                let g = argmax(draft_row);
                 if g != drafts[accepted] {
                     break;
                 }
                 accepted += 1;
                 self.stats.accepted += 1;
-                if let Some(finish) = emit(self, g, &mut out) {
+                if let Some(finish) = emit(self, g, draft_row, &mut out) {
                     // The pass also fed later drafts: keep the committed state, the accepted tokens stay pending.
                     return Ok(Generation {
                         tokens: out,

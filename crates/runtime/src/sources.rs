@@ -160,6 +160,29 @@ impl ExpertStore {
         }
     }
 
+    /// Reads every expert of every MoE layer into the RAM cache, layer by layer, until the cache's byte budget is
+    /// reached; returns how many experts it now holds. For benchmarks of compute with every weight resident.
+    pub fn warm(&self) -> Result<usize, RuntimeError> {
+        let mut layers: Vec<usize> = self.core.map.layers();
+        layers.sort_unstable();
+        for layer in layers {
+            let stats = self.core.cache().stats();
+            let (held, budget) = (stats.bytes, stats.budget);
+            let experts: Vec<usize> = (0..self.core.map.n_experts(layer)).collect();
+            let need: u64 = experts
+                .iter()
+                .filter_map(|&e| self.core.map.get(layer, e))
+                .map(|span| span.len)
+                .sum();
+            if held + need > budget {
+                break;
+            }
+            ExpertSource::begin(self, layer, &experts)
+                .and_then(|fetch| fetch.finish(&mut |_| Ok(())))?;
+        }
+        Ok(self.core.cache().stats().entries as usize)
+    }
+
     /// The rate at which this store reads experts from local storage, in bytes per second: `spans` experts spread
     /// over every MoE layer (a fixed stride through the expert ids, so most are not in the page cache's way), read
     /// two windows at a time as a layer's misses are, bypassing the RAM cache. The I/O bound of a benchmark is

@@ -25,6 +25,7 @@ mod index;
 pub mod install;
 mod pread;
 mod read_pool;
+mod read_rate;
 mod remote;
 mod span_cache;
 mod stream;
@@ -38,6 +39,7 @@ pub use read_pool::{
     Batch, DIRECT_ALIGN, PoolFile, PooledBuf, ReadPool, ReadPoolOptions, ReadRequest, ReadStats,
     SpanBytes, SpanRead,
 };
+pub use read_rate::expert_spans_read_rate;
 pub use remote::{DEFAULT_ENDPOINT, Hub, HubClient, HubOptions, RangeBody, RepoRef, Secret};
 pub use span_cache::{ManifestRepairs, SpanKey, SpanManifest};
 pub use stream::{

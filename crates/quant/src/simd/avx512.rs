@@ -1,6 +1,6 @@
 //! AVX-512 kernels (x86-64-v4: AVX-512F and BW, with AVX2/FMA for tails; BF16 and VNNI where named). Each follows
-//! its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows (one 16-lane register holds two of the
-//! contract's 8-lane accumulators), [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
+//! its scalar twin's contract exactly: [`crate::dot`] for f32 rows (one 16-lane register holds two of the
+//! contract's 8-lane accumulators), [`crate::bf16_contract`] for bf16 rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4 rows. Two rows are computed per call
 //! so they share the input's loads (four were slower for every MXFP4 contract: `docs/performance-log.md`, seventh round).
 
@@ -9,7 +9,7 @@ use std::arch::x86_64::*;
 use crate::dot::{BLOCK, LANES};
 use crate::int8_contract::SEGMENT_STEPS;
 use crate::mxfp4_bf16_contract::CHUNK_WORDS;
-use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, GROUPS_PER_CHUNK};
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE, GROUPS_PER_CHUNK};
 
 /// The four 8-lane accumulators of the dense contract, from two 16-lane registers `[a0|a1]`, `[a2|a3]`.
 #[inline]
@@ -24,50 +24,19 @@ fn split(a01: __m512, a23: __m512) -> [__m256; 4] {
     ]
 }
 
-/// 16 weights as f32 (exact), for each dense element type.
-trait Load16: crate::dot::DenseWeight {
-    /// Loads 16 values at `p` as f32.
-    ///
-    /// # Safety
-    /// 16 values must be readable at `p`; the CPU must support AVX-512F.
-    unsafe fn load16(p: *const Self) -> __m512;
-}
-
-impl Load16 for f32 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable values.
-        unsafe { _mm512_loadu_ps(p) }
-    }
-}
-
-impl Load16 for u16 {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> __m512 {
-        // SAFETY: the caller guarantees 16 readable values (32 bytes). bf16 → f32 is a shift into the high half.
-        unsafe {
-            let h = _mm256_loadu_si256(p as *const __m256i);
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-        }
-    }
-}
-
 /// Finishes one row of the dense contract: the zero-padded tail into accumulator 0, then the reduction.
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn finish<W: Load16>(a01: __m512, a23: __m512, w: &[W], x: &[f32], full: usize) -> f32 {
+fn finish(a01: __m512, a23: __m512, w: &[f32], x: &[f32], full: usize) -> f32 {
     let [mut a0, a1, a2, a3] = split(a01, a23);
     let n = w.len().min(x.len());
     let mut c = full;
     while c < n {
         let mut wb = [0.0f32; LANES];
         let mut xb = [0.0f32; LANES];
-        for l in 0..LANES.min(n - c) {
-            wb[l] = w[c + l].to_f32();
-            xb[l] = x[c + l];
-        }
+        let k = LANES.min(n - c);
+        wb[..k].copy_from_slice(&w[c..c + k]);
+        xb[..k].copy_from_slice(&x[c..c + k]);
         // SAFETY: both buffers hold 8 f32.
         a0 = unsafe {
             _mm256_fmadd_ps(
@@ -120,7 +89,7 @@ fn prefetch<T>(p: *const T, len: usize, dist: usize) {
 /// # Safety
 /// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
+unsafe fn dot_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     let n = x.len().min(w0.len()).min(w1.len());
     let full = n / BLOCK * BLOCK;
     let (p0, p1, xp) = (w0.as_ptr(), w1.as_ptr(), x.as_ptr());
@@ -131,17 +100,17 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
         // The pair's bytes in address order (see PREFETCH_BYTES): a block of both rows is 2 · 32 values.
         prefetch(
             p0.wrapping_add(2 * b),
-            2 * size_of::<W>() * BLOCK,
+            2 * size_of::<f32>() * BLOCK,
             PREFETCH_BYTES,
         );
         // SAFETY: b + 32 <= full <= n for all three slices.
         unsafe {
             let xa = _mm512_loadu_ps(xp.add(b));
             let xb = _mm512_loadu_ps(xp.add(b + 16));
-            r0a = _mm512_fmadd_ps(W::load16(p0.add(b)), xa, r0a);
-            r0b = _mm512_fmadd_ps(W::load16(p0.add(b + 16)), xb, r0b);
-            r1a = _mm512_fmadd_ps(W::load16(p1.add(b)), xa, r1a);
-            r1b = _mm512_fmadd_ps(W::load16(p1.add(b + 16)), xb, r1b);
+            r0a = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(b)), xa, r0a);
+            r0b = _mm512_fmadd_ps(_mm512_loadu_ps(p0.add(b + 16)), xb, r0b);
+            r1a = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(b)), xa, r1a);
+            r1b = _mm512_fmadd_ps(_mm512_loadu_ps(p1.add(b + 16)), xb, r1b);
         }
         b += BLOCK;
     }
@@ -153,7 +122,7 @@ unsafe fn dot_x2<W: Load16>(w0: &[W], w1: &[W], x: &[f32]) -> [f32; 2] {
 /// # Safety
 /// As [`dot_x2`].
 #[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
+unsafe fn dot_x1(w: &[f32], x: &[f32]) -> f32 {
     let n = x.len().min(w.len());
     let full = n / BLOCK * BLOCK;
     let (p, xp) = (w.as_ptr(), x.as_ptr());
@@ -162,9 +131,9 @@ unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
     while b < full {
         // SAFETY: b + 32 <= full <= n.
         unsafe {
-            a = _mm512_fmadd_ps(W::load16(p.add(b)), _mm512_loadu_ps(xp.add(b)), a);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(b)), _mm512_loadu_ps(xp.add(b)), a);
             b2 = _mm512_fmadd_ps(
-                W::load16(p.add(b + 16)),
+                _mm512_loadu_ps(p.add(b + 16)),
                 _mm512_loadu_ps(xp.add(b + 16)),
                 b2,
             );
@@ -174,32 +143,142 @@ unsafe fn dot_x1<W: Load16>(w: &[W], x: &[f32]) -> f32 {
     finish(a, b2, w, x, full)
 }
 
-macro_rules! dense_entry {
-    ($one:ident, $two:ident, $t:ty, $twin:literal) => {
-        #[doc = concat!("AVX-512 twin of [`", $twin, "`].")]
-        ///
-        /// # Safety
-        /// The CPU must support AVX-512F, AVX2 and FMA; `w.len() == x.len()`.
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        pub unsafe fn $one(w: &[$t], x: &[f32]) -> f32 {
-            // SAFETY: forwarded from the caller.
-            unsafe { dot_x1(w, x) }
-        }
-
-        #[doc = concat!("Two rows at once, each bit-identical to [`", $twin, "`].")]
-        ///
-        /// # Safety
-        /// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        pub unsafe fn $two(w0: &[$t], w1: &[$t], x: &[f32]) -> [f32; 2] {
-            // SAFETY: forwarded from the caller.
-            unsafe { dot_x2(w0, w1, x) }
-        }
-    };
+/// AVX-512 twin of [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w.len() == x.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
+    // SAFETY: forwarded from the caller.
+    unsafe { dot_x1(w, x) }
 }
 
-dense_entry!(dot_f32, dot_f32_x2, f32, "crate::dot::dot_f32_ref");
-dense_entry!(dot_bf16, dot_bf16_x2, u16, "crate::dot::dot_bf16_ref");
+/// Two rows at once, each bit-identical to [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w0.len() == w1.len() == x.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
+    // SAFETY: forwarded from the caller.
+    unsafe { dot_x2(w0, w1, x) }
+}
+
+/// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: per
+/// chunk of 32 weights and row, one 64-byte load, a shift (even weights) and a mask (odd weights) to exact f32, and
+/// two FMAs. No software prefetch: the rows are read in address order, which the hardware prefetchers follow, and a
+/// prefetch into L1 ahead of them made these kernels slower.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; every row has the same length `n`, and `xp` holds at least
+/// `bf16_contract::padded_len(n)` values.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+    use crate::bf16_contract::CHUNK;
+    let n = rows[0].len();
+    let whole = n / CHUNK;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let z = _mm512_setzero_ps();
+    let (mut even, mut odd) = ([z; R], [z; R]);
+    let mut step = |c: usize, words: [__m512i; R]| {
+        // SAFETY (caller): chunk c of the permuted input lies in `xp`.
+        let (xe, xo) = unsafe {
+            let at = xp.as_ptr().add(c * CHUNK);
+            (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(CHUNK / 2)))
+        };
+        for r in 0..R {
+            let e = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[r]));
+            let o = _mm512_castsi512_ps(_mm512_and_si512(words[r], high));
+            even[r] = _mm512_fmadd_ps(e, xe, even[r]);
+            odd[r] = _mm512_fmadd_ps(o, xo, odd[r]);
+        }
+    };
+    for c in 0..whole {
+        // SAFETY: chunk c < whole lies whole in every row.
+        let words =
+            rows.map(|w| unsafe { _mm512_loadu_si512(w.as_ptr().add(c * CHUNK) as *const _) });
+        step(c, words);
+    }
+    if whole * CHUNK < n {
+        let mask: __mmask32 = (1u32 << (n - whole * CHUNK)) - 1;
+        // SAFETY: only the masked elements, all inside each row, are read; the rest are zero.
+        let words = rows.map(|w| unsafe {
+            _mm512_maskz_loadu_epi16(mask, w.as_ptr().add(whole * CHUNK) as *const i16)
+        });
+        step(whole, words);
+    }
+    std::array::from_fn(|r| reduce16(even[r], odd[r]))
+}
+
+/// The even and odd accumulators of one (row, input) pair of a bf16 tile, kept between blocks of chunks.
+pub type Bf16Acc = [__m512; 2];
+
+/// Chunks `c0 .. c1` of `R` bf16 rows of equal length against `T` permuted inputs ([`crate::bf16_contract`]): the
+/// multi-token form of [`bf16_rows`], for prefill. Each row's chunk is widened once and multiplied into every
+/// input's accumulators (`acc[r * stride + t]`, read at the start and written back at the end, so a caller can walk
+/// the chunks in blocks that keep the inputs in L1), so per chunk the tile does `2RT` FMAs for `R` weight loads and
+/// `2R` widening instructions. Every (row, input) sum gets its chunks in order into its own accumulators, as the
+/// contract says; [`bf16_finish`] reduces them.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; every row has the same length `n`, every input holds at least
+/// `bf16_contract::padded_len(n)` values, `c1 <= n.div_ceil(32)`, and `acc` holds `(R - 1) * stride + T` entries.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn bf16_tile<const R: usize, const T: usize>(
+    rows: [&[u16]; R],
+    xps: [&[f32]; T],
+    (c0, c1): (usize, usize),
+    acc: &mut [Bf16Acc],
+    stride: usize,
+) {
+    use crate::bf16_contract::CHUNK;
+    let n = rows[0].len();
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let mut even: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][0]));
+    let mut odd: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][1]));
+    for c in c0..c1 {
+        let words: [__m512i; R] = if (c + 1) * CHUNK <= n {
+            // SAFETY: chunk c lies whole in every row.
+            rows.map(|w| unsafe { _mm512_loadu_si512(w.as_ptr().add(c * CHUNK) as *const _) })
+        } else {
+            let mask: __mmask32 = (1u32 << (n - c * CHUNK)) - 1;
+            // SAFETY: only the masked elements, all inside each row, are read; the rest are zero.
+            rows.map(|w| unsafe {
+                _mm512_maskz_loadu_epi16(mask, w.as_ptr().add(c * CHUNK) as *const i16)
+            })
+        };
+        let e: [__m512; R] =
+            std::array::from_fn(|r| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words[r])));
+        let o: [__m512; R] =
+            std::array::from_fn(|r| _mm512_castsi512_ps(_mm512_and_si512(words[r], high)));
+        for t in 0..T {
+            // SAFETY (caller): chunk c of every permuted input lies in it.
+            let (xe, xo) = unsafe {
+                let at = xps[t].as_ptr().add(c * CHUNK);
+                (_mm512_loadu_ps(at), _mm512_loadu_ps(at.add(CHUNK / 2)))
+            };
+            for r in 0..R {
+                even[r][t] = _mm512_fmadd_ps(e[r], xe, even[r][t]);
+                odd[r][t] = _mm512_fmadd_ps(o[r], xo, odd[r][t]);
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            acc[r * stride + t] = [even[r][t], odd[r][t]];
+        }
+    }
+}
+
+/// The contract's reduction of one (row, input) pair's accumulators from [`bf16_tile`].
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn bf16_finish(acc: &Bf16Acc) -> f32 {
+    reduce16(acc[0], acc[1])
+}
 
 /// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, a
 /// sign extension to int16 and one `vpdpwssd` (two products per 32-bit lane), widened to 64 bits every
@@ -602,6 +681,100 @@ pub unsafe fn mxfp4_dot_rows<const R: usize>(rows: [(&[u8], &[u8]); R], xp: &[f3
             }
             sums
         })
+    }
+}
+
+/// f32 values of one decoded chunk of an MXFP4 row ([`mxfp4_decode_rows`]): the contract's eight weight vectors,
+/// then the chunk's per-lane scales.
+pub const DECODED_CHUNK: usize = CHUNK + CHUNK_LANES;
+
+/// Decodes whole MXFP4 rows (`(packed, scales)`, each `n_chunks` chunks, the last one possibly partial) for the
+/// multi-token tiles: chunk `c` of row `r` becomes [`DECODED_CHUNK`] values at `out[(r · n_chunks + c) ·
+/// DECODED_CHUNK ..]`, the eight weight vectors of [`crate::mxfp4_contract`] (exact) and the lane scales (exact).
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW; `out` holds `rows.len() · n_chunks · DECODED_CHUNK` values.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub unsafe fn mxfp4_decode_rows(rows: &[(&[u8], &[u8])], n_chunks: usize, out: &mut [f32]) {
+    let table = e2m1_table();
+    for (r, (packed, scales)) in rows.iter().enumerate() {
+        let mut s16 = _mm512_setzero_ps();
+        for c in 0..n_chunks {
+            if c % 4 == 0 {
+                s16 = scales16(scales, c * 4);
+            }
+            // SAFETY: chunk c of the row (masked at its end); the caller sized `out`.
+            unsafe {
+                let w = decode(chunk_words(packed, c), table);
+                let at = out.as_mut_ptr().add((r * n_chunks + c) * DECODED_CHUNK);
+                for (s, v) in w.iter().enumerate() {
+                    _mm512_storeu_ps(at.add(s * CHUNK_LANES), *v);
+                }
+                _mm512_storeu_ps(at.add(CHUNK), chunk_scale(s16, c % 4));
+            }
+        }
+    }
+}
+
+/// Chunks `c0 .. c1` of `R` decoded MXFP4 rows ([`mxfp4_decode_rows`]; row `r` starts at `rows[r]`) against `T`
+/// permuted inputs ([`crate::mxfp4_contract::permute_input`]): the multi-token form of [`mxfp4_dot_rows`], for
+/// prefill, where a row is decoded once for every token routed to its expert. Each (row, input) pair follows the
+/// contract exactly: per chunk `te`/`to` chains from a product, then `acc[c % 2] = fma(te + to, scale, acc[c % 2])`
+/// with `acc[r * stride + t]` read at the start and written back at the end (so a caller can walk the chunks in
+/// blocks that keep the inputs in L1); [`bf16_finish`]'s reduction is the contract's too.
+///
+/// # Safety
+/// The CPU must support AVX-512F; every decoded row holds `c1` chunks and every input `c1 · 128` values;
+/// `acc` holds `(R - 1) * stride + T` entries.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    rows: [&[f32]; R],
+    xps: [&[f32]; T],
+    (c0, c1): (usize, usize),
+    acc: &mut [Bf16Acc],
+    stride: usize,
+) {
+    let mut a: [[[__m512; 2]; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t]));
+    for c in c0..c1 {
+        // SAFETY (caller): chunk c of every decoded row and every input lies in it.
+        unsafe {
+            let w = rows.map(|p| p.as_ptr().add(c * DECODED_CHUNK));
+            let x = xps.map(|p| p.as_ptr().add(c * CHUNK));
+            let z = _mm512_setzero_ps();
+            let (mut te, mut to) = ([[z; T]; R], [[z; T]; R]);
+            for s in 0..CODES_PER_LANE {
+                let ws: [__m512; R] =
+                    std::array::from_fn(|r| _mm512_loadu_ps(w[r].add(s * CHUNK_LANES)));
+                for t in 0..T {
+                    let xs = _mm512_loadu_ps(x[t].add(s * CHUNK_LANES));
+                    for r in 0..R {
+                        let acc_s = if s % 2 == 0 {
+                            &mut te[r][t]
+                        } else {
+                            &mut to[r][t]
+                        };
+                        *acc_s = if s < 2 {
+                            _mm512_mul_ps(ws[r], xs)
+                        } else {
+                            _mm512_fmadd_ps(ws[r], xs, *acc_s)
+                        };
+                    }
+                }
+            }
+            for r in 0..R {
+                let scale = _mm512_loadu_ps(w[r].add(CHUNK));
+                for t in 0..T {
+                    let sum = _mm512_add_ps(te[r][t], to[r][t]);
+                    a[r][t][c % 2] = _mm512_fmadd_ps(sum, scale, a[r][t][c % 2]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            acc[r * stride + t] = a[r][t];
+        }
     }
 }
 

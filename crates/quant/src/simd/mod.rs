@@ -1,6 +1,6 @@
 //! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
 //!
-//! Every kernel here follows its contract ([`crate::dot`], [`crate::mxfp4_contract`],
+//! Every kernel here follows its contract ([`crate::dot`], [`crate::bf16_contract`], [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`], [`crate::mxfp4_i16_contract`], [`crate::int8_contract`]) and is tested bit for bit
 //! against its scalar twin. On aarch64 the NEON kernels ([`neon`]) run every contract but the bf16-input MXFP4 one
 //! (see there why); CI tests them under `qemu-aarch64`. [`kernel_set`] names the kernels each contract runs on.
@@ -125,7 +125,7 @@ pub fn path_name() -> &'static str {
 /// A kernel contract of this crate, for [`kernel_set`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Contract {
-    /// f32 and bf16 dense rows ([`crate::dot`]).
+    /// f32 and bf16 dense rows ([`crate::dot`], [`crate::bf16_contract`]).
     Dense,
     /// Row-wise int8 ([`crate::int8_contract`]).
     Int8,

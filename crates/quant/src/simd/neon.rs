@@ -1,5 +1,5 @@
-//! NEON kernels (aarch64). Each follows its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16 rows,
-//! [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4
+//! NEON kernels (aarch64). Each follows its scalar twin's contract exactly: [`crate::dot`] for f32 rows,
+//! [`crate::bf16_contract`] for bf16 rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4
 //! rows, [`crate::quantise`] for the int16 quantisation. NEON is part of the aarch64 baseline, so the kernels are
 //! safe functions: every load is checked against its slice or comes from a zero-padded copy.
 //!
@@ -18,7 +18,7 @@
 
 use std::arch::aarch64::*;
 
-use crate::dot::{BLOCK, DenseWeight, LANES};
+use crate::dot::{BLOCK, LANES};
 use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, GROUPS_PER_CHUNK, group_scale};
 
 /// An 8-lane accumulator of the dot contract: lanes 0..4 and 4..8.
@@ -47,51 +47,28 @@ fn reduce(a: [Acc8; 4]) -> f32 {
     }
 }
 
-/// 8 dense weights as f32 (exact), for each dense element type.
-trait Load8: DenseWeight {
-    /// Loads 8 values from the start of `w` (which holds at least 8) as two f32 vectors.
-    fn load8(w: &[Self]) -> Acc8;
-}
-
-impl Load8 for f32 {
-    #[inline(always)]
-    fn load8(w: &[Self]) -> Acc8 {
-        let w = &w[..LANES];
-        // SAFETY: `w` holds 8 values (the slice above is checked).
-        unsafe { [vld1q_f32(w.as_ptr()), vld1q_f32(w.as_ptr().add(4))] }
-    }
-}
-
-impl Load8 for u16 {
-    /// bf16 bits: widened and shifted into the high half (exact).
-    #[inline(always)]
-    fn load8(w: &[Self]) -> Acc8 {
-        let w = &w[..LANES];
-        // SAFETY: `w` holds 8 values (16 bytes).
-        unsafe {
-            let h = vld1q_u16(w.as_ptr());
-            [
-                vreinterpretq_f32_u32(vshll_n_u16::<16>(vget_low_u16(h))),
-                vreinterpretq_f32_u32(vshll_high_n_u16::<16>(h)),
-            ]
-        }
-    }
+/// 8 values from the start of `v` (which holds at least 8) as two vectors.
+#[inline(always)]
+fn load8(v: &[f32]) -> Acc8 {
+    let v = &v[..LANES];
+    // SAFETY: `v` holds 8 values (the slice above is checked).
+    unsafe { [vld1q_f32(v.as_ptr()), vld1q_f32(v.as_ptr().add(4))] }
 }
 
 /// `R` neighbouring rows of the dot contract ([`crate::dot`]) against one input, sharing its loads: the whole
 /// blocks of 32 into four 8-lane accumulators a row, then each row's zero-padded tail into its accumulator 0 and the
 /// contract's reduction.
 #[inline(always)]
-fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f32; R] {
+fn f32_rows<const R: usize>(rows: [&[f32]; R], x: &[f32]) -> [f32; R] {
     let n = rows.iter().fold(x.len(), |n, w| n.min(w.len()));
     let full = n / BLOCK * BLOCK;
     let mut acc = [[[zero(); 2]; 4]; R];
     for b in (0..full).step_by(BLOCK) {
         for k in 0..4 {
             let i = b + k * LANES;
-            let xv = f32::load8(&x[i..]);
+            let xv = load8(&x[i..]);
             for (a, w) in acc.iter_mut().zip(&rows) {
-                let wv = W::load8(&w[i..]);
+                let wv = load8(&w[i..]);
                 // SAFETY: NEON is part of the aarch64 baseline.
                 unsafe {
                     a[k][0] = vfmaq_f32(a[k][0], wv[0], xv[0]);
@@ -107,10 +84,10 @@ fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f32; R] 
             let mut wb = [0.0f32; LANES];
             let mut xb = [0.0f32; LANES];
             for l in 0..LANES.min(n - c) {
-                wb[l] = w[c + l].to_f32();
+                wb[l] = w[c + l];
                 xb[l] = x[c + l];
             }
-            let (wv, xv) = (f32::load8(&wb), f32::load8(&xb));
+            let (wv, xv) = (load8(&wb), load8(&xb));
             // SAFETY: NEON is part of the aarch64 baseline.
             unsafe {
                 a[0][0] = vfmaq_f32(a[0][0], wv[0], xv[0]);
@@ -124,24 +101,58 @@ fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f32; R] 
 
 /// NEON twin of [`crate::dot::dot_f32_ref`].
 pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
-    dense_rows([w], x)[0]
-}
-
-/// NEON twin of [`crate::dot::dot_bf16_ref`].
-pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    dense_rows([w], x)[0]
+    f32_rows([w], x)[0]
 }
 
 /// Two neighbouring f32 rows against one input, each bit-identical to [`crate::dot::dot_f32_ref`] (over the
 /// shortest of the three lengths).
 pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
-    dense_rows([w0, w1], x)
+    f32_rows([w0, w1], x)
 }
 
-/// Two neighbouring bf16 rows against one input, each bit-identical to [`crate::dot::dot_bf16_ref`] (over the
-/// shortest of the three lengths).
-pub fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
-    dense_rows([w0, w1], x)
+/// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]): each chunk of 32 weights is
+/// four 16-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask (odd weights); the
+/// contract's 16-lane accumulators are four quarters here.
+pub fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+    use crate::bf16_contract::{CHUNK, padded_len};
+    let n = rows[0].len();
+    if rows.iter().any(|w| w.len() != n) || xp.len() < padded_len(n) {
+        return rows.map(|w| crate::bf16_contract::dot_ref(w, xp));
+    }
+    // SAFETY: NEON is baseline on aarch64; every load below is inside a row, its padded copy or `xp` (checked).
+    unsafe {
+        let zero = vdupq_n_f32(0.0);
+        let high = vdupq_n_u32(0xffff_0000);
+        let mut even = [[zero; 4]; R];
+        let mut odd = [[zero; 4]; R];
+        for c in 0..n.div_ceil(CHUNK) {
+            let at = xp.as_ptr().add(c * CHUNK);
+            for r in 0..R {
+                let w = rows[r];
+                let mut padded = [0u16; CHUNK];
+                let p = if (c + 1) * CHUNK <= n {
+                    w.as_ptr().add(c * CHUNK)
+                } else {
+                    padded[..n - c * CHUNK].copy_from_slice(&w[c * CHUNK..]);
+                    padded.as_ptr()
+                };
+                for q in 0..4 {
+                    let v = vreinterpretq_u32_u16(vld1q_u16(p.add(8 * q)));
+                    let e = vreinterpretq_f32_u32(vshlq_n_u32::<16>(v));
+                    let o = vreinterpretq_f32_u32(vandq_u32(v, high));
+                    even[r][q] = vfmaq_f32(even[r][q], e, vld1q_f32(at.add(4 * q)));
+                    odd[r][q] = vfmaq_f32(odd[r][q], o, vld1q_f32(at.add(16 + 4 * q)));
+                }
+            }
+        }
+        std::array::from_fn(|r| {
+            let v: [float32x4_t; 4] = std::array::from_fn(|q| vaddq_f32(even[r][q], odd[r][q]));
+            let s8 = [vaddq_f32(v[0], v[2]), vaddq_f32(v[1], v[3])]; // lanes l and l + 8
+            let s4 = vaddq_f32(s8[0], s8[1]); // lanes l and l + 4
+            let s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4)); // lanes l and l + 2
+            vget_lane_f32::<0>(s2) + vget_lane_f32::<1>(s2)
+        })
+    }
 }
 
 /// Columns of an int8 row summed in 32-bit lanes before they are widened to 64 bits. Each lane gets one product

@@ -23,37 +23,6 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// 8 weights as f32 (exact), for each dense element type.
-trait Load8: crate::dot::DenseWeight {
-    /// Loads 8 values at `p` as f32.
-    ///
-    /// # Safety
-    /// 8 values must be readable at `p`; the CPU must support AVX2.
-    unsafe fn load8(p: *const Self) -> __m256;
-}
-
-impl Load8 for f32 {
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable values at p.
-        unsafe { _mm256_loadu_ps(p) }
-    }
-}
-
-impl Load8 for u16 {
-    /// bf16 bits: zero-extended and shifted into the high half (exact).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load8(p: *const Self) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable values (16 bytes) at p.
-        unsafe {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-        }
-    }
-}
-
 /// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of the `len` bytes at `p`, a streaming kernel's weights (a
 /// hint: it never faults). The AVX-512 kernels read the same way; without a software prefetch the hardware
 /// prefetchers keep too few lines in flight on this project's machine (`docs/performance-log.md`, fifth round).
@@ -75,20 +44,20 @@ fn prefetch_ahead<T>(p: *const T, len: usize) {
 /// The CPU must support AVX2 and FMA; every row is as long as `x`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f32; R] {
+unsafe fn dense_rows<const R: usize>(rows: [&[f32]; R], x: &[f32]) -> [f32; R] {
     let n = rows.iter().fold(x.len(), |n, w| n.min(w.len()));
     let full = n / BLOCK * BLOCK;
     let (p0, xp) = (rows[0].as_ptr(), x.as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let mut b = 0;
     while b < full {
-        prefetch_ahead(p0.wrapping_add(R * b), R * BLOCK * size_of::<W>());
+        prefetch_ahead(p0.wrapping_add(R * b), R * BLOCK * size_of::<f32>());
         for k in 0..4 {
             // SAFETY: b + 32 <= full <= n for the input and every row.
             unsafe {
                 let xv = _mm256_loadu_ps(xp.add(b + 8 * k));
                 for (a, w) in acc.iter_mut().zip(&rows) {
-                    a[k] = _mm256_fmadd_ps(W::load8(w.as_ptr().add(b + 8 * k)), xv, a[k]);
+                    a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(w.as_ptr().add(b + 8 * k)), xv, a[k]);
                 }
             }
         }
@@ -101,10 +70,9 @@ unsafe fn dense_rows<W: Load8, const R: usize>(rows: [&[W]; R], x: &[f32]) -> [f
             // Zero-padded chunk of 8 into accumulator 0, as in the contract.
             let mut wb = [0.0f32; LANES];
             let mut xb = [0.0f32; LANES];
-            for l in 0..LANES.min(n - c) {
-                wb[l] = w[c + l].to_f32();
-                xb[l] = x[c + l];
-            }
+            let k = LANES.min(n - c);
+            wb[..k].copy_from_slice(&w[c..c + k]);
+            xb[..k].copy_from_slice(&x[c..c + k]);
             // SAFETY: both buffers hold 8 f32.
             unsafe {
                 a0 = _mm256_fmadd_ps(
@@ -130,16 +98,6 @@ pub unsafe fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     unsafe { dense_rows([w], x)[0] }
 }
 
-/// AVX2 twin of [`crate::dot::dot_bf16_ref`].
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
-    // SAFETY: forwarded from the caller; one row.
-    unsafe { dense_rows([w], x)[0] }
-}
-
 /// Two neighbouring f32 rows against one input, each bit-identical to [`crate::dot::dot_f32_ref`].
 ///
 /// # Safety
@@ -150,14 +108,51 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     unsafe { dense_rows([w0, w1], x) }
 }
 
-/// Two neighbouring bf16 rows against one input, each bit-identical to [`crate::dot::dot_bf16_ref`].
+/// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: each
+/// chunk of 32 weights is two 32-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask
+/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here.
 ///
 /// # Safety
-/// As [`dot_f32_x2`].
+/// The CPU must support AVX2 and FMA; every row has the same length `n`, and `xp` holds at least
+/// `bf16_contract::padded_len(n)` values.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_bf16_x2(w0: &[u16], w1: &[u16], x: &[f32]) -> [f32; 2] {
-    // SAFETY: forwarded from the caller.
-    unsafe { dense_rows([w0, w1], x) }
+pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+    use crate::bf16_contract::CHUNK;
+    let n = rows[0].len();
+    let chunks = n.div_ceil(CHUNK);
+    let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    let z = _mm256_setzero_ps();
+    // Per row: even lanes 0..8, even lanes 8..16, odd lanes 0..8, odd lanes 8..16.
+    let mut acc = [[z; 4]; R];
+    for c in 0..chunks {
+        // SAFETY: chunk c of the permuted input lies in `xp` (the caller's length).
+        let x: [__m256; 4] =
+            std::array::from_fn(|k| unsafe { _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + 8 * k)) });
+        for (a, w) in acc.iter_mut().zip(&rows) {
+            let mut padded = [0u16; CHUNK];
+            let p = if (c + 1) * CHUNK <= n {
+                w[c * CHUNK..].as_ptr()
+            } else {
+                padded[..n - c * CHUNK].copy_from_slice(&w[c * CHUNK..]);
+                padded.as_ptr()
+            };
+            for half in 0..2 {
+                // SAFETY: 16 weights (32 bytes) at `p + 16 · half`, in the row or in the padded copy.
+                let v = unsafe { _mm256_loadu_si256(p.add(16 * half) as *const __m256i) };
+                let e = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+                let o = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                a[half] = _mm256_fmadd_ps(e, x[half], a[half]);
+                a[2 + half] = _mm256_fmadd_ps(o, x[2 + half], a[2 + half]);
+            }
+        }
+    }
+    acc.map(|[e_lo, e_hi, o_lo, o_hi]| {
+        // v[l] = even[l] + odd[l]; then lanes l and l + 8, l + 4, l + 2, 1.
+        let v8 = _mm256_add_ps(_mm256_add_ps(e_lo, o_lo), _mm256_add_ps(e_hi, o_hi));
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
+    })
 }
 
 /// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, two

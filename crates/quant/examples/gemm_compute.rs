@@ -1,0 +1,100 @@
+//! Multi-token (prefill) products against the f32 FMA peak measured in the same run.
+//!
+//! `cargo run --release -p deltafin-quant --example gemm_compute`
+//!
+//! On one thread and on every thread: the FMA peak (`deltafin_quant::flops`), then bf16 `[3072, 7168]` times 64
+//! inputs through `DenseMatrix::gemm` (each weight row once, every token's product in the contract's order) and
+//! eight MXFP4 experts' `[3072, 3584]` gate matrices times 64 inputs each in one `gemm_batch` (exact f32 inputs),
+//! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
+//! passes after a warm-up.
+
+use std::time::Instant;
+
+use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::flops::fma_peak;
+use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
+
+const PASSES: usize = 5;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let (rows, cols, tokens) = (3072usize, 7168usize, 64usize);
+    let bits: Vec<u16> = (0..rows * cols)
+        .map(|i| 0x3c00 | ((i.wrapping_mul(2_654_435_761) >> 9) as u16 & 0x83ff))
+        .collect();
+    let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("shape");
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| ((i % 17) as f32 - 8.0) * 0.01)
+        .collect();
+    let flop = 2.0 * (rows * cols * tokens) as f64;
+    let (er, ec, experts) = (3072usize, 3584usize, 8usize);
+    let codes: Vec<Vec<u8>> = (0..experts)
+        .map(|e| {
+            (0..er * ec / 2)
+                .map(|i| (i.wrapping_mul(2_654_435_761) >> (9 + e % 3)) as u8)
+                .collect()
+        })
+        .collect();
+    let scales = vec![124u8; er * ec / 32];
+    let ex: Vec<f32> = (0..tokens * ec)
+        .map(|i| ((i % 13) as f32 - 6.0) * 0.01)
+        .collect();
+    let mut ys = vec![vec![0.0f32; tokens * er]; experts];
+    let mx_flop = 2.0 * (experts * er * ec * tokens) as f64;
+    let mut run_mx = || {
+        let mut products: Vec<Mxfp4Product<'_, '_>> = codes
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(c, y)| Mxfp4Product {
+                matrix: Mxfp4Matrix::new(c, &scales, er, ec).expect("valid"),
+                x: &ex,
+                t_rows: tokens,
+                y,
+            })
+            .collect();
+        gemm_batch(&mut products).expect("batch");
+    };
+    for threads in [1, rayon::current_num_threads()] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool");
+        pool.install(|| {
+            std::hint::black_box(m.gemm(&x, tokens).expect("gemm"));
+            run_mx();
+            // Each pass: the peak right before each kernel, so that a change of machine speed between them (this
+            // project's machines are shared) shows in both.
+            let mut bf16 = Vec::new();
+            let mut mx = Vec::new();
+            for _ in 0..PASSES {
+                let peak = fma_peak(5_000_000);
+                let t = Instant::now();
+                std::hint::black_box(m.gemm(&x, tokens).expect("gemm"));
+                let rate = flop / t.elapsed().as_secs_f64();
+                bf16.push((rate, rate / peak));
+                let peak = fma_peak(5_000_000);
+                let t = Instant::now();
+                run_mx();
+                let rate = mx_flop / t.elapsed().as_secs_f64();
+                mx.push((rate, rate / peak));
+            }
+            let med = |v: &[(f64, f64)]| {
+                (
+                    median(v.iter().map(|p| p.0).collect()),
+                    median(v.iter().map(|p| p.1).collect()),
+                )
+            };
+            let ((bf16_rate, bf16_share), (mx_rate, mx_share)) = (med(&bf16), med(&mx));
+            println!(
+                "{threads} thread(s): bf16 [{rows}, {cols}] x {tokens} tokens {:.1} GFLOP/s ({bf16_share:.2} of the FMA \
+                 peak); MXFP4 {experts} x [{er}, {ec}] x {tokens} tokens {:.1} GFLOP/s ({mx_share:.2})",
+                bf16_rate / 1e9,
+                mx_rate / 1e9,
+            );
+        });
+    }
+}

@@ -1,0 +1,231 @@
+//! The accumulation contract of bf16 rows, and its scalar reference.
+//!
+//! The contract is shaped around the cheapest exact widening on SIMD hardware: a 32-bit lane holds two bf16
+//! weights, and bf16 → f32 is a 16-bit shift for the low one (the even element) and a mask for the high one (the
+//! odd element), so one full-width load gives two vectors of exact f32 weights with two instructions. The weights
+//! then come out split by parity; the input is permuted once per product to match ([`permute_input`]).
+//!
+//! For one row of `n` weights (seen as chunks of 32, the last one zero-padded):
+//! - `xp[c][l] = x[32c + 2l]` and `xp[c][16 + l] = x[32c + 2l + 1]` for `l < 16` (0 past the row);
+//! - `even[l] = fma(w[32c + 2l], x[32c + 2l], even[l])` and `odd[l] = fma(w[32c + 2l + 1], x[32c + 2l + 1],
+//!   odd[l])` for every chunk `c` in order, padded weights and inputs included (as 0);
+//! - reduction: `v[l] = even[l] + odd[l]`; then lanes `l` and `l + 8`, `l + 4`, `l + 2`, and lane 0 + lane 1.
+//!
+//! Every SIMD path computes exactly these operations per lane, so its result is bit-identical to [`dot_ref`].
+
+use crate::aligned::Lines;
+use crate::dot::bf16_to_f32;
+
+/// Weights per chunk.
+pub const CHUNK: usize = 32;
+/// Lanes of each of the two accumulators.
+pub const LANES: usize = CHUNK / 2;
+
+/// Length of a permuted input for rows of `n` weights: `n` rounded up to whole chunks.
+pub fn padded_len(n: usize) -> usize {
+    n.div_ceil(CHUNK) * CHUNK
+}
+
+/// The input `x` in the contract's order, zero-padded to whole chunks.
+///
+/// The result starts a cache line (each half chunk is a line of its own), so no full-width load of it straddles two.
+pub fn permute_input(x: &[f32]) -> Lines {
+    let mut xp = Lines::zeroed(padded_len(x.len()));
+    for (c, out) in xp.chunks_exact_mut(CHUNK).enumerate() {
+        for (i, &v) in x[c * CHUNK..].iter().take(CHUNK).enumerate() {
+            out[(i % 2) * LANES + i / 2] = v;
+        }
+    }
+    xp
+}
+
+/// Reduces the two accumulators in the contract's order.
+#[inline]
+pub fn reduce(even: &[f32; LANES], odd: &[f32; LANES]) -> f32 {
+    let mut v: [f32; LANES] = std::array::from_fn(|l| even[l] + odd[l]);
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            v[l] += v[l + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// `Σ w·x` for bf16 weights (raw `u16` bits) against the permuted input `xp` ([`permute_input`] of `x`): scalar
+/// reference. `xp` must hold at least [`padded_len`]`(w.len())` values.
+pub fn dot_ref(w: &[u16], xp: &[f32]) -> f32 {
+    let mut even = [0.0f32; LANES];
+    let mut odd = [0.0f32; LANES];
+    for (c, x) in xp
+        .chunks_exact(CHUNK)
+        .take(w.len().div_ceil(CHUNK))
+        .enumerate()
+    {
+        let weight = |i: usize| w.get(c * CHUNK + i).map_or(0.0, |&b| bf16_to_f32(b));
+        for l in 0..LANES {
+            even[l] = weight(2 * l).mul_add(x[l], even[l]);
+            odd[l] = weight(2 * l + 1).mul_add(x[LANES + l], odd[l]);
+        }
+    }
+    reduce(&even, &odd)
+}
+
+/// `Σ w·x` for bf16 weights against the plain input `x` (permuted here): scalar reference.
+pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
+    dot_ref(w, &permute_input(x))
+}
+
+/// `Σ w·x` against the permuted input `xp`, on the fastest path this CPU has (bit-identical to [`dot_ref`]).
+pub fn dot(w: &[u16], xp: &[f32]) -> f32 {
+    if xp.len() < padded_len(w.len()) {
+        return dot_ref(w, xp);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: AVX-512F/BW present; `xp` covers the row's chunks (checked above).
+        return unsafe { crate::simd::avx512::bf16_rows::<1>([w], xp)[0] };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: AVX2 and FMA present; `xp` covers the row's chunks (checked above).
+        return unsafe { crate::simd::x86::bf16_rows::<1>([w], xp)[0] };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return crate::simd::neon::bf16_rows::<1>([w], xp)[0];
+    }
+    #[allow(unreachable_code)]
+    dot_ref(w, xp)
+}
+
+/// Two rows of equal length against the permuted input `xp`: each result bit-identical to [`dot_ref`].
+pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
+    if w0.len() != w1.len() || xp.len() < padded_len(w0.len()) {
+        return [dot(w0, xp), dot(w1, xp)];
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: AVX-512F/BW present; equal rows and an input that covers their chunks (checked above).
+        return unsafe { crate::simd::avx512::bf16_rows::<2>([w0, w1], xp) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: AVX2 and FMA present; equal rows and an input that covers their chunks (checked above).
+        return unsafe { crate::simd::x86::bf16_rows::<2>([w0, w1], xp) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return crate::simd::neon::bf16_rows::<2>([w0, w1], xp);
+    }
+    #[allow(unreachable_code)]
+    [dot_ref(w0, xp), dot_ref(w1, xp)]
+}
+
+/// `Σ w·x` against the plain input `x` on the fastest path (permutes `x` first; for one-off rows).
+pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
+    dot(w, &permute_input(x))
+}
+
+/// Inputs per AVX-512 tile of [`dot_tiles`] (with two rows: 24 accumulators, 4 widened weight vectors and 2 inputs in
+/// the 32 vector registers).
+#[cfg(target_arch = "x86_64")]
+const TILE_TOKENS: usize = 6;
+
+/// Chunks per block of [`dot_tiles`]: a tile's inputs over a block (6 × 1024 values, 24 KiB) stay in L1 while every
+/// row pair of the block goes through them.
+#[cfg(target_arch = "x86_64")]
+const BLOCK_CHUNKS: usize = 32;
+
+/// `out[r · xps.len() + t]` = `rows[r] · xps[t]` for every row and permuted input (rows of equal length `n`, inputs of
+/// at least [`padded_len`]`(n)` values), each bit-identical to [`dot_ref`]. On AVX-512 the products run in tiles of
+/// two rows by [`TILE_TOKENS`] inputs over blocks of [`BLOCK_CHUNKS`] chunks, each row chunk widened once for all of
+/// a tile's inputs (prefill's multi-token form); elsewhere one product at a time.
+pub fn dot_tiles(rows: &[&[u16]], xps: &[&[f32]], out: &mut [f32]) {
+    let n = rows.first().map_or(0, |w| w.len());
+    let tokens = xps.len();
+    let fits = rows.iter().all(|w| w.len() == n)
+        && xps.iter().all(|x| x.len() >= padded_len(n))
+        && out.len() >= rows.len() * tokens;
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() && fits {
+        use crate::simd::avx512::{Bf16Acc, bf16_finish, bf16_tile};
+        // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
+        let mut acc: Vec<Bf16Acc> = vec![unsafe { std::mem::zeroed() }; rows.len() * tokens];
+        let chunks = n.div_ceil(CHUNK);
+        // SAFETY (every call below): AVX-512F/BW present; rows of equal length, inputs covering their chunks and
+        // `acc` holding every pair (checked above).
+        macro_rules! tile {
+            ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
+                $(
+                    if $width == $t {
+                        let xs: [&[f32]; $t] = std::array::from_fn(|k| xps[$t0 + k]);
+                        let rs: [&[u16]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
+                        unsafe { bf16_tile::<$r, $t>(rs, xs, $span, &mut acc[$r0 * tokens + $t0..], tokens) };
+                    }
+                )+
+            }};
+        }
+        for c0 in (0..chunks).step_by(BLOCK_CHUNKS) {
+            let span = (c0, (c0 + BLOCK_CHUNKS).min(chunks));
+            for t0 in (0..tokens).step_by(TILE_TOKENS) {
+                let width = TILE_TOKENS.min(tokens - t0);
+                let mut r0 = 0;
+                while r0 < rows.len() {
+                    if rows.len() - r0 >= 2 {
+                        tile!(2, r0, t0, width, span, 1 2 3 4 5 6);
+                        r0 += 2;
+                    } else {
+                        tile!(1, r0, t0, width, span, 1 2 3 4 5 6);
+                        r0 += 1;
+                    }
+                }
+            }
+        }
+        for (o, a) in out.iter_mut().zip(&acc) {
+            // SAFETY: AVX-512F present (checked above).
+            *o = unsafe { bf16_finish(a) };
+        }
+        return;
+    }
+    let _ = fits;
+    for (r, w) in rows.iter().enumerate() {
+        for (t, xp) in xps.iter().enumerate() {
+            out[r * tokens + t] = dot(w, xp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_splits_each_chunk_by_parity_and_pads() {
+        let x: Vec<f32> = (0..40).map(|i| i as f32).collect();
+        let xp = permute_input(&x);
+        assert_eq!(xp.len(), 64);
+        assert_eq!(&xp[..4], &[0.0, 2.0, 4.0, 6.0]);
+        assert_eq!(&xp[16..19], &[1.0, 3.0, 5.0]);
+        assert_eq!(&xp[32..36], &[32.0, 34.0, 36.0, 38.0]);
+        assert_eq!(&xp[48..52], &[33.0, 35.0, 37.0, 39.0]);
+        assert!(xp[36..48].iter().chain(&xp[52..]).all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn reference_matches_an_exact_sum() {
+        // Small integers: every product and partial sum is exact, so any order gives the same value.
+        let w: Vec<u16> = (0..70).map(|i| half_bits((i % 7) as f32 - 3.0)).collect();
+        let x: Vec<f32> = (0..70).map(|i| (i % 5) as f32).collect();
+        let exact: f32 = (0..70)
+            .map(|i| ((i % 7) as f32 - 3.0) * (i % 5) as f32)
+            .sum();
+        assert_eq!(dot_bf16_ref(&w, &x), exact);
+    }
+
+    /// bf16 bits of a value that bf16 holds exactly.
+    fn half_bits(v: f32) -> u16 {
+        (v.to_bits() >> 16) as u16
+    }
+}

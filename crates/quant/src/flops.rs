@@ -1,0 +1,105 @@
+//! The f32 FMA peak that compute-bound kernels (prefill's multi-token products) are held against: a register-only
+//! loop of independent fused multiply-adds on every thread, in the same process and minute as the measurement it
+//! bounds.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+/// Independent accumulators per thread: enough to cover the FMA latency on two FMA pipes.
+const CHAINS: usize = 12;
+
+/// f32 FLOP per second (an FMA counts two) that every thread of rayon's pool reaches together in a register-only FMA
+/// loop of `iterations` steps (each step one FMA per chain, on the widest vectors the CPU has).
+pub fn fma_peak(iterations: usize) -> f64 {
+    let threads = rayon::current_num_threads().max(1);
+    let started = Instant::now();
+    let flops: f64 = (0..threads)
+        .into_par_iter()
+        .map(|t| fma_loop(iterations, t as f32))
+        .sum();
+    flops / started.elapsed().as_secs_f64()
+}
+
+/// One thread's loop; returns the FLOP it did.
+fn fma_loop(iterations: usize, seed: f32) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx512() {
+        // SAFETY: AVX-512F present.
+        return unsafe { fma_loop_avx512(iterations, seed) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::has_avx2_fma() {
+        // SAFETY: AVX2 and FMA present.
+        return unsafe { fma_loop_avx2(iterations, seed) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return fma_loop_neon(iterations, seed);
+    }
+    let mut acc = [seed; CHAINS];
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            *a = a.mul_add(0.999_999, 1e-7);
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * CHAINS * 2) as f64
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma_loop_avx512(iterations: usize, seed: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let (m, b) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut acc = [_mm512_set1_ps(seed); CHAINS];
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, m, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * CHAINS * 16 * 2) as f64
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma_loop_avx2(iterations: usize, seed: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let (m, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_set1_ps(seed); CHAINS];
+    for _ in 0..iterations {
+        for a in acc.iter_mut() {
+            *a = _mm256_fmadd_ps(*a, m, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * CHAINS * 8 * 2) as f64
+}
+
+#[cfg(target_arch = "aarch64")]
+fn fma_loop_neon(iterations: usize, seed: f32) -> f64 {
+    use std::arch::aarch64::*;
+    // SAFETY: NEON is part of the aarch64 baseline.
+    unsafe {
+        let (m, b) = (vdupq_n_f32(0.999_999), vdupq_n_f32(1e-7));
+        let mut acc = [vdupq_n_f32(seed); CHAINS];
+        for _ in 0..iterations {
+            for a in acc.iter_mut() {
+                *a = vfmaq_f32(b, *a, m);
+            }
+        }
+        std::hint::black_box(acc);
+    }
+    (iterations * CHAINS * 4 * 2) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_peak_is_measured() {
+        let peak = super::fma_peak(100_000);
+        eprintln!("peak {peak:.3e}");
+        assert!(peak > 1e8, "under 0.1 GFLOP/s");
+    }
+}
