@@ -81,12 +81,11 @@ fn f32_rows<const R: usize>(rows: [&[f32]; R], x: &[f32]) -> [f32; R] {
     for ((o, mut a), w) in out.iter_mut().zip(acc).zip(&rows) {
         for c in (full..n).step_by(LANES) {
             // Zero-padded chunk of 8 into accumulator 0, as in the contract.
+            let len = LANES.min(n - c);
             let mut wb = [0.0f32; LANES];
             let mut xb = [0.0f32; LANES];
-            for l in 0..LANES.min(n - c) {
-                wb[l] = w[c + l];
-                xb[l] = x[c + l];
-            }
+            wb[..len].copy_from_slice(&w[c..c + len]);
+            xb[..len].copy_from_slice(&x[c..c + len]);
             let (wv, xv) = (load8(&wb), load8(&xb));
             // SAFETY: NEON is part of the aarch64 baseline.
             unsafe {
