@@ -348,6 +348,13 @@ mod tests {
         let p = plan_at(budget);
         let pinned = p.resident.iter().filter(|&&r| r).count();
         eprintln!("64 GB Mac, 50 GiB: {p}");
+        // Without settings (32 GiB, where auto also picks int8): about half of the layers streamed, some 20 GB more
+        // per token.
+        assert!(auto_uses_int8(true, bf16_spine, Some(32 << 30)));
+        let default = plan_at(32 << 30);
+        eprintln!("64 GB Mac, default: {default}");
+        let more = (default.streamed() - p.streamed()) as u64 * layers[0];
+        assert!((15 * GB..=25 * GB).contains(&more), "{default}");
         // The projection: 48 GB of layers pinned, 5.5 GB streamed, no expert cache to speak of (this stand-in's
         // layers are all of one size, so its split differs by a layer or two).
         assert!(pinned > 80 && p.streamed() > 0, "{p}");
@@ -368,6 +375,14 @@ mod tests {
         eprintln!("128 GB Mac, 110 GiB: {p}");
         assert_eq!(p.streamed(), 0, "{p}");
         assert!(gib(p.expert_cache) > 50.0, "{p}");
+        // Without settings (64 GiB): the int8 spine resident with about 9 GiB of expert cache.
+        let default = plan_at(64 << 30);
+        eprintln!("128 GB Mac, default: {default}");
+        assert_eq!(default.streamed(), 0, "{default}");
+        assert!(
+            (7.0..=11.0).contains(&gib(default.expert_cache)),
+            "{default}"
+        );
     }
 
     #[test]
