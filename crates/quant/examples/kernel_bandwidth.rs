@@ -25,7 +25,7 @@ use deltafin_quant::collect_on_huge_pages;
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::membw::{sum_portable, sum_vector};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch_with};
-use memmap2::{Advice, MmapMut};
+use memmap2::MmapMut;
 use rayon::prelude::*;
 
 /// Counted rounds (after one warm-up round).
@@ -61,8 +61,9 @@ struct HugeBuffer {
 impl HugeBuffer {
     fn new(n: usize, fill: impl Fn(usize) -> u8) -> Self {
         let mut map = MmapMut::map_anon(n + HUGE_PAGE).expect("anonymous mapping");
-        // A hint: without huge pages the buffer works the same.
-        let _ = map.advise(Advice::HugePage);
+        // A hint: without huge pages the buffer works the same. Linux only (macOS has no such advice).
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
         let start = (map.as_ptr() as usize).next_multiple_of(HUGE_PAGE) - map.as_ptr() as usize;
         for (i, b) in map[start..start + n].iter_mut().enumerate() {
             *b = fill(i);

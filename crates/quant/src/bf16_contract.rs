@@ -93,7 +93,9 @@ pub fn dot(w: &[u16], xp: &[f32]) -> f32 {
         return unsafe { crate::simd::x86::bf16_rows::<1>([w], xp)[0] };
     }
     #[cfg(target_arch = "aarch64")]
-    return crate::simd::neon::bf16_rows::<1>([w], xp)[0];
+    if crate::simd::has_neon() {
+        return crate::simd::neon::bf16_rows::<1>([w], xp)[0];
+    }
     #[allow(unreachable_code)]
     dot_ref(w, xp)
 }
@@ -114,7 +116,9 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
         return unsafe { crate::simd::x86::bf16_rows::<2>([w0, w1], xp) };
     }
     #[cfg(target_arch = "aarch64")]
-    return crate::simd::neon::bf16_rows::<2>([w0, w1], xp);
+    if crate::simd::has_neon() {
+        return crate::simd::neon::bf16_rows::<2>([w0, w1], xp);
+    }
     #[allow(unreachable_code)]
     [dot_ref(w0, xp), dot_ref(w1, xp)]
 }

@@ -83,7 +83,9 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
         return unsafe { crate::simd::x86::dot_f32(w, x) };
     }
     #[cfg(target_arch = "aarch64")]
-    return crate::simd::neon::dot_f32(w, x);
+    if crate::simd::has_neon() {
+        return crate::simd::neon::dot_f32(w, x);
+    }
     #[allow(unreachable_code)]
     dot_f32_ref(w, x)
 }
@@ -99,6 +101,10 @@ pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     if crate::simd::has_avx2_fma() && w0.len() == x.len() && w1.len() == x.len() {
         // SAFETY: AVX2 and FMA present; lengths checked.
         return unsafe { crate::simd::x86::dot_f32_x2(w0, w1, x) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() && w0.len() == x.len() && w1.len() == x.len() {
+        return crate::simd::neon::dot_f32_x2(w0, w1, x);
     }
     [dot_f32(w0, x), dot_f32(w1, x)]
 }

@@ -96,6 +96,10 @@ pub fn dot(q: &[i8], x: &QuantizedInput) -> i64 {
         // SAFETY: AVX2 present; `x` is padded to a multiple of 64 past `q.len()`.
         return unsafe { crate::simd::x86::int8_dot(q, x.values()) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return crate::simd::neon::int8_dot(q, x.values());
+    }
     dot_ref(q, x)
 }
 
@@ -110,6 +114,10 @@ pub fn dot_x2(q0: &[i8], q1: &[i8], x: &QuantizedInput) -> [i64; 2] {
     if crate::simd::has_avx2_fma() && q0.len() == x.len() && q1.len() == x.len() {
         // SAFETY: AVX2 present; equal lengths, `x` padded to a multiple of 64.
         return unsafe { crate::simd::x86::int8_dot_x2(q0, q1, x.values()) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() && q0.len() == x.len() && q1.len() == x.len() {
+        return crate::simd::neon::int8_dot_x2(q0, q1, x.values());
     }
     [dot(q0, x), dot(q1, x)]
 }

@@ -235,6 +235,14 @@ impl<'a> Mxfp4Matrix<'a> {
             };
             return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
         }
+        #[cfg(target_arch = "aarch64")]
+        if crate::simd::has_neon() {
+            let pair = |rows| crate::simd::neon::mxfp4_dot_rows::<2>(rows, xps);
+            let multi = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
+                crate::simd::neon::mxfp4_row_multi(packed, scales, xps, xp_len, out)
+            };
+            return self.run_rows(r0, t_rows, out, Some(&pair), &multi);
+        }
         let each = |(packed, scales): RowBytes<'a>, out: &mut [f32]| {
             for (o, xp) in out.iter_mut().zip(xps.chunks_exact(xp_len)) {
                 #[cfg(target_arch = "x86_64")]
@@ -316,6 +324,9 @@ impl<'a> Mxfp4Matrix<'a> {
                 crate::simd::avx512::mxfp4_bf16_dot_rows::<2>,
                 crate::simd::avx512::mxfp4_bf16_row_multi,
             )),
+            // No NEON kernel: see `crate::simd::neon` for why.
+            #[cfg(target_arch = "aarch64")]
+            simd: None,
         };
         self.rows_words(r0, xbs, t_rows, out, &kernels);
     }
@@ -339,6 +350,11 @@ impl<'a> Mxfp4Matrix<'a> {
             } else {
                 None
             },
+            #[cfg(target_arch = "aarch64")]
+            simd: crate::simd::has_neon().then_some((
+                crate::simd::neon::mxfp4_i16_dot_rows::<2>,
+                crate::simd::neon::mxfp4_i16_row_multi,
+            )),
         };
         self.rows_words(r0, xqs, t_rows, out, &kernels);
     }
@@ -356,7 +372,7 @@ impl<'a> Mxfp4Matrix<'a> {
         if t_rows == 0 || xs.len() != t_rows * x_len {
             return;
         }
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
         if let Some((pair_kernel, multi_kernel)) = kernels.simd {
             // SAFETY: `simd` is set only where the CPU has the kernels' features (`rows_bf16`, `rows_i16`); two
             // whole rows (checked in `new`) and one permuted input of `x_len` words.
@@ -465,11 +481,11 @@ pub enum Mxfp4Input {
     F32,
     /// Rounded to bf16 first ([`crate::mxfp4_bf16_contract`]), as the reference does in its native bf16 dtype;
     /// about 1.5× the f32 kernel's compute rate on CPUs with AVX-512 BF16, and the scalar reference (slow) on
-    /// others.
+    /// others, aarch64 included (`crate::simd::neon` says why).
     Bf16,
     /// Quantised to int16 per group of 32 ([`crate::mxfp4_i16_contract`]): each input moves by at most 1/65534 of
-    /// its group's largest magnitude, and the products sum exactly in integers; the fast kernels need AVX-512 VNNI
-    /// or AVX2, and others run the scalar reference (slow).
+    /// its group's largest magnitude, and the products sum exactly in integers; the fast kernels need AVX-512 VNNI,
+    /// AVX2 or NEON (aarch64), and others run the scalar reference (slow).
     I16,
 }
 
@@ -505,16 +521,16 @@ struct WordKernels {
     reference: fn(&[u8], &[u8], &[u32]) -> f32,
     /// The SIMD kernels (two rows against one input; one row against several inputs), set only where the CPU has
     /// the features they need.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     simd: Option<(PairKernel, MultiKernel)>,
 }
 
-/// An AVX-512 kernel of two neighbouring rows against one permuted input of words.
-#[cfg(target_arch = "x86_64")]
+/// A SIMD kernel of two neighbouring rows against one permuted input of words.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 type PairKernel = unsafe fn([RowBytes<'_>; 2], &[u32]) -> [f32; 2];
 
-/// An AVX-512 kernel of one row against several permuted inputs of words (`(packed, scales, xs, x_len, out)`).
-#[cfg(target_arch = "x86_64")]
+/// A SIMD kernel of one row against several permuted inputs of words (`(packed, scales, xs, x_len, out)`).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 
 /// Permuted activation rows of one input, in the layout of the contract that reads them.

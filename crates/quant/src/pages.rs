@@ -76,6 +76,10 @@ mod tests {
 
     /// The advised range of a large vector is backed by huge pages where the system allows them (`madvise` mode or
     /// `always`), as `/proc/self/smaps` shows for the mapping that holds its middle.
+    ///
+    /// This needs the kernel to see the process's `madvise`. Under user-mode emulation (`qemu-aarch64`, as CI runs
+    /// the aarch64 tests) the emulator takes the call and the kernel never sees it: there the test fails with what
+    /// it needs unless `DELTAFIN_TEST_SKIP` names `huge-pages`, and then says in the log that it did not check.
     #[cfg(target_os = "linux")]
     #[test]
     fn large_vectors_land_on_huge_pages_when_the_system_allows() {
@@ -87,10 +91,20 @@ mod tests {
         let addr = v.as_ptr() as usize + v.len() / 2;
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
         let huge_kb = mapping_field(&smaps, addr, "AnonHugePages:").expect("the vector's mapping");
-        if allowed {
-            // At most two partial huge pages at the ends are not covered; the kernel may still fall back to small
-            // pages when it has no free huge page, so require most, not all.
-            assert!(huge_kb >= 32 << 10, "{huge_kb} KiB on huge pages of 64 MiB");
+        // At most two partial huge pages at the ends are not covered; the kernel may still fall back to small pages
+        // when it has no free huge page, so require most, not all.
+        if allowed && huge_kb < 32 << 10 {
+            let why = format!(
+                "{huge_kb} KiB of 64 MiB on huge pages though transparent huge pages are `{}`: this test needs a \
+                 kernel that sees the process's madvise (user-mode emulation such as qemu-aarch64 keeps it)",
+                mode.trim()
+            );
+            let skips = std::env::var("DELTAFIN_TEST_SKIP").unwrap_or_default();
+            assert!(
+                skips.split(',').any(|s| s == "huge-pages"),
+                "{why}; set DELTAFIN_TEST_SKIP=huge-pages to skip this check"
+            );
+            eprintln!("not checked (DELTAFIN_TEST_SKIP=huge-pages): {why}");
         }
         assert_eq!(v[12345], (12345 % 256) as u8);
     }

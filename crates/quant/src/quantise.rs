@@ -41,6 +41,10 @@ pub fn abs_max(x: &[f32]) -> Option<f32> {
         // SAFETY: AVX2 present.
         return unsafe { crate::simd::x86::abs_max(x) };
     }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return crate::simd::neon::abs_max(x);
+    }
     abs_max_ref(x)
 }
 
@@ -64,6 +68,10 @@ pub fn quantise(x: &[f32], step: f32, q: &mut [i16]) {
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 present.
         return unsafe { crate::simd::x86::quantise(x, step, q) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if crate::simd::has_neon() {
+        return crate::simd::neon::quantise(x, step, q);
     }
     quantise_ref(x, step, q);
 }
@@ -134,6 +142,12 @@ mod tests {
                 ));
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        paths.push((
+            "neon",
+            crate::simd::neon::abs_max,
+            crate::simd::neon::quantise,
+        ));
         paths
     }
 

@@ -5,6 +5,7 @@ use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::{dot_f32, dot_f32_ref};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
+use deltafin_quant::simd::{Contract, kernel_set};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -24,8 +25,26 @@ fn same_bits(a: f32, b: f32, what: &str) {
     assert_eq!(a.to_bits(), b.to_bits(), "{what}: {a} vs {b}");
 }
 
+/// Says which kernels the dispatch calls of `test` run on for each of `contracts` (CI shows it with
+/// `--show-output`). On aarch64 a contract that has NEON kernels but would run elsewhere fails the test.
+fn exercised(test: &str, contracts: &[Contract]) {
+    for &c in contracts {
+        let set = kernel_set(c);
+        eprintln!("{test}: {c:?} on {set}");
+        #[cfg(target_arch = "aarch64")]
+        assert!(
+            c == Contract::Mxfp4Bf16 || set == "neon",
+            "{test}: {c:?} runs on {set}, not NEON"
+        );
+    }
+}
+
 #[test]
 fn f32_bf16_i8_dots_are_bit_identical() {
+    exercised(
+        "f32_bf16_i8_dots_are_bit_identical",
+        &[Contract::Dense, Contract::Int8, Contract::Quantise],
+    );
     let mut r = rng();
     for &n in LENGTHS {
         let x = randn(&mut r, n);
@@ -51,6 +70,10 @@ fn f32_bf16_i8_dots_are_bit_identical() {
 /// at -32767) over rows far longer than one segment, with a partial last block, still sum exactly.
 #[test]
 fn int8_sums_stay_exact_at_the_extremes() {
+    exercised(
+        "int8_sums_stay_exact_at_the_extremes",
+        &[Contract::Int8, Contract::Quantise],
+    );
     for n in [8191, 8192, 8193, 20_000, 65_600] {
         let q = vec![-128i8; n];
         let xq = QuantizedInput::new(&vec![-1.0f32; n]);
@@ -72,6 +95,7 @@ fn int8_sums_stay_exact_at_the_extremes() {
 
 #[test]
 fn dots_agree_on_edge_values() {
+    exercised("dots_agree_on_edge_values", &[Contract::Dense]);
     let n = 70;
     for special in [
         0.0f32,
@@ -96,6 +120,10 @@ fn dots_agree_on_edge_values() {
 
 #[test]
 fn dense_gemm_is_batch_invariant_and_matches_reference() {
+    exercised(
+        "dense_gemm_is_batch_invariant_and_matches_reference",
+        &[Contract::Dense, Contract::Int8, Contract::Quantise],
+    );
     let mut r = rng();
     let (rows, cols) = (300, 97);
     let w = randn(&mut r, rows * cols);
@@ -123,6 +151,10 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
 
 #[test]
 fn gemm_many_equals_each_gemm() {
+    exercised(
+        "gemm_many_equals_each_gemm",
+        &[Contract::Dense, Contract::Int8, Contract::Quantise],
+    );
     let mut r = rng();
     let cols = 288;
     let x = randn(&mut r, cols);
@@ -179,6 +211,10 @@ fn random_mxfp4(r: &mut ChaCha8Rng, rows: usize, cols: usize, scales: &[u8]) -> 
 
 #[test]
 fn mxfp4_dot_matches_twin_including_extreme_scales() {
+    exercised(
+        "mxfp4_dot_matches_twin_including_extreme_scales",
+        &[Contract::Mxfp4F32],
+    );
     let mut r = rng();
     let (rows, cols) = (64, 3584);
     for scales in [
@@ -206,6 +242,10 @@ const MXFP4_COLS: &[usize] = &[32, 96, 128, 160, 384, 640, 864, 3072, 3584, 3616
 
 #[test]
 fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
+    exercised(
+        "mxfp4_gemm_matches_twin_for_every_shape_and_batch",
+        &[Contract::Mxfp4F32],
+    );
     let mut r = rng();
     for &cols in MXFP4_COLS {
         let rows = 37; // odd: the last row of a pair runs alone
@@ -239,6 +279,10 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
 
 #[test]
 fn mxfp4_batch_matches_twin_for_mixed_shapes() {
+    exercised(
+        "mxfp4_batch_matches_twin_for_mixed_shapes",
+        &[Contract::Mxfp4F32],
+    );
     // Products of different shapes and batch sizes in one threaded call (enough rows to take the threaded path),
     // each output against the scalar twin of its own matrix.
     let mut r = rng();
@@ -296,6 +340,10 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
 
 #[test]
 fn mxfp4_batch_products_sharing_an_input_match_twin() {
+    exercised(
+        "mxfp4_batch_products_sharing_an_input_match_twin",
+        &[Contract::Mxfp4F32],
+    );
     // Two matrices over one input (an expert's gate and up) share its permuted copy; then a third input.
     let mut r = rng();
     let (rows, cols) = (200, 3584);
@@ -418,6 +466,21 @@ fn mxfp4_each_simd_level_matches_twin() {
                 }
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            use deltafin_quant::simd::neon;
+            let got = neon::mxfp4_dot_rows::<2>([row(0), row(1)], &xp);
+            // Row 1 against five copies of the input: one group of four decoded together, and one alone.
+            let xps: Vec<f32> = std::iter::repeat_n(&xp, 5).flatten().copied().collect();
+            let mut multi = [f32::NAN; 5];
+            neon::mxfp4_row_multi(row(1).0, row(1).1, &xps, xp.len(), &mut multi);
+            for i in 0..2 {
+                assert!(same(got[i], want[i]), "neon x2 cols {cols} row {i}");
+            }
+            for (i, m) in multi.iter().enumerate() {
+                assert!(same(*m, want[1]), "neon multi cols {cols} input {i}");
+            }
+        }
     }
 }
 
@@ -449,6 +512,10 @@ fn edge_inputs(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 
 #[test]
 fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
+    exercised(
+        "mxfp4_bf16_input_matches_twin_for_every_shape_and_batch",
+        &[Contract::Mxfp4Bf16],
+    );
     dispatch_matches_twin(
         Mxfp4Input::Bf16,
         |_| {},
@@ -592,6 +659,10 @@ fn f32_and_other_path(
 
 #[test]
 fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
+    exercised(
+        "mxfp4_i16_input_matches_twin_for_every_shape_and_batch",
+        &[Contract::Mxfp4I16, Contract::Quantise],
+    );
     // The first input also has a group with an infinity and one of zeros: NaN and nothing.
     let edit = |x: &mut [f32]| {
         x[3] = f32::INFINITY;
@@ -764,6 +835,10 @@ fn mxfp4_dot_is_close_to_the_exact_sum() {
 
 #[test]
 fn dense_row_pairs_match_twins() {
+    exercised(
+        "dense_row_pairs_match_twins",
+        &[Contract::Dense, Contract::Int8, Contract::Quantise],
+    );
     use deltafin_quant::dot::dot_f32_x2;
     let mut r = rng();
     for &n in LENGTHS {
@@ -937,6 +1012,200 @@ fn bf16_tiles_match_their_twin_for_every_row_and_input() {
                     &format!("tile rows={rows} tokens={tokens} n={n} ({i}, {t})"),
                 );
             }
+        }
+    }
+}
+
+/// The NEON kernels called directly, each against its scalar twin bit for bit (the dispatch tests above run them
+/// too, through the library's choice).
+#[cfg(target_arch = "aarch64")]
+mod neon_kernels {
+    use super::*;
+    use deltafin_quant::mxfp4_contract::CHUNK;
+    use deltafin_quant::simd::neon;
+    use deltafin_quant::{mxfp4_contract, mxfp4_i16_contract};
+
+    /// [`edge_inputs`] with the low three significand bits of its moderate values set at random, so that they use
+    /// all 24 bits. `randn`'s values are multiples of 2^-20 (at most 22 significant bits): their products with E2M1
+    /// weights (at most 2 significant bits) are exact, and a kernel that rounded a product before adding it would
+    /// pass on them; on these it does not.
+    fn full_inputs(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        let mut x = edge_inputs(r, n);
+        for v in &mut x {
+            if v.is_normal() && v.abs() < 1e30 {
+                *v = f32::from_bits(v.to_bits() | (r.random::<u32>() & 7));
+            }
+        }
+        x
+    }
+
+    /// The same bits, or both NaN (inputs near the f32 range overflow some MXFP4 sums to NaN on both paths).
+    fn same_or_nan(a: f32, b: f32, what: &str) {
+        assert!(
+            a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+            "{what}: {a} vs {b}"
+        );
+    }
+
+    #[test]
+    fn dense_and_int8_kernels_match_twins() {
+        let mut r = rng();
+        for &n in LENGTHS.iter().chain(&[4095, 4096, 4097, 8200]) {
+            let x = full_inputs(&mut r, n);
+            let (w0, w1) = (randn(&mut r, n), randn(&mut r, n));
+            let b =
+                |w: &[f32]| -> Vec<u16> { w.iter().map(|v| (v.to_bits() >> 16) as u16).collect() };
+            let (b0, b1) = (b(&w0), b(&w1));
+            same_bits(
+                neon::dot_f32(&w0, &x),
+                dot_f32_ref(&w0, &x),
+                &format!("f32 n={n}"),
+            );
+            let xp = bf16_contract::permute_input(&x);
+            same_bits(
+                neon::bf16_rows::<1>([&b0], &xp)[0],
+                bf16_contract::dot_ref(&b0, &xp),
+                &format!("bf16 n={n}"),
+            );
+            let f2 = neon::dot_f32_x2(&w0, &w1, &x);
+            let b2 = neon::bf16_rows::<2>([&b0, &b1], &xp);
+            for (i, (w, bw)) in [(&w0, &b0), (&w1, &b1)].into_iter().enumerate() {
+                same_bits(f2[i], dot_f32_ref(w, &x), &format!("f32 x2 row {i} n={n}"));
+                same_bits(
+                    b2[i],
+                    bf16_contract::dot_ref(bw, &xp),
+                    &format!("bf16 x2 row {i} n={n}"),
+                );
+            }
+            // int8 at the extremes of both factors as well as at random.
+            let q = |r: &mut ChaCha8Rng| -> Vec<i8> { (0..n).map(|_| r.random::<i8>()).collect() };
+            let (q0, q1) = (q(&mut r), q(&mut r));
+            let xq = QuantizedInput::new(&x);
+            let want = [
+                int8_contract::dot_ref(&q0, &xq),
+                int8_contract::dot_ref(&q1, &xq),
+            ];
+            assert_eq!(neon::int8_dot(&q0, xq.values()), want[0], "i8 n={n}");
+            assert_eq!(
+                neon::int8_dot_x2(&q0, &q1, xq.values()),
+                want,
+                "i8 x2 n={n}"
+            );
+            // Unpadded input values (as long as the row) give the same sum.
+            assert_eq!(
+                neon::int8_dot(&q0, &xq.values()[..n]),
+                want[0],
+                "i8 unpadded n={n}"
+            );
+            let low = vec![i8::MIN; n];
+            let xq_low = QuantizedInput::new(&vec![-1.0f32; n]);
+            let exact = n as i64 * 128 * 32767;
+            assert_eq!(
+                neon::int8_dot(&low, xq_low.values()),
+                exact,
+                "i8 extremes n={n}"
+            );
+            assert_eq!(
+                neon::int8_dot_x2(&low, &low, xq_low.values()),
+                [exact; 2],
+                "i8 x2 extremes n={n}"
+            );
+        }
+    }
+
+    /// Two rows against one input, and one row against six (a group of four decoded together, and two alone), on
+    /// both MXFP4 contracts with NEON kernels, for every shape. First on moderate inputs and scales, where every
+    /// result is finite, so the comparison cannot pass on NaN; then with the edge inputs and the extreme scales,
+    /// where sums overflow and both paths must agree on what they give (NaN included).
+    #[test]
+    fn mxfp4_kernels_match_twins_for_every_shape() {
+        let mut r = rng();
+        for extreme in [false, true] {
+            let scales: &[u8] = if extreme {
+                &[0, 3, 127, 131, 253, 254]
+            } else {
+                &[0, 3, 120, 127, 131]
+            };
+            for &cols in MXFP4_COLS {
+                mxfp4_kernels_match_twins(&mut r, cols, scales, extreme);
+            }
+        }
+    }
+
+    fn mxfp4_kernels_match_twins(r: &mut ChaCha8Rng, cols: usize, scales: &[u8], extreme: bool) {
+        let (packed, s) = random_mxfp4(r, 2, cols, scales);
+        let row = |i: usize| {
+            (
+                &packed[i * cols / 2..(i + 1) * cols / 2],
+                &s[i * cols / 32..(i + 1) * cols / 32],
+            )
+        };
+        let xs: Vec<Vec<f32>> = (0..6)
+            .map(|_| {
+                let mut x = full_inputs(r, cols);
+                if !extreme {
+                    // The edge values near the top of the f32 range, brought down to where no sum overflows.
+                    x.iter_mut()
+                        .filter(|v| v.abs() > 1e30)
+                        .for_each(|v| *v *= 2f32.powi(-100));
+                }
+                x
+            })
+            .collect();
+        let xp: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|x| mxfp4_contract::permute_input(x))
+            .collect();
+        let xq: Vec<Vec<u32>> = xs
+            .iter()
+            .map(|x| mxfp4_i16_contract::permute_input(x))
+            .collect();
+        assert_eq!(xp[0].len(), mxfp4_contract::chunks(cols) * CHUNK);
+        let f32_want = |i: usize, t: usize| mxfp4_contract::dot_row_ref(row(i).0, row(i).1, &xp[t]);
+        let i16_want =
+            |i: usize, t: usize| mxfp4_i16_contract::dot_row_ref(row(i).0, row(i).1, &xq[t]);
+        let check = |got: f32, want: f32, what: String| {
+            if extreme {
+                same_or_nan(got, want, &what);
+            } else {
+                assert!(want.is_finite(), "{what}: the reference gives {want}");
+                same_bits(got, want, &what);
+            }
+        };
+        let pair = neon::mxfp4_dot_rows::<2>([row(0), row(1)], &xp[0]);
+        let pair_i16 = neon::mxfp4_i16_dot_rows::<2>([row(0), row(1)], &xq[0]);
+        for i in 0..2 {
+            check(
+                pair[i],
+                f32_want(i, 0),
+                format!("f32 x2 cols {cols} row {i}"),
+            );
+            check(
+                pair_i16[i],
+                i16_want(i, 0),
+                format!("i16 x2 cols {cols} row {i}"),
+            );
+        }
+        let (mut multi, mut multi_i16) = ([f32::NAN; 6], [f32::NAN; 6]);
+        neon::mxfp4_row_multi(row(1).0, row(1).1, &xp.concat(), xp[0].len(), &mut multi);
+        neon::mxfp4_i16_row_multi(
+            row(1).0,
+            row(1).1,
+            &xq.concat(),
+            xq[0].len(),
+            &mut multi_i16,
+        );
+        for t in 0..6 {
+            check(
+                multi[t],
+                f32_want(1, t),
+                format!("f32 multi cols {cols} input {t}"),
+            );
+            check(
+                multi_i16[t],
+                i16_want(1, t),
+                format!("i16 multi cols {cols} input {t}"),
+            );
         }
     }
 }

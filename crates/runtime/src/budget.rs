@@ -385,6 +385,85 @@ mod tests {
         assert!(over > 0 || q.expert_cache == 0 || q.committed() + q.expert_cache == q.budget);
     }
 
+    /// The settings docs/PLATFORMS.md gives for Macs ("Running on a Mac"), from the memory size `hw.memsize`
+    /// reports through to the plan: the budget the machine allows, the spine `K3_SPINE=auto` picks, and what is
+    /// pinned, streamed and cached. K3's int8 spine is taken as 57 GB (docs/PERFORMANCE.md): the embedding
+    /// (163,840 × 7168 bf16, not quantised) and the head (int8) always resident, the rest spread over the layers.
+    #[test]
+    fn mac_settings_plan_as_the_docs_say() {
+        use crate::memory::macos_memory;
+        use crate::options::ram_budget;
+        use crate::spine::auto_uses_int8;
+        const GB: u64 = 1_000_000_000;
+        let cfg = k3();
+        let n = 93;
+        let (embed, head) = (163_840 * 7168 * 2, 163_840 * 7168 + 163_840 * 4);
+        let layers = vec![(57 * GB - embed - head) / n; n as usize];
+        let bf16_spine = 114 * GB;
+        let mac = |gib: u64| macos_memory(gib << 30, None).expect("a memory size");
+        let plan_at = |budget: u64| {
+            let inputs = PlanInputs {
+                budget,
+                embed_bytes: embed,
+                fixed_bytes: head,
+                ..inputs(0, &layers)
+            };
+            plan(&inputs, &cfg, &PinLayers::Auto).expect("fits").0
+        };
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+
+        // 64 GB: the default budget is half of it; 50 GiB is allowed (at most 90%, 57.6 GiB), 58 is not.
+        assert_eq!(ram_budget(None, Some(&mac(64))).ok(), Some(32 << 30));
+        assert!(ram_budget(Some(58.0), Some(&mac(64))).is_err());
+        let budget = ram_budget(Some(50.0), Some(&mac(64))).expect("50 GiB fits 64 GB");
+        assert!(
+            auto_uses_int8(true, bf16_spine, Some(budget)),
+            "auto picks int8"
+        );
+        assert!(
+            !auto_uses_int8(false, bf16_spine, Some(budget)),
+            "without the copy, bf16"
+        );
+        let p = plan_at(budget);
+        let pinned = p.resident.iter().filter(|&&r| r).count();
+        eprintln!("64 GB Mac, 50 GiB: {p}");
+        // Without settings (32 GiB, where auto also picks int8): about half of the layers streamed, some 20 GB more
+        // per token.
+        assert!(auto_uses_int8(true, bf16_spine, Some(32 << 30)));
+        let default = plan_at(32 << 30);
+        eprintln!("64 GB Mac, default: {default}");
+        let more = (default.streamed() - p.streamed()) as u64 * layers[0];
+        assert!((15 * GB..=25 * GB).contains(&more), "{default}");
+        // The projection: 48 GB of layers pinned, 5.5 GB streamed, no expert cache to speak of (this stand-in's
+        // layers are all of one size, so its split differs by a layer or two).
+        assert!(pinned > 80 && p.streamed() > 0, "{p}");
+        assert!((45 * GB..=51 * GB).contains(&p.pinned_layers), "{p}");
+        assert!(gib(p.expert_cache) < 1.0, "{p}");
+
+        // 128 GB: the default budget is 64 GiB; 110 GiB is allowed (at most 115.2), 116 is not. At 110 GiB the
+        // stored spine (106.2 GiB) is below the budget, so auto keeps bf16 and K3_SPINE=int8 must be asked for.
+        assert_eq!(ram_budget(None, Some(&mac(128))).ok(), Some(64 << 30));
+        assert!(ram_budget(Some(116.0), Some(&mac(128))).is_err());
+        let budget = ram_budget(Some(110.0), Some(&mac(128))).expect("110 GiB fits 128 GB");
+        assert!(!auto_uses_int8(true, bf16_spine, Some(budget)));
+        assert!(
+            auto_uses_int8(true, bf16_spine, Some(64 << 30)),
+            "the default budget"
+        );
+        let p = plan_at(budget);
+        eprintln!("128 GB Mac, 110 GiB: {p}");
+        assert_eq!(p.streamed(), 0, "{p}");
+        assert!(gib(p.expert_cache) > 50.0, "{p}");
+        // Without settings (64 GiB): the int8 spine resident with about 9 GiB of expert cache.
+        let default = plan_at(64 << 30);
+        eprintln!("128 GB Mac, default: {default}");
+        assert_eq!(default.streamed(), 0, "{default}");
+        assert!(
+            (7.0..=11.0).contains(&gib(default.expert_cache)),
+            "{default}"
+        );
+    }
+
     #[test]
     fn a_budget_too_small_to_stream_is_refused_with_what_it_needs() {
         let cfg = k3();

@@ -161,7 +161,7 @@ impl Engine {
                 (!deltafin_quant::simd::mxfp4_bf16_is_fast()).then_some("AVX-512 BF16")
             }
             ExpertInput::I16 => {
-                (!deltafin_quant::simd::mxfp4_i16_is_fast()).then_some("AVX2 or AVX-512 VNNI")
+                (!deltafin_quant::simd::mxfp4_i16_is_fast()).then_some("AVX2, AVX-512 VNNI or NEON")
             }
         };
         if let Some(missing) = slow {

@@ -1,5 +1,6 @@
 //! How much memory this process may use: physical memory, what is available now, and the limit of the cgroup it
-//! runs in (Linux, v1 and v2), or `sysctl hw.memsize` and `host_statistics64` on macOS.
+//! runs in (Linux, v1 and v2), or `sysctl hw.memsize` and `host_statistics64` on macOS (type-checked in CI, not run:
+//! nothing here runs macOS; [`macos_memory`], the arithmetic over what those calls return, is tested on Linux).
 //!
 //! The engine's default RAM budget is a share of the smaller of physical memory and the cgroup limit, and a
 //! budget larger than that is refused with a message rather than left for the kernel's OOM killer. The parsing
@@ -196,6 +197,37 @@ fn cgroup_limit(
     best
 }
 
+/// Page counts from macOS's `host_statistics64` (`HOST_VM_INFO64`) and the page size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmPages {
+    /// `free_count`: pages on the free list.
+    pub free: u64,
+    /// `inactive_count`: pages not referenced lately (file cache among them), reclaimed without writing anything.
+    pub inactive: u64,
+    /// Bytes per page (16 KiB on Apple Silicon).
+    pub page_size: u64,
+}
+
+/// The memory figures of a macOS machine: `hw.memsize` bytes of physical memory and, when `host_statistics64`
+/// answered, the free and inactive pages as available memory (psutil's definition). macOS has no cgroup limit.
+/// `None` for a zero memory size.
+pub fn macos_memory(memsize: u64, pages: Option<VmPages>) -> Option<SystemMemory> {
+    if memsize == 0 {
+        return None;
+    }
+    let available = pages.map(|p| {
+        p.free
+            .saturating_add(p.inactive)
+            .saturating_mul(p.page_size)
+            .min(memsize)
+    });
+    Some(SystemMemory {
+        total: memsize,
+        available,
+        limit: None,
+    })
+}
+
 /// Reads the memory figures from the texts of `/proc/meminfo`, `/proc/self/mountinfo` and `/proc/self/cgroup`.
 pub fn linux_memory(
     meminfo: &str,
@@ -229,7 +261,7 @@ mod platform {
 mod platform {
     use super::*;
 
-    /// `hw.memsize`, and free + inactive + purgeable pages from `host_statistics64` as the available memory.
+    /// `sysctl hw.memsize` and the page counts of `host_statistics64`, through [`macos_memory`].
     pub(super) fn detect() -> Option<SystemMemory> {
         let mut total: u64 = 0;
         let mut len = std::mem::size_of::<u64>();
@@ -243,37 +275,41 @@ mod platform {
                 0,
             )
         };
-        if rc != 0 || total == 0 {
+        if rc != 0 || len != std::mem::size_of::<u64>() {
             return None;
         }
-        Some(SystemMemory {
-            total,
-            available: available(),
-            limit: None,
-        })
+        macos_memory(total, vm_pages())
     }
 
-    fn available() -> Option<u64> {
+    /// The free and inactive page counts, or `None` when the kernel does not answer.
+    fn vm_pages() -> Option<VmPages> {
         // SAFETY: a zeroed vm_statistics64 is a valid value of this plain C struct.
         let mut stats: libc::vm_statistics64 = unsafe { std::mem::zeroed() };
         let mut count = libc::HOST_VM_INFO64_COUNT;
+        // libc marks its Mach bindings deprecated in favour of the mach2 crate, which has no host_statistics64;
+        // this declaration is the C one.
+        #[allow(deprecated)]
+        // SAFETY: no arguments; returns a send right to this task's host port.
+        let host = unsafe { libc::mach_host_self() };
         // SAFETY: `stats` has room for HOST_VM_INFO64_COUNT integers, which `count` says; the host port is ours.
         let rc = unsafe {
             libc::host_statistics64(
-                libc::mach_host_self(),
+                host,
                 libc::HOST_VM_INFO64,
                 (&mut stats as *mut libc::vm_statistics64).cast(),
                 &mut count,
             )
         };
-        if rc != 0 {
+        if rc != libc::KERN_SUCCESS {
             return None;
         }
         // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        let pages =
-            stats.free_count as u64 + stats.inactive_count as u64 + stats.purgeable_count as u64;
-        u64::try_from(page).ok().map(|p| pages * p)
+        let page_size = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+        Some(VmPages {
+            free: u64::from(stats.free_count),
+            inactive: u64::from(stats.inactive_count),
+            page_size,
+        })
     }
 }
 
@@ -406,6 +442,30 @@ mod tests {
         assert_eq!(unescape_mount_path(r"/a\040b"), "/a b");
         assert_eq!(unescape_mount_path(r"/a\\"), r"/a\\");
         assert_eq!(unescape_mount_path("/plain"), "/plain");
+    }
+
+    #[test]
+    fn macos_figures_from_the_memory_size_and_page_counts() {
+        let pages = VmPages {
+            free: 100_000,
+            inactive: 300_000,
+            page_size: 16384,
+        };
+        let m = macos_memory(64 << 30, Some(pages)).expect("a memory size");
+        assert_eq!(m.total, 64 << 30);
+        assert_eq!(m.available, Some(400_000 * 16384));
+        assert_eq!((m.usable(), m.limit.clone()), (64 << 30, None));
+        assert_eq!(m.usable_source(), "physical memory");
+        // Counts sampled while memory moves may add up past physical memory: capped.
+        let racing = VmPages {
+            free: 5_000_000,
+            ..pages
+        };
+        let m = macos_memory(64 << 30, Some(racing)).expect("a memory size");
+        assert_eq!(m.available, Some(64 << 30));
+        // No page statistics: no available figure; no memory size: no figures at all.
+        assert_eq!(macos_memory(8 << 30, None).map(|m| m.available), Some(None));
+        assert_eq!(macos_memory(0, Some(pages)), None);
     }
 
     #[test]

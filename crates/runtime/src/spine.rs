@@ -50,6 +50,12 @@ impl SpineMode {
     }
 }
 
+/// `K3_SPINE=auto`: the int8 copy when it exists and the spine as stored (`stored_bytes`) is larger than the memory
+/// budget, else the stored spine.
+pub fn auto_uses_int8(copy_exists: bool, stored_bytes: u64, budget_bytes: Option<u64>) -> bool {
+    copy_exists && budget_bytes.is_some_and(|b| stored_bytes > b)
+}
+
 /// Whether a checkpoint tensor is a dense spine matrix that gets an int8 copy.
 fn quantisable(name: &str, shape: &[usize], dtype: Dtype) -> bool {
     matches!(dtype, Dtype::BF16 | Dtype::F32 | Dtype::F16)
@@ -179,7 +185,7 @@ impl SpineSource {
                 }
                 true
             }
-            SpineMode::Auto => path.is_file() && budget_bytes.is_some_and(|b| stored_bytes > b),
+            SpineMode::Auto => auto_uses_int8(path.is_file(), stored_bytes, budget_bytes),
         };
         let int8 = if use_int8 {
             Some(ModelFiles::open_file(&path)?)

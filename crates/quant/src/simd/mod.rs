@@ -1,10 +1,9 @@
 //! Per-architecture SIMD paths behind safe dispatch functions, chosen at run time.
 //!
-//! Every kernel here follows its contract ([`crate::dot`], [`crate::mxfp4_contract`],
+//! Every kernel here follows its contract ([`crate::dot`], [`crate::bf16_contract`], [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`], [`crate::mxfp4_i16_contract`], [`crate::int8_contract`]) and is tested bit for bit
-//! against its scalar twin.
-//! The NEON paths (aarch64) are type-checked here but untested (no aarch64 machine); MXFP4 and int8 use the scalar
-//! paths on aarch64.
+//! against its scalar twin. On aarch64 the NEON kernels ([`neon`]) run every contract but the bf16-input MXFP4 one
+//! (see there why); CI tests them under `qemu-aarch64`. [`kernel_set`] names the kernels each contract runs on.
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
@@ -59,6 +58,15 @@ pub fn has_avx512_vnni() -> bool {
     *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512vnni"))
 }
 
+/// Whether the NEON kernels are allowed; NEON is part of the aarch64 baseline, so only `DELTAFIN_NO_SIMD=1`
+/// (for comparisons and debugging) turns them off. Read once.
+#[cfg(target_arch = "aarch64")]
+pub fn has_neon() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| std::env::var_os("DELTAFIN_NO_SIMD").is_none())
+}
+
 /// Asks the CPU to start loading the cache lines of `v` (a hint; nothing on other architectures). For small data the
 /// kernels read apart from their weights, such as a task's row scales: read on demand, each line would stall the
 /// core for a memory round trip in the middle of its arithmetic.
@@ -90,6 +98,8 @@ pub fn mxfp4_bf16_is_fast() -> bool {
 pub fn mxfp4_i16_is_fast() -> bool {
     #[cfg(target_arch = "x86_64")]
     return has_avx512_vnni() || has_avx2_fma();
+    #[cfg(target_arch = "aarch64")]
+    return has_neon();
     #[allow(unreachable_code)]
     false
 }
@@ -105,7 +115,63 @@ pub fn path_name() -> &'static str {
         return "avx2+fma";
     }
     #[cfg(target_arch = "aarch64")]
-    return "neon";
+    if has_neon() {
+        return "neon";
+    }
     #[allow(unreachable_code)]
+    "scalar"
+}
+
+/// A kernel contract of this crate, for [`kernel_set`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contract {
+    /// f32 and bf16 dense rows ([`crate::dot`], [`crate::bf16_contract`]).
+    Dense,
+    /// Row-wise int8 ([`crate::int8_contract`]).
+    Int8,
+    /// MXFP4 with f32 inputs ([`crate::mxfp4_contract`]).
+    Mxfp4F32,
+    /// MXFP4 with bf16 inputs ([`crate::mxfp4_bf16_contract`]).
+    Mxfp4Bf16,
+    /// MXFP4 with int16 inputs ([`crate::mxfp4_i16_contract`]).
+    Mxfp4I16,
+    /// The int16 quantisation of inputs ([`crate::quantise`]).
+    Quantise,
+}
+
+impl Contract {
+    /// Every contract.
+    pub const ALL: [Contract; 6] = [
+        Self::Dense,
+        Self::Int8,
+        Self::Mxfp4F32,
+        Self::Mxfp4Bf16,
+        Self::Mxfp4I16,
+        Self::Quantise,
+    ];
+}
+
+/// The kernels `contract` runs on this machine, as its dispatch function chooses them: `avx512`, `avx2`, `neon` or
+/// `scalar` (for logs and tests).
+pub fn kernel_set(contract: Contract) -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = match contract {
+            Contract::Int8 | Contract::Mxfp4I16 => has_avx512_vnni(),
+            Contract::Mxfp4Bf16 => has_avx512_bf16(),
+            Contract::Dense | Contract::Mxfp4F32 | Contract::Quantise => has_avx512(),
+        };
+        if avx512 {
+            return "avx512";
+        }
+        if contract != Contract::Mxfp4Bf16 && has_avx2_fma() {
+            return "avx2";
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if contract != Contract::Mxfp4Bf16 && has_neon() {
+        return "neon";
+    }
+    let _ = contract;
     "scalar"
 }
