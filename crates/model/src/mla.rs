@@ -19,6 +19,10 @@ use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
 use crate::weights::Loader;
 
+/// Queries per block of the attention over the latent cache: the block's query rows, scores and context rows stay
+/// in L1 and L2 while the cache rows stream past them once.
+const QUERY_BLOCK: usize = 8;
+
 /// How the query is projected.
 #[derive(Debug)]
 enum QueryProj {
@@ -184,35 +188,53 @@ impl Mla {
             .par_chunks_mut(t_len * vd)
             .enumerate()
             .for_each(|(h, dst)| {
-                let mut q_abs = vec![0.0f32; kvl];
-                let mut ctx = vec![0.0f32; kvl];
-                for t in 0..t_len {
-                    let visible = past + t + 1;
-                    let mut scores = vec![0.0f32; visible];
-                    let qh = &q[(t * nh + h) * qk..(t * nh + h + 1) * qk];
-                    let (q_nope, q_pe) = qh.split_at(nope);
-                    for (l, v) in q_abs.iter_mut().enumerate() {
-                        *v = self.w_uk_t[h].dot_row(l, q_nope);
+                // Queries in blocks: a cache row is read once for every query of a block (from L1), where one query
+                // at a time read the whole cache per query. Each query's arithmetic is unchanged, in the same order:
+                // its scores, its softmax, and its context summed over the rows it sees in row order.
+                for b0 in (0..t_len).step_by(QUERY_BLOCK) {
+                    let b1 = (b0 + QUERY_BLOCK).min(t_len);
+                    let nq = b1 - b0;
+                    let seen = |k: usize| past + b0 + k + 1;
+                    let span = seen(nq - 1);
+                    let query = |k: usize| {
+                        let t = b0 + k;
+                        q[(t * nh + h) * qk..(t * nh + h + 1) * qk].split_at(nope)
+                    };
+                    let mut q_abs = vec![0.0f32; nq * kvl];
+                    for (k, qa) in q_abs.chunks_exact_mut(kvl).enumerate() {
+                        self.w_uk_t[h].dot_rows(0, query(k).0, qa);
                     }
-                    for (score, row) in scores.iter_mut().zip(&rows) {
+                    let mut scores = vec![0.0f32; nq * span]; // [query, row]
+                    for (n, row) in rows[..span].iter().enumerate() {
                         let (c, kpe) = row.split_at(kvl);
-                        *score = (dot_f32(&q_abs, c) + dot_f32(q_pe, kpe)) * scale;
-                    }
-                    let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                    let mut total = 0.0f32;
-                    for sc in scores.iter_mut() {
-                        *sc = (*sc - max).exp();
-                        total += *sc;
-                    }
-                    ctx.iter_mut().for_each(|v| *v = 0.0);
-                    for (&p, row) in scores.iter().zip(&rows) {
-                        let w = p / total;
-                        for (acc, &c) in ctx.iter_mut().zip(&row[..kvl]) {
-                            *acc += w * c;
+                        for k in (0..nq).filter(|&k| n < seen(k)) {
+                            let qa = &q_abs[k * kvl..(k + 1) * kvl];
+                            scores[k * span + n] =
+                                (dot_f32(qa, c) + dot_f32(query(k).1, kpe)) * scale;
                         }
                     }
-                    for (i, o) in dst[t * vd..(t + 1) * vd].iter_mut().enumerate() {
-                        *o = self.w_uv[h].dot_row(i, &ctx);
+                    let mut totals = vec![0.0f32; nq];
+                    for (k, total) in totals.iter_mut().enumerate() {
+                        let sc = &mut scores[k * span..k * span + seen(k)];
+                        let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                        for v in sc.iter_mut() {
+                            *v = (*v - max).exp();
+                            *total += *v;
+                        }
+                    }
+                    let mut ctx = vec![0.0f32; nq * kvl];
+                    for (n, row) in rows[..span].iter().enumerate() {
+                        for k in (0..nq).filter(|&k| n < seen(k)) {
+                            let w = scores[k * span + n] / totals[k];
+                            for (acc, &c) in ctx[k * kvl..(k + 1) * kvl].iter_mut().zip(&row[..kvl])
+                            {
+                                *acc += w * c;
+                            }
+                        }
+                    }
+                    for (k, c) in ctx.chunks_exact(kvl).enumerate() {
+                        let t = b0 + k;
+                        self.w_uv[h].dot_rows(0, c, &mut dst[t * vd..(t + 1) * vd]);
                     }
                 }
             });
