@@ -8,9 +8,9 @@
 //!
 //! Prefix reuse: the session keeps its tokens between requests, so a request whose prompt strictly extends them
 //! (the next turn of the same chat, when the previous answer re-renders to the same ids) only feeds the new
-//! tokens. The thread also keeps a snapshot taken inside the previous prompt (at its last whole prefill chunk,
-//! which costs no extra pass): a chat whose history re-renders differently from what was generated still reuses
-//! the previous prompt.
+//! tokens. The thread also keeps a snapshot taken at the end of the previous prompt (before its answer, which
+//! costs no extra pass): a chat whose history re-renders differently from what was generated still reuses the
+//! previous prompt.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -222,7 +222,7 @@ fn read_counters(engine: &Engine) -> EngineCounters {
 struct Worker<'e> {
     engine: &'e Engine,
     session: Session<'e>,
-    /// The session inside the previous prompt (see the module docs).
+    /// The session at the end of the previous prompt (see the module docs).
     checkpoint: Option<Snapshot>,
     tokenizer: Arc<Tokenizer>,
     shutting_down: Arc<AtomicBool>,
@@ -264,7 +264,7 @@ impl Worker<'_> {
             constrained: job.mask.is_some(),
             ..GenerationCounts::default()
         };
-        let Some(input) = self.prefill_whole_chunks(input, &cancelled)? else {
+        let Some(row) = self.prefill_prompt(input, &cancelled)? else {
             tracing::info!(
                 "request cancelled during prefill: prompt {} tokens ({cached} reused), {:.1} s",
                 prompt.len(),
@@ -300,7 +300,7 @@ impl Worker<'_> {
         let mask = job.mask.as_mut().map(|m| m as &mut dyn TokenMask);
         let generation = self
             .session
-            .generate_with(input, &job.options, mask, |id, row| {
+            .generate_from(row, &job.options, mask, |id, row| {
                 first_token.get_or_insert_with(std::time::Instant::now);
                 first_read.get_or_insert_with(|| engine.read_bytes());
                 let mut delta = out.push(id);
@@ -364,37 +364,40 @@ impl Worker<'_> {
         Ok(self.session.reuse_prefix(prompt))
     }
 
-    /// Feeds the whole prefill chunks of `input` one chunk at a time (leaving at least one token, so generation
-    /// makes the same passes as feeding everything at once), records the checkpoint, and returns the rest; `None`
-    /// when `cancelled` said so between two chunks (the checkpoint then covers what was fed, for a retry).
-    fn prefill_whole_chunks<'p>(
+    /// Feeds all of `input` in pieces that end on the engine's pass boundaries (so the passes are those of feeding
+    /// it at once, and the row the same), checking `cancelled` between pieces, and records the checkpoint at the end
+    /// of the prompt. Returns the logits row after the prompt; `None` when `cancelled` said so between two pieces
+    /// (the checkpoint then covers what was fed, for a retry).
+    fn prefill_prompt(
         &mut self,
-        input: &'p [u32],
+        input: &[u32],
         cancelled: &dyn Fn() -> bool,
-    ) -> Result<Option<&'p [u32]>, String> {
-        let chunk = self.engine.prefill_chunk();
-        // Pending tokens are fed first, so chunk boundaries count from them.
-        let pending = self.session.snapshot().pending;
-        let total = pending + input.len();
-        let whole = total.saturating_sub(1) / chunk * chunk;
-        let head = whole
-            .saturating_sub(pending)
-            .min(input.len().saturating_sub(1));
+    ) -> Result<Option<Vec<f32>>, String> {
+        if input.is_empty() {
+            return Err("an empty prompt".to_owned());
+        }
+        let chunk = self.engine.prefill_chunk().max(1);
+        // Pending tokens are fed first, so pass boundaries count from them.
+        let pending = self.session.pending();
         let mut start = 0;
-        while start < head {
+        let row = loop {
             if cancelled() {
                 self.checkpoint = Some(self.session.snapshot());
                 return Ok(None);
             }
             let next_boundary = ((pending + start) / chunk + 1) * chunk;
-            let end = (next_boundary - pending).min(head);
-            self.session
+            let end = (next_boundary - pending).min(input.len());
+            let row = self
+                .session
                 .prefill_last(&input[start..end])
                 .map_err(|e| format!("prefill: {e}"))?;
             start = end;
-        }
+            if start == input.len() {
+                break row;
+            }
+        };
         self.checkpoint = Some(self.session.snapshot());
-        Ok(Some(&input[head..]))
+        Ok(Some(row))
     }
 }
 

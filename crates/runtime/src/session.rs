@@ -206,6 +206,12 @@ impl<'e> Session<'e> {
         self.tokens.len()
     }
 
+    /// Consumed tokens not yet fed through the model (the last generated token, and speculated tokens kept after a
+    /// pass that fed later drafts); the next feed feeds them first.
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
     /// The session's counters.
     pub fn stats(&self) -> &SessionStats {
         &self.stats
@@ -439,6 +445,27 @@ impl<'e> Session<'e> {
         &mut self,
         input: &[u32],
         opts: &GenerateOptions,
+        mask: Option<&mut dyn TokenMask>,
+        on_token: impl FnMut(u32, &[f32]) -> bool,
+    ) -> Result<Generation> {
+        opts.sampling.validate()?;
+        if opts.max_new == 0 {
+            return Ok(Generation {
+                tokens: Vec::new(),
+                finish: FinishReason::Length,
+            });
+        }
+        let row = self.prefill_last(input)?;
+        self.generate_from(row, opts, mask, on_token)
+    }
+
+    /// [`Self::generate_with`] after the caller fed the prompt itself: `row` is the logits row after the last token
+    /// fed (what [`Self::prefill_last`] returned). A caller that feeds the prompt in pieces (to check for
+    /// cancellation, or to snapshot the end of the prompt) goes on from here.
+    pub fn generate_from(
+        &mut self,
+        mut row: Vec<f32>,
+        opts: &GenerateOptions,
         mut mask: Option<&mut dyn TokenMask>,
         mut on_token: impl FnMut(u32, &[f32]) -> bool,
     ) -> Result<Generation> {
@@ -450,6 +477,13 @@ impl<'e> Session<'e> {
                 finish: FinishReason::Length,
             });
         }
+        if row.len() != self.engine.config().vocab_size {
+            return Err(RuntimeError::Usage(format!(
+                "a logits row has {} entries, the vocabulary {}",
+                row.len(),
+                self.engine.config().vocab_size
+            )));
+        }
         let eos = self.engine.config().eos_token_id;
         let spec_depth = if opts.sampling.is_greedy() && mask.is_none() {
             opts.speculation_depth
@@ -458,7 +492,6 @@ impl<'e> Session<'e> {
         };
         let mut sampler = Sampler::new(opts.sampling);
         let vocab = self.engine.config().vocab_size;
-        let mut row = self.prefill_last(input)?;
         loop {
             let next = match mask.as_deref_mut() {
                 Some(mask) => {
