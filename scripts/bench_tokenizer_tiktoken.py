@@ -3,12 +3,12 @@
 
 Builds a tiktoken Encoding from the cl100k fixture (same ranks, K3's pat_str,
 K3's 256 specials, as tokenization_kimi.py does), encodes the text that
-`cargo bench -p deltafin-model --bench tokenizer` dumped (DELTAFIN_BENCH_DUMP),
+`cargo bench -p deltafin-text --bench tokenizer` dumped (DELTAFIN_BENCH_DUMP),
 checks the ids are identical to deltafin's, and prints the median MB/s, for
 tiktoken alone and with the 400k/25k-character slicing that K3's
 tokenization_kimi.py `encode` wraps around it (deltafin's `encode` slices too).
 
-    DELTAFIN_BENCH_DUMP=/tmp/tokbench cargo bench -p deltafin-model --bench tokenizer
+    DELTAFIN_BENCH_DUMP=/tmp/tokbench cargo bench -p deltafin-text --bench tokenizer
     python3 scripts/bench_tokenizer_tiktoken.py --dump /tmp/tokbench
 """
 
@@ -22,7 +22,7 @@ import time
 import tiktoken
 
 # K3's pre-tokenizer (tokenization_kimi.py `pat_str`), the same eight
-# alternatives as crates/model/src/tokenizer/pretokenize.rs.
+# alternatives as crates/text/src/tokenizer/pretokenize.rs.
 PAT_STR = "|".join([
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",

@@ -73,19 +73,26 @@ impl Golden {
     }
 }
 
-/// Largest |a - b| over two equal-length slices.
+/// Largest |a - b| over two equal-length slices; NaN when either side has a NaN anywhere, so that every
+/// `max_abs_diff(..) <= tol` check fails on NaN (equal infinities differ by 0).
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    let mut worst = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        let d = if x == y { 0.0 } else { (x - y).abs() };
+        if d.is_nan() {
+            return f32::NAN;
+        }
+        worst = worst.max(d);
+    }
+    worst
 }
 
-/// Index of the largest value (lowest index on ties).
+/// Index of the largest value (lowest index on ties). Panics on a NaN: a row with one has no answer to compare.
 pub fn argmax(row: &[f32]) -> usize {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {
+        assert!(!v.is_nan(), "NaN at index {i} of a logits row");
         if v > row[best] {
             best = i;
         }

@@ -59,21 +59,9 @@ const FILES: &[(&str, &[u8])] = &[
 /// A fixed prompt for the demo model (its first id is the demo's BOS).
 pub const DEMO_PROMPT_IDS: &[u32] = &[556, 710, 458, 223, 499, 743, 491, 282];
 
-/// `DELTAFIN_ROOT`, or the user's cache directory + `deltafin`.
-pub fn root_dir() -> PathBuf {
-    if let Some(root) = std::env::var_os("DELTAFIN_ROOT") {
-        return PathBuf::from(root);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    cache.join("deltafin")
-}
-
 /// The installed K3 under the root if there is one, else the demo model (materialised on first use).
 pub fn default_model_dir() -> anyhow::Result<PathBuf> {
-    let root = root_dir();
+    let root = crate::paths::root_dir();
     let installed = root.join("models").join("Kimi-K3");
     if installed.join("config.json").is_file() {
         return Ok(installed);

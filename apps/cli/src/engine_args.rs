@@ -17,7 +17,7 @@ pub struct EngineArgs {
     /// from disk at every forward pass [K3_PIN_LAYERS; default auto].
     #[arg(long)]
     pub pin_layers: Option<String>,
-    /// Spine precision: bf16, int8 (the copy written by `cargo xtask convert-spine-int8`) or auto [K3_SPINE].
+    /// Spine precision: bf16, int8 (the copy written by `cargo xtask convert-spine-int8`) or auto [K3_SPINE; default auto].
     #[arg(long)]
     pub spine: Option<String>,
     /// Look-ahead expert prefetch, on or off: guess the next MoE layer's experts and start reading them early (a
@@ -27,7 +27,7 @@ pub struct EngineArgs {
     /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded as
     /// the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
     /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI, AVX2 or NEON)
-    /// [K3_EXPERT_INPUT].
+    /// [K3_EXPERT_INPUT; default f32].
     #[arg(long)]
     pub expert_input: Option<deltafin_model::ExpertInput>,
     /// Tokens per prefill pass: auto (the longest pass the memory budget has scratch room for) or a count

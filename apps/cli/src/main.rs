@@ -10,6 +10,7 @@ mod engine_args;
 mod ids;
 mod nll;
 mod out;
+mod paths;
 mod progress;
 mod run;
 mod serve;
@@ -69,6 +70,9 @@ fn main() -> std::process::ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(out::colour(std::io::IsTerminal::is_terminal(
+            &std::io::stderr(),
+        )))
         .init();
     let dev = cli.dev;
     let result = match cli.command {

@@ -1,11 +1,13 @@
-//! The prefill progress bar of `deltafin run`: shown on a terminal once a prompt has taken a couple of seconds, with
-//! tokens and layers done and an estimate of the time left; nothing when stderr is not a terminal.
+//! Progress bars on stderr, shown only on a terminal: the prefill bar of `deltafin run` (once a prompt has taken a
+//! couple of seconds, with tokens and layers done and an estimate of the time left) and the byte bars of `setup`
+//! (storage reports through its [`Progress`] trait).
 
 use std::cell::RefCell;
 use std::io::IsTerminal;
 use std::time::Duration;
 
 use deltafin_runtime::{PrefillProgress, ProgressFn};
+use deltafin_storage::Progress;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// A prefill shorter than this shows no bar.
@@ -42,4 +44,44 @@ pub fn prefill_bar<'e>() -> Option<ProgressFn<'e>> {
             }
         }
     }))
+}
+
+/// Byte progress bars for installs (bytes, rate, ETA); hidden when stderr is not a terminal.
+#[derive(Debug, Default)]
+pub struct BarProgress {
+    bar: std::sync::Mutex<Option<ProgressBar>>,
+}
+
+impl BarProgress {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<ProgressBar>> {
+        // A bar is plain display state; a panic elsewhere leaves it usable.
+        self.bar.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Progress for BarProgress {
+    fn start(&self, label: &str, total: u64) {
+        let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+        // The template is a constant known to parse; fall back to the default style if it did not.
+        if let Ok(style) = ProgressStyle::with_template(
+            "{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        ) {
+            bar.set_style(style.progress_chars("=> "));
+        }
+        bar.set_message(label.to_string());
+        bar.enable_steady_tick(Duration::from_millis(250));
+        *self.lock() = Some(bar);
+    }
+
+    fn advance(&self, bytes: u64) {
+        if let Some(bar) = self.lock().as_ref() {
+            bar.inc(bytes);
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = self.lock().take() {
+            bar.finish();
+        }
+    }
 }

@@ -5,10 +5,11 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use deltafin_storage::install::{
-    self, BarProgress, DEFAULT_REPO, DEFAULT_REVISION, SetupOptions, default_dest, parse_layers,
-};
+use deltafin_storage::install::{self, DEFAULT_REPO, DEFAULT_REVISION, SetupOptions, parse_layers};
 use deltafin_storage::{HubOptions, InstallMode};
+
+use crate::paths::default_dest;
+use crate::progress::BarProgress;
 
 /// `deltafin setup [OPTIONS]` or `deltafin setup fetch-experts-all [OPTIONS]`.
 #[derive(Args, Debug)]
@@ -49,7 +50,7 @@ struct SetupArgs {
     /// Branch, tag or commit.
     #[arg(long, default_value = DEFAULT_REVISION)]
     revision: String,
-    /// Destination (default: $DELTAFIN_ROOT/models/<name>).
+    /// Destination (default: `$DELTAFIN_ROOT/models/NAME`).
     #[arg(long)]
     dest: Option<PathBuf>,
 }

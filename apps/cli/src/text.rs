@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, bail};
-use deltafin_model::chat::{
+use deltafin_runtime::Engine;
+use deltafin_text::chat::{
     self, ChatEvent, ChatOptions, Message, OutputParser, ParserStart, ThinkingEffort,
 };
-use deltafin_model::tokenizer::StreamDecoder;
-use deltafin_runtime::Engine;
+use deltafin_text::tokenizer::StreamDecoder;
 
 /// How `--prompt` is turned into tokens and generated tokens into text.
 #[derive(Clone, Debug)]
@@ -59,6 +59,9 @@ pub struct TextPrinter {
     kind: PrinterKind,
     out: std::io::Stdout,
     in_reasoning: bool,
+    /// Reasoning is dimmed only where stdout may take colour ([`crate::out::colour`]).
+    dim: &'static str,
+    reset: &'static str,
 }
 
 enum PrinterKind {
@@ -73,6 +76,7 @@ impl TextPrinter {
     /// A printer for `mode`.
     pub fn new(engine: &Engine, mode: &TextMode) -> anyhow::Result<Self> {
         let tok = Arc::clone(engine.require_tokenizer()?);
+        let colour = crate::out::colour(std::io::IsTerminal::is_terminal(&std::io::stdout()));
         let kind = match mode {
             TextMode::Plain => PrinterKind::Plain(StreamDecoder::new(tok)),
             TextMode::Chat { thinking, .. } => PrinterKind::Chat(Box::new(
@@ -84,6 +88,8 @@ impl TextPrinter {
             kind,
             out: std::io::stdout(),
             in_reasoning: false,
+            dim: if colour { DIM } else { "" },
+            reset: if colour { RESET } else { "" },
         })
     }
 
@@ -98,14 +104,14 @@ impl TextPrinter {
                     match event {
                         ChatEvent::Reasoning(r) => {
                             if !self.in_reasoning {
-                                text.push_str(&format!("{DIM}[thinking]\n"));
+                                text.push_str(&format!("{}[thinking]\n", self.dim));
                                 self.in_reasoning = true;
                             }
                             text.push_str(&r);
                         }
                         ChatEvent::Content(c) => {
                             if self.in_reasoning {
-                                text.push_str(&format!("{RESET}\n[answer]\n"));
+                                text.push_str(&format!("{}\n[answer]\n", self.reset));
                                 self.in_reasoning = false;
                             }
                             text.push_str(&c);
@@ -143,7 +149,7 @@ impl TextPrinter {
                 .collect(),
         };
         if self.in_reasoning {
-            rest.push_str(RESET);
+            rest.push_str(self.reset);
         }
         rest.push('\n');
         let mut lock = self.out.lock();

@@ -17,8 +17,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use deltafin_model::chat::{self, ChatOptions, Message, ThinkingEffort, Tool};
-use deltafin_model::tokenizer::Tokenizer;
+use deltafin_text::chat::{self, ChatOptions, Message, ThinkingEffort, Tool};
+use deltafin_text::tokenizer::Tokenizer;
 
 /// Encode text, or render a chat as a K3 prompt, with a model's tokenizer.
 #[derive(Debug, Clone, clap::Args)]
@@ -58,7 +58,7 @@ pub struct TokenizeArgs {
 }
 
 fn parse_effort(value: &str) -> Result<ThinkingEffort, String> {
-    value.parse().map_err(|e: chat::ChatError| e.to_string())
+    value.parse().map_err(|e: chat::TextError| e.to_string())
 }
 
 /// Runs the subcommand, printing to stdout.

@@ -273,7 +273,14 @@ fn run_takes_text_and_chat_prompts() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(String::from_utf8_lossy(&out.stdout).contains("[thinking]"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("[thinking]"), "{text}");
+    // Piped output carries no colour: no ANSI escapes on stdout or in the log.
+    assert!(!text.contains('\x1b'), "escapes in piped stdout: {text:?}");
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains('\x1b'),
+        "escapes in piped stderr"
+    );
 }
 
 /// `--spec off` and `--spec on --spec-depth 3` parse and give the same greedy tokens.

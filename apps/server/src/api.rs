@@ -5,7 +5,7 @@
 //! supports (a `null` value counts as absent, so clients that send every field work), then into a typed request
 //! with the path of any type error (`messages[2].role: unknown variant ...`).
 
-use deltafin_model::chat::{Message, Tool};
+use deltafin_text::chat::{Message, Tool};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};

@@ -1,7 +1,7 @@
 //! The grammar a chat answer must follow when a request constrains it, written in llguidance's Lark dialect over
 //! K3's XTML output.
 //!
-//! What the model writes after the generation prompt (see `deltafin_model::chat::parse`) is
+//! What the model writes after the generation prompt (see `deltafin_text::chat::parse`) is
 //!
 //! ```text
 //! [reasoning <|close|>think<|sep|><|open|>response<|sep|>]  answer <|close|>response<|sep|>
@@ -24,7 +24,7 @@
 
 use std::fmt::Write as _;
 
-use deltafin_model::chat::{ResponseFormat, Tool, ToolChoice};
+use deltafin_text::chat::{ResponseFormat, Tool, ToolChoice};
 use serde_json::{Map, Value, json};
 
 /// What a request asks the answer to follow.

@@ -38,9 +38,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
-use deltafin_model::chat::END_OF_MSG;
-use deltafin_model::tokenizer::Tokenizer;
 use deltafin_runtime::Engine;
+use deltafin_text::chat::END_OF_MSG;
+use deltafin_text::tokenizer::Tokenizer;
 
 use constraint::Grammars;
 pub use error::{ApiError, ServerError};

@@ -4,7 +4,7 @@
 //! f64, before temperature, top-k/top-p or a grammar mask, which is what `deltafin nll` reports for the same
 //! position. Alternatives are the `top` largest logits of that row, ties to the lower id.
 
-use deltafin_model::tokenizer::Tokenizer;
+use deltafin_text::tokenizer::Tokenizer;
 use serde_json::{Map, Value, json};
 
 /// Most alternatives a request may ask for (OpenAI's limit).

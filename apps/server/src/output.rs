@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
-use deltafin_model::chat::{ChatEvent, OutputParser, ParsedToolCall, ParserStart};
-use deltafin_model::tokenizer::{StreamDecoder, Tokenizer};
+use deltafin_text::chat::{ChatEvent, OutputParser, ParsedToolCall, ParserStart};
+use deltafin_text::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::logprobs::TokenLogprob;
 
@@ -132,7 +132,7 @@ impl OutputAssembler {
         tokenizer: Arc<Tokenizer>,
         kind: OutputKind,
         stops: Arc<[String]>,
-    ) -> Result<Self, deltafin_model::chat::ChatError> {
+    ) -> Result<Self, deltafin_text::chat::TextError> {
         let source = match kind {
             OutputKind::Text => Source::Text(StreamDecoder::new(tokenizer)),
             OutputKind::Chat { thinking } => Source::Chat(Box::new(OutputParser::new(

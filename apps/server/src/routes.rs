@@ -14,11 +14,11 @@ use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use deltafin_model::chat::{
-    self, ChatError, ChatOptions, ParsedToolCall, ResponseFormat, ThinkingEffort, ToolChoice,
-};
-use deltafin_model::tokenizer::Tokenizer;
 use deltafin_runtime::{GenerateOptions, SamplingParams};
+use deltafin_text::chat::{
+    self, ChatOptions, ParsedToolCall, ResponseFormat, ThinkingEffort, ToolChoice,
+};
+use deltafin_text::tokenizer::Tokenizer;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
@@ -202,9 +202,12 @@ async fn chat_completions(
     let parallel_calls = request.parallel_tool_calls.unwrap_or(true);
     // Rendering and compiling the grammar take a moment for long chats and large schemas: off the async threads.
     let (rendered, mask) = tokio::task::spawn_blocking(move || {
-        let rendered = chat::render(&tokenizer, &messages, &options).map_err(|e| match e {
-            ChatError::Tokenizer(e) => ApiError::Internal(format!("rendering the prompt: {e}")),
-            other => ApiError::invalid("messages", other.to_string()),
+        let rendered = chat::render(&tokenizer, &messages, &options).map_err(|e| {
+            if e.is_bad_conversation() {
+                ApiError::invalid("messages", e.to_string())
+            } else {
+                ApiError::Internal(format!("rendering the prompt: {e}"))
+            }
         })?;
         let mask = answer_grammar(&grammars, &options, parallel_calls)?;
         Ok::<_, ApiError>((rendered, mask))
@@ -978,10 +981,10 @@ pub(crate) mod wire_tests {
         }
     }
 
-    pub(crate) fn fixture_tokenizer() -> deltafin_model::tokenizer::Tokenizer {
+    pub(crate) fn fixture_tokenizer() -> deltafin_text::tokenizer::Tokenizer {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures/k3/k3-tiny-a");
-        deltafin_model::tokenizer::Tokenizer::from_dir(&dir).expect("fixture tokenizer")
+        deltafin_text::tokenizer::Tokenizer::from_dir(&dir).expect("fixture tokenizer")
     }
 
     #[test]

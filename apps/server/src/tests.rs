@@ -1125,11 +1125,11 @@ async fn required_tool_calls_follow_each_tools_schema() {
 
 #[test]
 fn the_grammar_accepts_what_k3_writes_and_nothing_else() {
-    use deltafin_model::chat::{ResponseFormat, Tool, ToolChoice};
     use deltafin_runtime::TokenMask;
+    use deltafin_text::chat::{ResponseFormat, Tool, ToolChoice};
 
     let tokenizer = std::sync::Arc::new(
-        deltafin_model::tokenizer::Tokenizer::from_dir(fixture()).expect("tokenizer"),
+        deltafin_text::tokenizer::Tokenizer::from_dir(fixture()).expect("tokenizer"),
     );
     let end = tokenizer.require_special("<|end_of_msg|>").expect("end");
     let grammars = crate::constraint::Grammars::new(&tokenizer, tokenizer.vocab_size(), end)

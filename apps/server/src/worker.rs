@@ -16,8 +16,8 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use deltafin_model::tokenizer::Tokenizer;
 use deltafin_runtime::{Engine, FinishReason, GenerateOptions, Session, Snapshot, TokenMask};
+use deltafin_text::tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::constraint::GrammarMask;

@@ -1,15 +1,11 @@
 //! The Kimi K3 / Kimi Linear text graph on candle tensors, computed in f32 on the CPU.
 //!
-//! The tokenizer and the XTML chat format live here too ([`tokenizer`], [`chat`]); loading the tokenizer's two
-//! files is the crate's only I/O.
-//!
-//! Otherwise this crate does no I/O: spine weights arrive through [`WeightSource`] and routed experts through
+//! This crate does no I/O (the tokenizer and chat format are `deltafin-text`'s): spine weights arrive through [`WeightSource`] and routed experts through
 //! [`ExpertSource`], both implemented by the runtime. Blocks follow the checkpoint map: one struct per block with a
 //! `load` that names its tensors and a `forward`.
 #![deny(missing_docs)]
 
 pub mod attn_res;
-pub mod chat;
 pub mod config;
 pub mod device;
 pub mod error;
@@ -24,8 +20,7 @@ pub mod moe;
 pub mod ops;
 pub mod profile;
 pub mod state;
-pub mod stream;
-pub mod tokenizer;
+pub mod streamed_layers;
 pub mod weights;
 
 pub use config::{AttnKind, Family, ModelConfig};

@@ -11,7 +11,7 @@ use crate::layer::{Layer, Pass, ResidualBank};
 use crate::ops::{linear, rms_norm, tensor};
 use crate::profile::{Phase, Profile};
 use crate::state::SessionState;
-use crate::stream::with_streamed_layers;
+use crate::streamed_layers::with_streamed_layers;
 use crate::weights::{ExpertSource, Loader, SharedWeightSource, WeightSource};
 
 /// Which rows of logits a forward call returns.

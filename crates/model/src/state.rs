@@ -35,7 +35,7 @@ pub struct KdaState {
 }
 
 impl Drop for KdaState {
-    /// The state matrices go back to the idle buffers (see [`state_buffer`]).
+    /// The state matrices go back to the idle buffers (see `state_buffer`).
     fn drop(&mut self) {
         let s = std::mem::take(&mut self.s);
         if s.is_empty() {

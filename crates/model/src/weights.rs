@@ -90,7 +90,7 @@ pub trait WeightSource {
 }
 
 /// A weight source a background thread can read from: how a streamed spine reaches the model (see
-/// [`crate::stream`]).
+/// [`crate::streamed_layers`]).
 pub type SharedWeightSource = Arc<dyn WeightSource + Send + Sync>;
 
 /// One routed expert, as read from the checkpoint.

@@ -142,8 +142,8 @@ fn main() {
     });
     // SAFETY: AVX-512F present (checked above), so AVX2 too.
     let avx2 = micros(|| unsafe {
-        let step = deltafin_quant::simd::x86::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
-        deltafin_quant::simd::x86::quantise(&x, step, &mut q16);
+        let step = deltafin_quant::simd::avx2::abs_max(&x).unwrap_or(1.0) / quantise::Q_MAX;
+        deltafin_quant::simd::avx2::quantise(&x, step, &mut q16);
         q16[0]
     });
     // SAFETY: AVX-512F present (checked above).

@@ -90,7 +90,7 @@ pub fn dot(w: &[u16], xp: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; `xp` covers the row's chunks (checked above).
-        return unsafe { crate::simd::x86::bf16_rows::<1>([w], xp)[0] };
+        return unsafe { crate::simd::avx2::bf16_rows::<1>([w], xp)[0] };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -113,7 +113,7 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; equal rows and an input that covers their chunks (checked above).
-        return unsafe { crate::simd::x86::bf16_rows::<2>([w0, w1], xp) };
+        return unsafe { crate::simd::avx2::bf16_rows::<2>([w0, w1], xp) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -140,7 +140,7 @@ const BLOCK_CHUNKS: usize = 32;
 
 /// `out[r · xps.len() + t]` = `rows[r] · xps[t]` for every row and permuted input (rows of equal length `n`, inputs of
 /// at least [`padded_len`]`(n)` values), each bit-identical to [`dot_ref`]. On AVX-512 the products run in tiles of
-/// two rows by [`TILE_TOKENS`] inputs over blocks of [`BLOCK_CHUNKS`] chunks, each row chunk widened once for all of
+/// two rows by `TILE_TOKENS` inputs over blocks of `BLOCK_CHUNKS` chunks, each row chunk widened once for all of
 /// a tile's inputs (prefill's multi-token form); elsewhere one product at a time.
 pub fn dot_tiles(rows: &[&[u16]], xps: &[&[f32]], out: &mut [f32]) {
     let n = rows.first().map_or(0, |w| w.len());

@@ -80,7 +80,7 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { crate::simd::x86::dot_f32(w, x) };
+        return unsafe { crate::simd::avx2::dot_f32(w, x) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -100,7 +100,7 @@ pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() && w0.len() == x.len() && w1.len() == x.len() {
         // SAFETY: AVX2 and FMA present; lengths checked.
-        return unsafe { crate::simd::x86::dot_f32_x2(w0, w1, x) };
+        return unsafe { crate::simd::avx2::dot_f32_x2(w0, w1, x) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && w0.len() == x.len() && w1.len() == x.len() {

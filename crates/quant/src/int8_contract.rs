@@ -94,7 +94,7 @@ pub fn dot(q: &[i8], x: &QuantizedInput) -> i64 {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 present; `x` is padded to a multiple of 64 past `q.len()`.
-        return unsafe { crate::simd::x86::int8_dot(q, x.values()) };
+        return unsafe { crate::simd::avx2::int8_dot(q, x.values()) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -113,7 +113,7 @@ pub fn dot_x2(q0: &[i8], q1: &[i8], x: &QuantizedInput) -> [i64; 2] {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() && q0.len() == x.len() && q1.len() == x.len() {
         // SAFETY: AVX2 present; equal lengths, `x` padded to a multiple of 64.
-        return unsafe { crate::simd::x86::int8_dot_x2(q0, q1, x.values()) };
+        return unsafe { crate::simd::avx2::int8_dot_x2(q0, q1, x.values()) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() && q0.len() == x.len() && q1.len() == x.len() {

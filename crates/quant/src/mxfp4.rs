@@ -248,7 +248,7 @@ impl<'a> Mxfp4Matrix<'a> {
                 #[cfg(target_arch = "x86_64")]
                 if crate::simd::has_avx2_fma() {
                     // SAFETY: AVX2 and FMA present; one whole row and one permuted input of the right length.
-                    *o = unsafe { crate::simd::x86::mxfp4_dot(packed, scales, xp) };
+                    *o = unsafe { crate::simd::avx2::mxfp4_dot(packed, scales, xp) };
                     continue;
                 }
                 *o = mxfp4_contract::dot_row_ref(packed, scales, xp);
@@ -344,8 +344,8 @@ impl<'a> Mxfp4Matrix<'a> {
                 ))
             } else if crate::simd::has_avx2_fma() {
                 Some((
-                    crate::simd::x86::mxfp4_i16_dot_rows::<2>,
-                    crate::simd::x86::mxfp4_i16_row_multi,
+                    crate::simd::avx2::mxfp4_i16_dot_rows::<2>,
+                    crate::simd::avx2::mxfp4_i16_row_multi,
                 ))
             } else {
                 None

@@ -39,7 +39,7 @@ pub fn abs_max(x: &[f32]) -> Option<f32> {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 present.
-        return unsafe { crate::simd::x86::abs_max(x) };
+        return unsafe { crate::simd::avx2::abs_max(x) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -67,7 +67,7 @@ pub fn quantise(x: &[f32], step: f32, q: &mut [i16]) {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 present.
-        return unsafe { crate::simd::x86::quantise(x, step, q) };
+        return unsafe { crate::simd::avx2::quantise(x, step, q) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -124,7 +124,7 @@ mod tests {
         let mut paths: Vec<Path> = vec![("dispatch", abs_max, quantise)];
         #[cfg(target_arch = "x86_64")]
         {
-            use crate::simd::{avx512, x86};
+            use crate::simd::{avx2, avx512};
             if std::arch::is_x86_feature_detected!("avx512f") {
                 // SAFETY: AVX-512F detected.
                 paths.push((
@@ -137,8 +137,8 @@ mod tests {
                 // SAFETY: AVX2 detected.
                 paths.push((
                     "avx2",
-                    |x| unsafe { x86::abs_max(x) },
-                    |x, s, q| unsafe { x86::quantise(x, s, q) },
+                    |x| unsafe { avx2::abs_max(x) },
+                    |x, s, q| unsafe { avx2::quantise(x, s, q) },
                 ));
             }
         }

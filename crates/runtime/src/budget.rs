@@ -134,7 +134,7 @@ const MAX_AUTO_CHUNK: usize = 4096;
 /// expert cache while they run ([`auto_prefill_chunk`]).
 pub const BASE_PREFILL_CHUNK: usize = 64;
 
-/// `K3_PREFILL_CHUNK=auto`: the longest pass (a power of two from [`BASE_PREFILL_CHUNK`] up to [`MAX_AUTO_CHUNK`] and
+/// `K3_PREFILL_CHUNK=auto`: the longest pass (a power of two from [`BASE_PREFILL_CHUNK`] up to `MAX_AUTO_CHUNK` and
 /// the context) whose scratch beyond the reserved base pass's fits in three quarters of the expert cache's bytes,
 /// `cache`. Such a pass shrinks the cache by that much while it runs, so the engine stays inside its budget, decode
 /// keeps every pinned layer, and a long prompt still reads each streamed layer and each expert once per pass: while

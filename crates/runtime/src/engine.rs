@@ -3,19 +3,19 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use deltafin_model::tokenizer::Tokenizer;
 use deltafin_model::{ExpertInput, ExpertSource, Model, ModelConfig};
 use deltafin_storage::{
     ExpertFormat, ExpertMap, Missing, ModelFiles, NoProgress, ReadPoolOptions, SpanReader,
     StreamInstall, is_stream_install,
 };
+use deltafin_text::tokenizer::Tokenizer;
 
 use crate::budget::{self, MemoryPlan, PlanInputs};
 use crate::counters::{CountingExperts, ExpertReadStats};
 use crate::error::{Result, RuntimeError};
+use crate::expert_store::{ExpertStats, ExpertStore, READ_WINDOW};
 use crate::options::EngineOptions;
 use crate::session::Session;
-use crate::sources::{ExpertStats, ExpertStore, READ_WINDOW};
 use crate::spine::{SpineReadStats, SpineSource};
 
 /// The tokenizer's rank file in a model directory.

@@ -3,7 +3,7 @@
 //! Routing is skewed: some experts are chosen far more often than others, and a token's experts repeat
 //! in the next tokens. Plain LRU lets one long prompt flush the hot set; plain LFU never forgets an
 //! expert that was hot an hour ago. So each entry counts its uses, every count is halved after as many
-//! uses as the cache has entries times [`AGING_PERIOD_FACTOR`] (aging), and the victim is the entry with
+//! uses as the cache has entries times `AGING_PERIOD_FACTOR` (aging), and the victim is the entry with
 //! the lowest count, the least recently used among equals. The victim search is a linear scan: a budget
 //! of 20 GiB holds about 1,200 K3 experts, and one scan costs far less than the 17.5 MB read it avoids.
 

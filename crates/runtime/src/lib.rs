@@ -11,6 +11,7 @@ pub mod counters;
 pub mod engine;
 pub mod error;
 pub mod expert_cache;
+pub mod expert_store;
 pub mod memory;
 pub mod ngram;
 pub mod options;
@@ -19,7 +20,6 @@ pub mod prefetch;
 pub mod sampling;
 pub mod session;
 pub mod snapshot_file;
-pub mod sources;
 pub mod spine;
 mod spine_batch;
 
@@ -32,6 +32,7 @@ pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::Engine;
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
+pub use expert_store::ExpertStats;
 pub use memory::SystemMemory;
 pub use options::{
     DEFAULT_CONTEXT, ENGINE_VARS, EngineOptions, MAX_RAM_SHARE, PrefillChunk, ram_budget,
@@ -43,7 +44,6 @@ pub use session::{
     FinishReason, GenerateOptions, Generation, GreedyOptions, Logits, PrefillProgress, ProgressFn,
     Session, SessionStats, Snapshot,
 };
-pub use sources::ExpertStats;
 pub use spine::{
     INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
 };

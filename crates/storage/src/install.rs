@@ -8,15 +8,14 @@
 
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::error::{Result, StorageError};
 use crate::files::ModelFiles;
 use crate::index::INDEX_FILE;
 use crate::remote::{Hub, HubOptions, RepoRef};
-use crate::stream::{InstallInfo, InstallMode, Missing, Progress, StreamInstall, shard_names};
+use crate::streaming_install::{
+    InstallInfo, InstallMode, Missing, Progress, StreamInstall, shard_names,
+};
 
 /// The repository installed by default.
 pub const DEFAULT_REPO: &str = "moonshotai/Kimi-K3";
@@ -326,25 +325,6 @@ pub fn free_bytes(dir: &Path) -> Result<u64> {
     }
 }
 
-/// `DELTAFIN_ROOT`, or the user's cache directory + `deltafin` (as the CLI's demo model uses).
-pub fn deltafin_root() -> PathBuf {
-    if let Some(root) = std::env::var_os("DELTAFIN_ROOT") {
-        return PathBuf::from(root);
-    }
-    let cache = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(std::env::temp_dir);
-    cache.join("deltafin")
-}
-
-/// Where `repo` is installed by default: `$DELTAFIN_ROOT/models/{name}` (for K3, the CLI's default model
-/// directory `$DELTAFIN_ROOT/models/Kimi-K3`).
-pub fn default_dest(repo: &str) -> PathBuf {
-    let name = repo.rsplit('/').next().unwrap_or(repo);
-    deltafin_root().join("models").join(name)
-}
-
 fn gb(bytes: u64) -> String {
     format!("{:.1} GB", bytes as f64 / 1e9)
 }
@@ -380,46 +360,6 @@ pub fn fetch_experts_all(
         stream.fetch_all(&spans, "experts", progress)?;
     }
     Ok(missing)
-}
-
-/// Progress bars on the terminal (bytes, rate, ETA); hidden when stderr is not a terminal.
-#[derive(Debug, Default)]
-pub struct BarProgress {
-    bar: std::sync::Mutex<Option<ProgressBar>>,
-}
-
-impl BarProgress {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<ProgressBar>> {
-        // A bar is plain display state; a panic elsewhere leaves it usable.
-        self.bar.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-impl Progress for BarProgress {
-    fn start(&self, label: &str, total: u64) {
-        let bar = ProgressBar::new(total);
-        // The template is a constant known to parse; fall back to the default style if it did not.
-        if let Ok(style) = ProgressStyle::with_template(
-            "{msg:>8} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        ) {
-            bar.set_style(style.progress_chars("=> "));
-        }
-        bar.set_message(label.to_string());
-        bar.enable_steady_tick(Duration::from_millis(250));
-        *self.lock() = Some(bar);
-    }
-
-    fn advance(&self, bytes: u64) {
-        if let Some(bar) = self.lock().as_ref() {
-            bar.inc(bytes);
-        }
-    }
-
-    fn finish(&self) {
-        if let Some(bar) = self.lock().take() {
-            bar.finish();
-        }
-    }
 }
 
 #[cfg(test)]

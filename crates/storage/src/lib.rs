@@ -28,7 +28,7 @@ mod read_pool;
 mod read_rate;
 mod remote;
 mod span_cache;
-mod stream;
+mod streaming_install;
 mod writer;
 
 pub use dtype::Dtype;
@@ -42,7 +42,7 @@ pub use read_pool::{
 pub use read_rate::expert_spans_read_rate;
 pub use remote::{DEFAULT_ENDPOINT, Hub, HubClient, HubOptions, RangeBody, RepoRef, Secret};
 pub use span_cache::{ManifestRepairs, SpanKey, SpanManifest};
-pub use stream::{
+pub use streaming_install::{
     INSTALL_FILE, InstallInfo, InstallMode, MANIFEST_FILE, MAX_SPINE_SPAN, Missing, NoProgress,
     Progress, ReaderStats, SPINE_VERIFIED_FILE, STATE_DIR, SpanBatch, SpanReader, SpanRequest,
     StreamInstall, header_span, is_stream_install, spine_spans,

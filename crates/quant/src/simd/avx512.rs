@@ -47,7 +47,7 @@ fn finish(a01: __m512, a23: __m512, w: &[f32], x: &[f32], full: usize) -> f32 {
         };
         c += LANES;
     }
-    super::x86::reduce(a0, a1, a2, a3)
+    super::avx2::reduce(a0, a1, a2, a3)
 }
 
 /// How far ahead of the kernels weights are prefetched.
@@ -345,7 +345,7 @@ unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
 /// AVX-512 VNNI twin of [`crate::int8_contract::dot_ref`].
 ///
 /// # Safety
-/// As [`int8_rows`] with one row.
+/// As `int8_rows` with one row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
     // SAFETY: forwarded from the caller.
@@ -355,7 +355,7 @@ pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
 /// Two neighbouring int8 rows against one quantised input, each equal to [`crate::int8_contract::dot_ref`].
 ///
 /// # Safety
-/// As [`int8_rows`] with two rows.
+/// As `int8_rows` with two rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
     // SAFETY: forwarded from the caller.

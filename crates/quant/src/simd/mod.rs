@@ -2,15 +2,15 @@
 //!
 //! Every kernel here follows its contract ([`crate::dot`], [`crate::bf16_contract`], [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`], [`crate::mxfp4_i16_contract`], [`crate::int8_contract`]) and is tested bit for bit
-//! against its scalar twin. On aarch64 the NEON kernels ([`neon`]) run every contract but the bf16-input MXFP4 one
+//! against its scalar twin. On aarch64 the NEON kernels (`neon`) run every contract but the bf16-input MXFP4 one
 //! (see there why); CI tests them under `qemu-aarch64`. [`kernel_set`] names the kernels each contract runs on.
 
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
-#[cfg(target_arch = "x86_64")]
-pub mod x86;
 
 /// Whether AVX2 and FMA (x86-64-v3) are available; detected once. `DELTAFIN_NO_SIMD=1` forces the scalar
 /// paths (for comparisons and debugging).
@@ -49,8 +49,8 @@ pub fn has_avx512_bf16() -> bool {
 }
 
 /// Whether AVX-512 VNNI is available on top of [`has_avx512`]; detected once. It runs the int8 kernels
-/// ([`crate::int8_contract`]) and the int16-input MXFP4 kernels ([`crate::mxfp4_i16_contract`]); without it the int8
-/// kernels run on AVX2 and the MXFP4 ones on their scalar reference.
+/// ([`crate::int8_contract`]) and the int16-input MXFP4 kernels ([`crate::mxfp4_i16_contract`]); without it both run
+/// on AVX2 ([`avx2`]), and on their scalar references where AVX2 is missing too.
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx512_vnni() -> bool {
     use std::sync::OnceLock;

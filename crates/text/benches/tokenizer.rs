@@ -2,7 +2,7 @@
 //! cl100k vocabulary (K3's regex and specials), the same text that
 //! `scripts/bench_tokenizer_tiktoken.py` gives Python's `tiktoken`.
 //!
-//! Run: `cargo bench -p deltafin-model --bench tokenizer`. With
+//! Run: `cargo bench -p deltafin-text --bench tokenizer`. With
 //! `DELTAFIN_BENCH_DUMP=DIR` set, the text and its ids are also written to
 //! `DIR/bench_text.txt`, `DIR/bench_ids.json` and `DIR/bench_ids_special.json`
 //! for the Python side to check.
@@ -11,8 +11,8 @@ use std::hint::black_box;
 use std::path::PathBuf;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use deltafin_model::tokenizer::Tokenizer;
-use deltafin_model::tokenizer::pretokenize::PreTokenizer;
+use deltafin_text::tokenizer::Tokenizer;
+use deltafin_text::tokenizer::pretokenize::PreTokenizer;
 
 /// Size the generated text reaches before it stops growing.
 const TARGET_BYTES: usize = 1 << 20;

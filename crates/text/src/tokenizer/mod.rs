@@ -11,19 +11,18 @@
 //! ever cutting a UTF-8 character in half.
 
 mod bpe;
-mod error;
+mod incremental;
 mod load;
 pub mod pretokenize;
-mod stream;
 
 use std::path::Path;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use rustc_hash::FxHashMap;
 
-pub use error::{Result, TokenizerError};
+pub use crate::error::{Result, TextError};
+pub use incremental::{StreamDecoder, Utf8Buffer};
 pub use load::N_SPECIAL_SLOTS;
-pub use stream::{StreamDecoder, Utf8Buffer};
 
 use bpe::{RankMap, Vocab};
 use pretokenize::PreTokenizer;
@@ -80,7 +79,7 @@ impl Tokenizer {
     /// Loads a tokenizer from explicit paths to `tiktoken.model` and `tokenizer_config.json`.
     pub fn from_files(model_path: impl AsRef<Path>, config_path: impl AsRef<Path>) -> Result<Self> {
         let read = |path: &Path| {
-            std::fs::read(path).map_err(|source| TokenizerError::Io {
+            std::fs::read(path).map_err(|source| TextError::Io {
                 path: path.to_path_buf(),
                 source,
             })
@@ -115,7 +114,7 @@ impl Tokenizer {
         let n_ranks = u32::try_from(parsed.tokens.len())
             .ok()
             .filter(|n| n.checked_add(N_SPECIAL_SLOTS).is_some())
-            .ok_or_else(|| TokenizerError::BadConfig {
+            .ok_or_else(|| TextError::BadConfig {
                 path: model_path.to_path_buf(),
                 reason: format!(
                     "{} ranks do not fit in 32-bit token ids",
@@ -146,7 +145,7 @@ impl Tokenizer {
         let special_matcher = AhoCorasick::builder()
             .match_kind(MatchKind::LeftmostLongest)
             .build(&special_names)
-            .map_err(|e| TokenizerError::BadConfig {
+            .map_err(|e| TextError::BadConfig {
                 path: config_path.to_path_buf(),
                 reason: format!("cannot build the special-token matcher: {e}"),
             })?;
@@ -229,7 +228,7 @@ impl Tokenizer {
     pub fn decode_bytes(&self, ids: &[u32]) -> Result<Vec<u8>> {
         let mut out = Vec::with_capacity(ids.len() * 4);
         for &id in ids {
-            out.extend_from_slice(self.id_to_bytes(id).ok_or(TokenizerError::UnknownId {
+            out.extend_from_slice(self.id_to_bytes(id).ok_or(TextError::UnknownId {
                 id,
                 vocab_size: self.vocab_size(),
             })?);
@@ -237,7 +236,7 @@ impl Tokenizer {
         Ok(out)
     }
 
-    /// Decodes `ids` to text, failing with [`TokenizerError::InvalidUtf8`] if the
+    /// Decodes `ids` to text, failing with [`TextError::InvalidUtf8`] if the
     /// bytes are not valid UTF-8 (for example when a sequence ends inside a
     /// character). Strict so that silent corruption cannot hide; use
     /// [`Tokenizer::decode_lossy`] or [`StreamDecoder`] where U+FFFD is acceptable.
@@ -258,7 +257,7 @@ impl Tokenizer {
     /// The id of a special token that must exist; a clear error if it does not.
     pub fn require_special(&self, name: &str) -> Result<u32> {
         self.special_id(name)
-            .ok_or_else(|| TokenizerError::UnknownSpecial {
+            .ok_or_else(|| TextError::UnknownSpecial {
                 name: name.to_owned(),
             })
     }

@@ -11,9 +11,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::error::ChatError;
 use super::json::{PyJson, Separators};
 use super::types::{AssistantMessage, Content, ContentPart, Message, Tool, ToolCall, ToolMessage};
+use crate::error::TextError;
 use crate::tokenizer::Tokenizer;
 
 /// Opens an XTML element: `<|open|>tag attrs<|sep|>`.
@@ -55,14 +55,14 @@ impl ThinkingEffort {
 }
 
 impl std::str::FromStr for ThinkingEffort {
-    type Err = ChatError;
+    type Err = TextError;
 
-    fn from_str(s: &str) -> Result<Self, ChatError> {
+    fn from_str(s: &str) -> Result<Self, TextError> {
         match s {
             "low" => Ok(Self::Low),
             "high" => Ok(Self::High),
             "max" => Ok(Self::Max),
-            other => Err(ChatError::BadThinkingEffort(other.to_owned())),
+            other => Err(TextError::BadThinkingEffort(other.to_owned())),
         }
     }
 }
@@ -171,7 +171,7 @@ pub fn render(
     tokenizer: &Tokenizer,
     messages: &[Message],
     options: &ChatOptions,
-) -> Result<RenderedChat, ChatError> {
+) -> Result<RenderedChat, TextError> {
     let segments = render_segments(messages, options)?;
     Ok(encode_segments(tokenizer, &segments))
 }
@@ -195,7 +195,7 @@ pub fn encode_segments(tokenizer: &Tokenizer, segments: &[Segment]) -> RenderedC
 pub fn render_segments(
     messages: &[Message],
     options: &ChatOptions,
-) -> Result<Vec<Segment>, ChatError> {
+) -> Result<Vec<Segment>, TextError> {
     let mut out = Segments::default();
 
     if !options.tools.is_empty() {
@@ -241,7 +241,7 @@ pub fn render_segments(
             Message::Tool(m) => {
                 tool_index += 1;
                 let name = tool_name(m, last_calls, tool_index)
-                    .ok_or(ChatError::UnresolvableToolName { message: position })?;
+                    .ok_or(TextError::UnresolvableToolName { message: position })?;
                 out.open_tag(
                     "message",
                     &[
@@ -493,7 +493,7 @@ impl Segments {
         message: &AssistantMessage,
         thinking: bool,
         position: usize,
-    ) -> Result<(), ChatError> {
+    ) -> Result<(), TextError> {
         if thinking {
             // `reasoning_content or reasoning`: an empty string falls through.
             let reasoning = message
@@ -518,7 +518,7 @@ impl Segments {
         for (i, call) in message.tool_calls.iter().enumerate() {
             let index = i + 1;
             if call.function.name.is_empty() {
-                return Err(ChatError::ToolCallWithoutName {
+                return Err(TextError::ToolCallWithoutName {
                     message: position,
                     call: index,
                 });
@@ -547,7 +547,7 @@ impl Segments {
                         }
                     }
                     Ok(_) => {
-                        return Err(ChatError::ToolArgumentsNotObject {
+                        return Err(TextError::ToolArgumentsNotObject {
                             message: position,
                             call: index,
                         });

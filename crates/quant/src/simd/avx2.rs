@@ -249,7 +249,7 @@ unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
 /// AVX2 twin of [`crate::int8_contract::dot_ref`].
 ///
 /// # Safety
-/// As [`int8_rows`] with one row.
+/// As `int8_rows` with one row.
 #[target_feature(enable = "avx2")]
 pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
     // SAFETY: forwarded from the caller.
@@ -259,7 +259,7 @@ pub unsafe fn int8_dot(q: &[i8], xq: &[i16]) -> i64 {
 /// Two neighbouring int8 rows against one quantised input, each equal to [`crate::int8_contract::dot_ref`].
 ///
 /// # Safety
-/// As [`int8_rows`] with two rows.
+/// As `int8_rows` with two rows.
 #[target_feature(enable = "avx2")]
 pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
     // SAFETY: forwarded from the caller.

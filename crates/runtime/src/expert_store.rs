@@ -1,6 +1,6 @@
-//! The model's weight and expert traits implemented over the checkpoint files: the spine read once at load,
-//! routed experts through the RAM cache ([`crate::expert_cache`]) and storage's span reader (read pool on a
-//! full install, sparse cache plus range requests on a streaming one).
+//! The expert store: the model's [`ExpertSource`] over the checkpoint files. Routed experts come from the RAM cache
+//! ([`crate::expert_cache`]) or through storage's span reader (read pool on a full install, sparse cache plus range
+//! requests on a streaming one), with optional look-ahead prefetch ([`crate::prefetch`]).
 
 use std::sync::{Arc, Mutex};
 

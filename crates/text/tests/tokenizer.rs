@@ -10,8 +10,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use deltafin_model::tokenizer::pretokenize::{PreTokenizer, reference_pattern};
-use deltafin_model::tokenizer::{StreamDecoder, Tokenizer, TokenizerError, Utf8Buffer};
+use deltafin_text::tokenizer::pretokenize::{PreTokenizer, reference_pattern};
+use deltafin_text::tokenizer::{StreamDecoder, TextError, Tokenizer, Utf8Buffer};
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -130,7 +130,7 @@ fn specials_and_lookup() {
     assert_ne!(tok.encode("<|open|>"), [open]);
 
     let err = tok.require_special("<|im_end|>").unwrap_err();
-    assert!(matches!(err, TokenizerError::UnknownSpecial { .. }));
+    assert!(matches!(err, TextError::UnknownSpecial { .. }));
     assert_eq!(err.to_string(), "unknown special token \"<|im_end|>\"");
 
     let bad_id = tok.vocab_size() as u32;
@@ -145,7 +145,7 @@ fn decode_rejects_or_replaces_invalid_utf8() {
     assert!(ids.len() > 1, "the toy vocabulary splits an emoji");
     assert!(matches!(
         tok.decode(&ids[..1]),
-        Err(TokenizerError::InvalidUtf8(_))
+        Err(TextError::InvalidUtf8(_))
     ));
     assert_eq!(tok.decode_lossy(&ids[..1]).unwrap(), "\u{fffd}");
 }

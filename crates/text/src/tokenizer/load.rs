@@ -9,7 +9,7 @@ use std::path::Path;
 use base64::Engine as _;
 use rustc_hash::FxHashMap;
 
-use super::error::{Result, TokenizerError};
+use crate::error::{Result, TextError};
 
 /// Number of special-token slots K3 reserves right after the mergeable ranks.
 pub const N_SPECIAL_SLOTS: u32 = 256;
@@ -26,7 +26,7 @@ pub(crate) struct Ranks {
 /// unique and cover `0..n` exactly, token byte strings must be unique, and
 /// every single byte must be a token (byte-level BPE cannot encode otherwise).
 pub(crate) fn parse_tiktoken_model(data: &[u8], path: &Path) -> Result<Ranks> {
-    let malformed = |line: usize, reason: String| TokenizerError::MalformedLine {
+    let malformed = |line: usize, reason: String| TextError::MalformedLine {
         path: path.to_path_buf(),
         line,
         reason,
@@ -102,7 +102,7 @@ pub(crate) fn parse_tiktoken_model(data: &[u8], path: &Path) -> Result<Ranks> {
             by_rank.resize(slot + 1, None);
         }
         if let Some((_, first_line)) = &by_rank[slot] {
-            return Err(TokenizerError::DuplicateRank {
+            return Err(TextError::DuplicateRank {
                 path: path.to_path_buf(),
                 line: line_no,
                 rank,
@@ -110,7 +110,7 @@ pub(crate) fn parse_tiktoken_model(data: &[u8], path: &Path) -> Result<Ranks> {
             });
         }
         if let Some(&first_line) = seen_bytes.get(&bytes) {
-            return Err(TokenizerError::DuplicateToken {
+            return Err(TextError::DuplicateToken {
                 path: path.to_path_buf(),
                 line: line_no,
                 first_line,
@@ -126,7 +126,7 @@ pub(crate) fn parse_tiktoken_model(data: &[u8], path: &Path) -> Result<Ranks> {
         match entry {
             Some((bytes, _)) => tokens.push(bytes),
             None => {
-                return Err(TokenizerError::RankGap {
+                return Err(TextError::RankGap {
                     path: path.to_path_buf(),
                     n_ranks: n_tokens,
                     // Ranks were checked to fit in u32 when parsed.
@@ -137,7 +137,7 @@ pub(crate) fn parse_tiktoken_model(data: &[u8], path: &Path) -> Result<Ranks> {
     }
     for byte in 0..=u8::MAX {
         if !seen_bytes.contains_key([byte].as_slice()) {
-            return Err(TokenizerError::MissingByte {
+            return Err(TextError::MissingByte {
                 path: path.to_path_buf(),
                 byte,
             });
@@ -165,7 +165,7 @@ struct TokenizerConfig {
 /// `<|reserved_token_{id}|>`, as in K3's `tokenization_kimi.py`. Entries
 /// outside the special range are ignored with a warning, as the reference does.
 pub(crate) fn parse_special_names(data: &[u8], path: &Path, n_ranks: u32) -> Result<Vec<String>> {
-    let bad = |reason: String| TokenizerError::BadConfig {
+    let bad = |reason: String| TextError::BadConfig {
         path: path.to_path_buf(),
         reason,
     };

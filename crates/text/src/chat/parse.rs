@@ -17,10 +17,10 @@
 
 use std::sync::Arc;
 
-use super::error::ChatError;
 use super::json::write_string;
 use super::render::{CLOSE, END_OF_MSG, OPEN, SEP};
-use crate::tokenizer::{Tokenizer, TokenizerError, Utf8Buffer};
+use crate::error::TextError;
+use crate::tokenizer::{Tokenizer, Utf8Buffer};
 
 /// Where generation starts: right after the generation prompt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,7 +144,7 @@ impl OutputParser {
     /// A parser positioned right after the generation prompt.
     ///
     /// Fails if the tokenizer lacks one of K3's markup tokens.
-    pub fn new(tokenizer: Arc<Tokenizer>, start: ParserStart) -> Result<Self, ChatError> {
+    pub fn new(tokenizer: Arc<Tokenizer>, start: ParserStart) -> Result<Self, TextError> {
         let ids = MarkupIds {
             open: tokenizer.require_special(OPEN)?,
             close: tokenizer.require_special(CLOSE)?,
@@ -172,16 +172,16 @@ impl OutputParser {
     }
 
     /// Feeds one generated id; returns the events it completes (often none).
-    pub fn push(&mut self, id: u32) -> Result<Vec<ChatEvent>, ChatError> {
+    pub fn push(&mut self, id: u32) -> Result<Vec<ChatEvent>, TextError> {
         let mut events = Vec::new();
         let ids = self.ids;
         let tokenizer = Arc::clone(&self.tokenizer);
-        let token = tokenizer.id_to_bytes(id).ok_or(TokenizerError::UnknownId {
+        let token = tokenizer.id_to_bytes(id).ok_or(TextError::UnknownId {
             id,
             vocab_size: tokenizer.vocab_size(),
         })?;
         match &mut self.mode {
-            Mode::Done => return Err(ChatError::AfterEnd),
+            Mode::Done => return Err(TextError::AfterEnd),
             _ if id == ids.end => {
                 self.flush_text(&mut events);
                 events.push(ChatEvent::End);
@@ -197,7 +197,7 @@ impl OutputParser {
                         self.open_element(&tag, &mut events)?;
                     }
                 } else if id == ids.open || id == ids.close {
-                    return Err(ChatError::UnexpectedMarkup(format!(
+                    return Err(TextError::UnexpectedMarkup(format!(
                         "{} inside the tag {:?}",
                         if id == ids.open { OPEN } else { CLOSE },
                         String::from_utf8_lossy(bytes)
@@ -213,7 +213,7 @@ impl OutputParser {
                         bytes: Vec::new(),
                     };
                 } else if id == ids.sep {
-                    return Err(ChatError::UnexpectedMarkup(format!("{SEP} outside a tag")));
+                    return Err(TextError::UnexpectedMarkup(format!("{SEP} outside a tag")));
                 } else {
                     self.body_text(token, &mut events);
                 }
@@ -268,9 +268,9 @@ impl OutputParser {
         }
     }
 
-    fn open_element(&mut self, tag: &str, events: &mut Vec<ChatEvent>) -> Result<(), ChatError> {
+    fn open_element(&mut self, tag: &str, events: &mut Vec<ChatEvent>) -> Result<(), TextError> {
         let (name, attrs) = parse_tag(tag)
-            .ok_or_else(|| ChatError::UnexpectedMarkup(format!("malformed tag {tag:?}")))?;
+            .ok_or_else(|| TextError::UnexpectedMarkup(format!("malformed tag {tag:?}")))?;
         let attr = |key: &str| attrs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone());
         let element = match name {
             "think" => Element::Think,
@@ -288,7 +288,7 @@ impl OutputParser {
             },
             "json" => Element::Json { value: Vec::new() },
             _ => {
-                return Err(ChatError::UnexpectedMarkup(format!(
+                return Err(TextError::UnexpectedMarkup(format!(
                     "unknown element {tag:?}"
                 )));
             }
@@ -299,10 +299,10 @@ impl OutputParser {
         Ok(())
     }
 
-    fn close_element(&mut self, tag: &str, events: &mut Vec<ChatEvent>) -> Result<(), ChatError> {
+    fn close_element(&mut self, tag: &str, events: &mut Vec<ChatEvent>) -> Result<(), TextError> {
         let name = tag.trim();
         if !self.stack.iter().any(|e| e.tag() == name) {
-            return Err(ChatError::UnexpectedMarkup(format!(
+            return Err(TextError::UnexpectedMarkup(format!(
                 "closing tag {name:?} with no open element"
             )));
         }

@@ -1,13 +1,14 @@
-//! Errors raised while loading a tokenizer or decoding token ids.
+//! The crate's one error type: loading a tokenizer, encoding and decoding ids, rendering a chat and parsing
+//! generated output.
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong in [`crate::tokenizer`].
+/// Everything that can go wrong in [`crate::tokenizer`] and [`crate::chat`].
 ///
 /// Messages are lower case and name the file (and line) at fault, so a user who
 /// points the engine at a broken model directory learns which file to fix.
 #[derive(Debug, thiserror::Error)]
-pub enum TokenizerError {
+pub enum TextError {
     /// A tokenizer file could not be read.
     #[error("cannot read {path}")]
     Io {
@@ -100,7 +101,60 @@ pub enum TokenizerError {
     /// Decoded bytes are not valid UTF-8 (use `decode_bytes` or a lossy decode).
     #[error("decoded tokens are not valid utf-8: {0}")]
     InvalidUtf8(#[from] std::string::FromUtf8Error),
+
+    /// `thinking_effort` is not one K3 accepts.
+    #[error("unsupported thinking_effort {0:?}; supported values are low, high and max")]
+    BadThinkingEffort(String),
+
+    /// A tool call in an assistant message has an empty function name.
+    #[error("message {message}: tool call {call} has no function name")]
+    ToolCallWithoutName {
+        /// 0-based message position.
+        message: usize,
+        /// 1-based call position within the message.
+        call: usize,
+    },
+
+    /// Tool-call arguments parsed as JSON but not as an object.
+    #[error("message {message}: tool call {call} arguments must be a JSON object")]
+    ToolArgumentsNotObject {
+        /// 0-based message position.
+        message: usize,
+        /// 1-based call position within the message.
+        call: usize,
+    },
+
+    /// A tool message carries no name and matches no preceding tool call.
+    #[error(
+        "message {message}: tool message needs a resolvable tool name: set `name`/`tool`, or follow an assistant tool call"
+    )]
+    UnresolvableToolName {
+        /// 0-based message position.
+        message: usize,
+    },
+
+    /// Generated markup the output parser cannot place.
+    #[error("unexpected markup in generated output: {0}")]
+    UnexpectedMarkup(String),
+
+    /// A token was fed to the output parser after `<|end_of_msg|>`.
+    #[error("token fed to the output parser after the end of the message")]
+    AfterEnd,
 }
 
-/// Result alias for tokenizer operations.
-pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;
+impl TextError {
+    /// Whether the error is the caller's conversation (a message the renderer refuses), as opposed to the tokenizer
+    /// or its files: a server answers the first with 400 and the second with 500.
+    pub fn is_bad_conversation(&self) -> bool {
+        matches!(
+            self,
+            Self::BadThinkingEffort(_)
+                | Self::ToolCallWithoutName { .. }
+                | Self::ToolArgumentsNotObject { .. }
+                | Self::UnresolvableToolName { .. }
+        )
+    }
+}
+
+/// A result whose error is [`TextError`].
+pub type Result<T, E = TextError> = std::result::Result<T, E>;

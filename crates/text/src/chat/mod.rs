@@ -6,13 +6,12 @@
 //! reference renderer produces; [`OutputParser`] turns generated ids back into
 //! reasoning, answer text and tool calls.
 
-mod error;
 pub mod json;
 mod parse;
 mod render;
 mod types;
 
-pub use error::ChatError;
+pub use crate::error::TextError;
 pub use parse::{ChatEvent, OutputParser, ParsedToolCall, ParserStart};
 pub use render::{
     CLOSE, ChatOptions, END_OF_MSG, IMAGE_PLACEHOLDER, OPEN, RenderedChat, ResponseFormat, SEP,

@@ -91,7 +91,7 @@ impl StreamDecoder {
         let bytes = self
             .tokenizer
             .id_to_bytes(id)
-            .ok_or(super::TokenizerError::UnknownId {
+            .ok_or(super::TextError::UnknownId {
                 id,
                 vocab_size: self.tokenizer.vocab_size(),
             })?;

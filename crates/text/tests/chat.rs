@@ -11,11 +11,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use deltafin_model::chat::{
+use deltafin_text::chat::{
     self, AssistantMessage, ChatEvent, ChatOptions, Content, FunctionCall, Message, OutputParser,
     ParserStart, ResponseFormat, Segment, ThinkingEffort, Tool, ToolCall, ToolChoice, ToolMessage,
 };
-use deltafin_model::tokenizer::Tokenizer;
+use deltafin_text::tokenizer::Tokenizer;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
