@@ -37,7 +37,7 @@ if has kernels; then
   step "kernel_compute, 1 thread"
   [ -x bin/kernel_compute ] && RAYON_NUM_THREADS=1 timeout 120 bin/kernel_compute --json | tee "$OUT/kernel_compute.json"
   step "gemm_compute (1 and all threads)"
-  [ -x bin/gemm_compute ] && timeout 150 bin/gemm_compute | tee "$OUT/gemm_compute.txt"
+  [ -x bin/gemm_compute ] && timeout 150 bin/gemm_compute --tokens 64,1024 | tee "$OUT/gemm_compute.txt"
   step "kernel_bandwidth, 16 threads"
   [ -x bin/kernel_bandwidth ] && RAYON_NUM_THREADS=16 timeout 150 bin/kernel_bandwidth --json | tee "$OUT/kernel_bandwidth.json"
 fi

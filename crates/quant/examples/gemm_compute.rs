@@ -1,10 +1,11 @@
 //! Multi-token (prefill) products against the f32 FMA peak measured in the same run.
 //!
-//! `cargo run --release -p deltafin-quant --example gemm_compute`
+//! `cargo run --release -p deltafin-quant --example gemm_compute [-- --tokens 64,1024]`
 //!
-//! On one thread and on every thread: the FMA peak (`deltafin_quant::flops`), then bf16 `[3072, 7168]` times 64
-//! inputs through `DenseMatrix::gemm` (each weight row once, every token's product in the contract's order) and
-//! eight MXFP4 experts' `[3072, 3584]` gate matrices times 64 inputs each in one `gemm_batch` (exact f32 inputs),
+//! For each token count (default 64 and 1024), on one thread and on every thread: the FMA peak
+//! (`deltafin_quant::flops`), then bf16 `[3072, 7168]` times that many inputs through `DenseMatrix::gemm` (each
+//! weight row once, every token's product in the contract's order) and eight MXFP4 experts' `[3072, 3584]` gate
+//! matrices times that many inputs each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
 //! passes after a warm-up.
 
@@ -22,7 +23,25 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let (rows, cols, tokens) = (3072usize, 7168usize, 64usize);
+    let args: Vec<String> = std::env::args().collect();
+    let counts: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
+        Some(i) => args
+            .get(i + 1)
+            .map(|v| v.split(',').filter_map(|n| n.parse().ok()).collect())
+            .unwrap_or_default(),
+        None => vec![64, 1024],
+    };
+    if counts.is_empty() {
+        eprintln!("--tokens takes a comma-separated list of counts, e.g. 64,1024");
+        std::process::exit(2);
+    }
+    for tokens in counts {
+        run(tokens);
+    }
+}
+
+fn run(tokens: usize) {
+    let (rows, cols) = (3072usize, 7168usize);
     let bits: Vec<u16> = (0..rows * cols)
         .map(|i| 0x3c00 | ((i.wrapping_mul(2_654_435_761) >> 9) as u16 & 0x83ff))
         .collect();

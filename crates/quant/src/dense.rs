@@ -222,11 +222,11 @@ impl DenseMatrix {
                 })
                 .collect();
             let c = self.cols;
-            par_row_tiles(self.rows, t_rows, &mut y, |r0, out| {
-                let rows: Vec<&[u16]> = (r0..r0 + out.len() / t_rows)
+            par_row_tiles(self.rows, t_rows, &mut y, |r0, tokens, out| {
+                let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
                     .map(|r| row(v, r, c))
                     .collect();
-                bf16_contract::dot_tiles(&rows, &xps, out);
+                bf16_contract::dot_tiles(&rows, &xps[tokens], out);
             });
             return Ok(y);
         }
@@ -408,22 +408,45 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
 /// still give every thread several tasks.
 const TILE_ROWS_PER_TASK: usize = 32;
 
-/// Fills `y [t_rows, rows]` in parallel over blocks of [`TILE_ROWS_PER_TASK`] weight rows: `f(r0, out)` fills
-/// `out [rows_here, t_rows]` (by weight row) for rows `r0 ..`, so a kernel can take its rows and inputs in tiles.
-fn par_row_tiles(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let mut by_row = vec![0.0f32; rows * t_rows];
-    let per_task = TILE_ROWS_PER_TASK * t_rows;
-    if by_row.len() <= per_task {
-        f(0, &mut by_row);
-    } else {
-        by_row
-            .par_chunks_mut(per_task)
-            .enumerate()
-            .for_each(|(k, out)| f(k * TILE_ROWS_PER_TASK, out));
+/// Activation rows per piece of a multi-token product: a piece's inputs (64 × 28 KB at K3's width) stay in a core's
+/// L2 while every row task of the piece reads them. A task over all of a long prompt's inputs read them from L3 or
+/// memory instead, and got slower per token as prompts grew.
+pub const TOKEN_BLOCK: usize = 64;
+
+/// Fills `y [t_rows, rows]` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at most [`TOKEN_BLOCK`]
+/// inputs: `f(r0, tokens, out)` fills `out [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` and the inputs
+/// `tokens`. One threaded job for every task.
+fn par_row_tiles(
+    rows: usize,
+    t_rows: usize,
+    y: &mut [f32],
+    f: impl Fn(usize, std::ops::Range<usize>, &mut [f32]) + Sync,
+) {
+    let blocks: Vec<std::ops::Range<usize>> = (0..t_rows)
+        .step_by(TOKEN_BLOCK)
+        .map(|t0| t0..(t0 + TOKEN_BLOCK).min(t_rows))
+        .collect();
+    let mut by_block: Vec<Vec<f32>> = blocks
+        .iter()
+        .map(|b| vec![0.0f32; rows * b.len()])
+        .collect();
+    let mut tasks: Vec<(usize, std::ops::Range<usize>, &mut [f32])> = Vec::new();
+    for (b, buf) in blocks.iter().zip(by_block.iter_mut()) {
+        for (k, out) in buf.chunks_mut(TILE_ROWS_PER_TASK * b.len()).enumerate() {
+            tasks.push((k * TILE_ROWS_PER_TASK, b.clone(), out));
+        }
     }
-    for r in 0..rows {
-        for t in 0..t_rows {
-            y[t * rows + r] = by_row[r * t_rows + t];
+    if tasks.len() < 2 {
+        tasks.into_iter().for_each(|(r0, b, out)| f(r0, b, out));
+    } else {
+        tasks.into_par_iter().for_each(|(r0, b, out)| f(r0, b, out));
+    }
+    for (b, buf) in blocks.iter().zip(&by_block) {
+        let width = b.len();
+        for (r, row) in buf.chunks_exact(width).enumerate() {
+            for (t, &v) in b.clone().zip(row) {
+                y[t * rows + r] = v;
+            }
         }
     }
 }

@@ -29,6 +29,8 @@ const TILE_TOKENS: usize = 3;
 const TILE_BLOCK_CHUNKS: usize = 16;
 /// Rows per task of a tiled product: decoded, 16 rows of a K3 expert are 258 KB, which stay in L2.
 const TILE_ROWS_PER_TASK: usize = 16;
+/// Activation rows per piece of a batched product ([`crate::dense::TOKEN_BLOCK`]: a piece's inputs stay in L2).
+const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 
 /// Rows per task for `matrix` at `t_rows` activation rows: [`MXFP4_TASK_BYTES`] of work, at least one row pair;
 /// [`TILE_ROWS_PER_TASK`] where the product runs in tiles.
@@ -573,17 +575,64 @@ pub fn gemm_batch(products: &mut [Mxfp4Product<'_, '_>]) -> Result<()> {
 /// [`Mxfp4Matrix::dot_row_bf16_ref`] or [`Mxfp4Matrix::dot_row_i16_ref`]), whatever the batch, thread count or SIMD
 /// path.
 pub fn gemm_batch_with(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Result<()> {
-    // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
-    // to each other (an expert's gate and up) share one permuted copy.
-    let mut inputs: Vec<PermutedInput> = Vec::with_capacity(products.len());
-    let mut input_of = Vec::with_capacity(products.len());
-    for (i, p) in products.iter().enumerate() {
+    for p in products.iter() {
         let (m, t) = (&p.matrix, p.t_rows);
         for (expected, actual) in [(t * m.cols, p.x.len()), (t * m.rows, p.y.len())] {
             if expected != actual {
                 return Err(QuantError::BadInput { expected, actual });
             }
         }
+    }
+    if products.iter().any(|p| p.t_rows > TOKEN_BLOCK) {
+        return gemm_pieces(&mut token_blocks(products), input);
+    }
+    gemm_pieces(products, input)
+}
+
+/// Cuts every product of more than [`TOKEN_BLOCK`] activation rows into pieces of at most that many (consecutive
+/// rows of `x` and `y`), keeping the products that share an input next to each other piece by piece, so that they
+/// still share its permuted copy. Each output is computed exactly as before: only which task computes it changes.
+fn token_blocks<'q, 'a>(products: &'q mut [Mxfp4Product<'_, 'a>]) -> Vec<Mxfp4Product<'q, 'a>> {
+    let mut pieces = Vec::new();
+    let mut rest = products;
+    while !rest.is_empty() {
+        let (x, cols, t_rows) = (rest[0].x, rest[0].matrix.cols, rest[0].t_rows);
+        let n = rest
+            .iter()
+            .take_while(|p| std::ptr::eq(p.x, x) && p.matrix.cols == cols && p.t_rows == t_rows)
+            .count();
+        let (group, tail) = std::mem::take(&mut rest).split_at_mut(n);
+        rest = tail;
+        let matrices: Vec<Mxfp4Matrix<'a>> = group.iter().map(|p| p.matrix).collect();
+        let mut ys: Vec<_> = group
+            .iter_mut()
+            .map(|p| p.y.chunks_mut(TOKEN_BLOCK * p.matrix.rows.max(1)))
+            .collect();
+        for xb in x.chunks(TOKEN_BLOCK * cols.max(1)) {
+            let t = xb.len() / cols.max(1);
+            for (matrix, y) in matrices.iter().zip(ys.iter_mut()) {
+                if let Some(y) = y.next() {
+                    pieces.push(Mxfp4Product {
+                        matrix: *matrix,
+                        x: xb,
+                        t_rows: t,
+                        y,
+                    });
+                }
+            }
+        }
+    }
+    pieces
+}
+
+/// [`gemm_batch_with`] for products of at most [`TOKEN_BLOCK`] activation rows (shapes checked).
+fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Result<()> {
+    // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
+    // to each other (an expert's gate and up) share one permuted copy.
+    let mut inputs: Vec<PermutedInput> = Vec::with_capacity(products.len());
+    let mut input_of = Vec::with_capacity(products.len());
+    for (i, p) in products.iter().enumerate() {
+        let m = &p.matrix;
         let shares_last = i > 0 && {
             let prev = &products[i - 1];
             std::ptr::eq(prev.x, p.x) && prev.matrix.cols == m.cols

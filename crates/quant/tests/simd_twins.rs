@@ -128,23 +128,28 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
     let (rows, cols) = (300, 97);
     let w = randn(&mut r, rows * cols);
     let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let x = randn(&mut r, 5 * cols);
     let f32m = DenseMatrix::new(rows, cols, DenseData::F32(w)).expect("shape");
-    for m in [
-        f32m.clone(),
-        DenseMatrix::new(rows, cols, DenseData::Bf16(wb.into())).expect("shape"),
-        f32m.to_int8(),
-    ] {
-        let fast = m.gemm(&x, 5).expect("gemm");
-        let slow = m.gemm_ref(&x, 5).expect("gemm_ref");
-        assert_eq!(
-            fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
-        // One row at a time gives the same bits as the batch.
-        for t in 0..5 {
-            let one = m.gemm(&x[t * cols..(t + 1) * cols], 1).expect("gemm");
-            assert_eq!(one, fast[t * rows..(t + 1) * rows].to_vec(), "row {t}");
+    // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial.
+    const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
+    for t_rows in [5, 150] {
+        let x = randn(&mut r, t_rows * cols);
+        for m in [
+            f32m.clone(),
+            DenseMatrix::new(rows, cols, DenseData::Bf16(wb.clone().into())).expect("shape"),
+            f32m.to_int8(),
+        ] {
+            let fast = m.gemm(&x, t_rows).expect("gemm");
+            let slow = m.gemm_ref(&x, t_rows).expect("gemm_ref");
+            assert_eq!(
+                fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{t_rows} inputs"
+            );
+            // One row at a time gives the same bits as the batch.
+            for t in 0..t_rows {
+                let one = m.gemm(&x[t * cols..(t + 1) * cols], 1).expect("gemm");
+                assert_eq!(one, fast[t * rows..(t + 1) * rows].to_vec(), "row {t}");
+            }
         }
     }
 }
@@ -294,6 +299,8 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
         (129, 384, 5),
         (40, 3584, 9),
         (64, 32, 0),
+        // More inputs than a token block (`dense::TOKEN_BLOCK`): cut into pieces, the last one partial.
+        (48, 160, 150),
     ];
     let data: Vec<_> = shapes
         .iter()
@@ -521,6 +528,54 @@ fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
         |_| {},
         |m, row, x| m.dot_row_bf16_ref(row, x),
     );
+}
+
+/// Two products over one input (an expert's gate and up) with more inputs than a token block, in every input mode:
+/// cut into pieces that still share the permuted input, each output bit-identical to its contract's twin.
+#[test]
+fn long_products_sharing_an_input_match_twin() {
+    let mut r = rng();
+    let (rows, cols, t_rows) = (40, 384, 137);
+    let (p0, s0) = random_mxfp4(&mut r, rows, cols, &[0, 126, 127, 131, 254]);
+    let (p1, s1) = random_mxfp4(&mut r, rows, cols, &[124, 125, 126, 127, 128, 129]);
+    let xs = randn(&mut r, t_rows * cols);
+    for input in [Mxfp4Input::F32, Mxfp4Input::Bf16, Mxfp4Input::I16] {
+        let (mut y0, mut y1) = (vec![f32::NAN; t_rows * rows], vec![f32::NAN; t_rows * rows]);
+        let m0 = Mxfp4Matrix::new(&p0, &s0, rows, cols).expect("valid");
+        let m1 = Mxfp4Matrix::new(&p1, &s1, rows, cols).expect("valid");
+        let mut products = [
+            Mxfp4Product {
+                matrix: m0,
+                x: &xs,
+                t_rows,
+                y: &mut y0,
+            },
+            Mxfp4Product {
+                matrix: m1,
+                x: &xs,
+                t_rows,
+                y: &mut y1,
+            },
+        ];
+        gemm_batch_with(&mut products, input).expect("gemm");
+        for (m, y) in [(m0, &y0), (m1, &y1)] {
+            for t in 0..t_rows {
+                let x = &xs[t * cols..(t + 1) * cols];
+                for row in 0..rows {
+                    let b = match input {
+                        Mxfp4Input::F32 => m.dot_row_ref(row, x),
+                        Mxfp4Input::Bf16 => m.dot_row_bf16_ref(row, x),
+                        Mxfp4Input::I16 => m.dot_row_i16_ref(row, x),
+                    };
+                    let a = y[t * rows + row];
+                    assert!(
+                        a.to_bits() == b.to_bits(),
+                        "{input} t {t} row {row}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Every shape and batch of `gemm_batch_with(.., input)` on edge inputs (after `edit`) against `twin`, bit for bit
