@@ -1019,8 +1019,13 @@ fn bf16_rows_match_their_twin_on_every_kernel_set() {
                 // SAFETY: each kernel runs only where its features are detected; `xp` is the padded input.
                 unsafe {
                     if has_avx512() {
-                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp)[0]));
-                        got.push(("avx512 pair", avx512::bf16_rows::<2>([w, w], &xp)[0]));
+                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp, 0)[0]));
+                        got.push(("avx512 pair", avx512::bf16_rows::<2>([w, w], &xp, 0)[0]));
+                        // Prefetching ahead (as on many cores) changes no bit.
+                        got.push((
+                            "avx512 prefetched",
+                            avx512::bf16_rows::<2>([w, w], &xp, 16 << 10)[1],
+                        ));
                     }
                     if has_avx2_fma() {
                         got.push(("avx2", avx2::bf16_rows::<1>([w], &xp)[0]));
