@@ -160,9 +160,18 @@ fn checked_object(
     Ok(object)
 }
 
-/// Deserializes a checked object, naming the path of the first type error.
+/// Deserializes a checked request object, naming the path of the first type error. The shared sampling fields
+/// are flattened into each request, and serde loses the path inside a flattened struct, so they are checked on
+/// their own first.
 fn typed<T: DeserializeOwned>(object: Map<String, Value>) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(Value::Object(object)).map_err(|e| {
+    let object = Value::Object(object);
+    with_path::<SamplingFields>(&object)?;
+    with_path(&object)
+}
+
+/// Deserializes `value` as a `T`, naming the path of the first type error.
+fn with_path<T: DeserializeOwned>(value: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
         if path == "." {
@@ -220,8 +229,8 @@ impl StopField {
     }
 }
 
-/// The sampling and length fields both endpoints share.
-#[derive(Debug, Clone, Default)]
+/// The sampling and length fields both endpoints share (flattened into each request).
+#[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
     /// `max_tokens`.
     pub max_tokens: Option<u64>,
@@ -237,20 +246,6 @@ pub struct SamplingFields {
     pub seed: Option<i64>,
 }
 
-/// Copies the shared sampling fields out of a request struct that has them all.
-macro_rules! sampling_fields {
-    ($request:expr) => {
-        SamplingFields {
-            max_tokens: $request.max_tokens,
-            stop: $request.stop.clone(),
-            temperature: $request.temperature,
-            top_p: $request.top_p,
-            top_k: $request.top_k,
-            seed: $request.seed,
-        }
-    };
-}
-
 /// A `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatRequest {
@@ -264,18 +259,9 @@ pub struct ChatRequest {
     pub stream_options: Option<StreamOptions>,
     /// Newer name of `max_tokens`; wins when both are given.
     pub max_completion_tokens: Option<u64>,
-    /// `max_tokens`.
-    pub max_tokens: Option<u64>,
-    /// `stop`.
-    pub stop: Option<StopField>,
-    /// `temperature` (default 0: greedy, as the engine).
-    pub temperature: Option<f32>,
-    /// `top_p`.
-    pub top_p: Option<f32>,
-    /// `top_k` (an extension; 0 = off).
-    pub top_k: Option<u64>,
-    /// `seed`.
-    pub seed: Option<i64>,
+    /// `max_tokens`, `stop`, `temperature`, `top_p`, `top_k`, `seed`.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// Tools the model may call.
     pub tools: Option<Vec<Tool>>,
     /// `auto`, `required` or `none`.
@@ -358,18 +344,9 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// `max_tokens`.
-    pub max_tokens: Option<u64>,
-    /// `stop`.
-    pub stop: Option<StopField>,
-    /// `temperature` (default 0: greedy, as the engine).
-    pub temperature: Option<f32>,
-    /// `top_p`.
-    pub top_p: Option<f32>,
-    /// `top_k` (an extension; 0 = off).
-    pub top_k: Option<u64>,
-    /// `seed`.
-    pub seed: Option<i64>,
+    /// `max_tokens`, `stop`, `temperature`, `top_p`, `top_k`, `seed`.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// Return the prompt's and the answer's token ids (vLLM's extension).
     pub return_token_ids: Option<bool>,
     /// Return each answer token's log-probability and this many most likely alternatives (0 to 20; `false` =
@@ -380,7 +357,7 @@ pub struct CompletionRequest {
 impl ChatRequest {
     /// The sampling and length fields.
     pub fn sampling(&self) -> SamplingFields {
-        sampling_fields!(self)
+        self.sampling.clone()
     }
 
     /// `Some(n)`: log-probabilities with `n` alternatives per token; checked against OpenAI's rules.
@@ -409,7 +386,7 @@ impl ChatRequest {
 impl CompletionRequest {
     /// The sampling and length fields.
     pub fn sampling(&self) -> SamplingFields {
-        sampling_fields!(self)
+        self.sampling.clone()
     }
 
     /// `Some(n)`: log-probabilities with `n` alternatives per token (`logprobs: n`; `false` means none).

@@ -184,7 +184,9 @@ async fn chat_completions(
     let request = api::parse_chat(&body)?;
     check_model(&state, &request.model)?;
     let options = chat_options(&request)?;
-    let max_tokens = request.max_completion_tokens.or(request.max_tokens);
+    let max_tokens = request
+        .max_completion_tokens
+        .or(request.sampling.max_tokens);
     let mut generate = generate_options(
         &state,
         &request.sampling(),

@@ -257,6 +257,14 @@ impl Moe {
                 }
             }
         }
+        let y = self.tail(combined, t_len, shared)?;
+        profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
+        Ok(y)
+    }
+
+    /// What follows the combine on every device: `[t_len, width]` combined expert outputs through the latent norm
+    /// and up-projection (latent MoE), plus the shared experts' output.
+    fn tail(&self, combined: Vec<f32>, t_len: usize, shared: Option<Tensor>) -> Result<Tensor> {
         let mut y = tensor(combined, t_len, self.width)?;
         if let Some(l) = &self.latent {
             if let Some(n) = &l.norm {
@@ -267,7 +275,6 @@ impl Moe {
         if let Some(s) = shared {
             y = (y + s)?;
         }
-        profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
         Ok(y)
     }
 
@@ -291,17 +298,7 @@ impl Moe {
         else {
             return Ok(None);
         };
-        let mut y = tensor(combined, t_len, self.width)?;
-        if let Some(l) = &self.latent {
-            if let Some(n) = &l.norm {
-                y = rms_norm(&y, n, self.eps)?;
-            }
-            y = linear(&y, &l.up)?;
-        }
-        if let Some(s) = shared {
-            y = (y + s)?;
-        }
-        Ok(Some(y))
+        self.tail(combined, t_len, shared).map(Some)
     }
 
     /// Applies each expert `(e, rows, weights)` of `batch` to its rows (each `width` long):

@@ -33,56 +33,40 @@ const SOURCES: [(&str, &str); 4] = [
     ),
 ];
 
-/// Every kernel entry point of [`SOURCES`].
-pub(crate) const KERNELS: [&str; 24] = [
-    "moe_mma_gate_up_t1_m2",
-    "moe_mma_down_t1_m2",
-    "moe_mma_gate_up_t2_m2",
-    "moe_mma_down_t2_m2",
-    "moe_mma_gate_up_t4_m2",
-    "moe_mma_down_t4_m2",
-    "moe_mma_gate_up_t1_m2_s4",
-    "moe_mma_down_t1_m2_s4",
-    "moe_mma_gate_up_t1_m2_nohint",
-    "moe_mma_down_t1_m2_nohint",
-    "moe_gate_up_t1",
-    "moe_gate_up_t2",
-    "moe_gate_up_t4",
-    "moe_gate_up_t8",
-    "moe_down_t1",
-    "moe_down_t2",
-    "moe_down_t4",
-    "moe_down_t8",
-    "moe_combine",
-    "dense_gemm_f32",
-    "dense_gemm_bf16",
-    "copy16",
-    "kda_recurrent",
-    "mla_attend",
+/// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
+/// shared memory (its opt-in limit is raised at load).
+pub(crate) const KERNELS: [(&str, bool); 24] = [
+    ("moe_mma_gate_up_t1_m2", true),
+    ("moe_mma_down_t1_m2", true),
+    ("moe_mma_gate_up_t2_m2", true),
+    ("moe_mma_down_t2_m2", true),
+    ("moe_mma_gate_up_t4_m2", true),
+    ("moe_mma_down_t4_m2", true),
+    ("moe_mma_gate_up_t1_m2_s4", true),
+    ("moe_mma_down_t1_m2_s4", true),
+    ("moe_mma_gate_up_t1_m2_nohint", true),
+    ("moe_mma_down_t1_m2_nohint", true),
+    ("moe_gate_up_t1", true),
+    ("moe_gate_up_t2", true),
+    ("moe_gate_up_t4", true),
+    ("moe_gate_up_t8", true),
+    ("moe_down_t1", true),
+    ("moe_down_t2", true),
+    ("moe_down_t4", true),
+    ("moe_down_t8", true),
+    ("moe_combine", false),
+    ("dense_gemm_f32", false),
+    ("dense_gemm_bf16", false),
+    ("copy16", false),
+    ("kda_recurrent", true),
+    ("mla_attend", false),
 ];
 
-/// Kernels that take more than the default 48 KiB of dynamic shared memory.
-pub(crate) const BIG_SMEM_KERNELS: [&str; 19] = [
-    "moe_mma_gate_up_t1_m2",
-    "moe_mma_down_t1_m2",
-    "moe_mma_gate_up_t2_m2",
-    "moe_mma_down_t2_m2",
-    "moe_mma_gate_up_t4_m2",
-    "moe_mma_down_t4_m2",
-    "moe_mma_gate_up_t1_m2_s4",
-    "moe_mma_down_t1_m2_s4",
-    "moe_mma_gate_up_t1_m2_nohint",
-    "moe_mma_down_t1_m2_nohint",
-    "moe_gate_up_t1",
-    "moe_gate_up_t2",
-    "moe_gate_up_t4",
-    "moe_gate_up_t8",
-    "moe_down_t1",
-    "moe_down_t2",
-    "moe_down_t4",
-    "moe_down_t8",
-    "kda_recurrent",
-];
+/// Whether `name` is an entry point of [`KERNELS`] that takes more than 48 KiB of shared memory.
+#[cfg(test)]
+pub(crate) fn is_big_smem_kernel(name: &str) -> bool {
+    KERNELS.iter().any(|&(n, big)| n == name && big)
+}
 
 /// The source text NVRTC compiles (all of `kernels/`, in order).
 pub fn kernel_source() -> String {
@@ -196,11 +180,11 @@ impl Gpu {
             .load_module(ptx)
             .map_err(|e| driver_err("loading the kernel module", e))?;
         let mut functions = HashMap::new();
-        for name in KERNELS {
+        for (name, big_smem) in KERNELS {
             let f = module
                 .load_function(name)
                 .map_err(|e| driver_err(&format!("kernel {name}"), e))?;
-            if BIG_SMEM_KERNELS.contains(&name) {
+            if big_smem {
                 // The opt-in limit covers static and dynamic shared memory together.
                 let static_smem = f.shared_size_bytes().unwrap_or(0).max(0) as usize;
                 f.set_attribute(
@@ -340,7 +324,7 @@ mod tests {
             Ok(p) => p.to_src(),
             Err(e) => panic!("NVRTC failed: {e:?}"),
         };
-        for name in KERNELS {
+        for (name, _) in KERNELS {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),
                 "kernel {name} missing"
