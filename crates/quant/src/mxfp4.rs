@@ -15,7 +15,7 @@ use crate::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract};
 
 /// Weight bytes (codes and scales, times the activation rows) one task of a threaded product multiplies: about
 /// 240 rows of a K3 expert at one activation row, as much as a dense int8 task (`crate::dense`). Tasks of 16 rows
-/// read batched experts more slowly when memory is fast (`docs/performance-log.md`, sixth round).
+/// read batched experts more slowly when memory is fast (`docs/performance-log.md`).
 const MXFP4_TASK_BYTES: usize = 448 << 10;
 
 /// Inputs from which a product runs in tiles on AVX-512 (`Mxfp4Matrix::rows_f32_tiles`): with fewer, decoding each

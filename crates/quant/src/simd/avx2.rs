@@ -25,7 +25,7 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
 
 /// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of the `len` bytes at `p`, a streaming kernel's weights (a
 /// hint: it never faults). The AVX-512 kernels read the same way; without a software prefetch the hardware
-/// prefetchers keep too few lines in flight on this project's machine (`docs/performance-log.md`, fifth round).
+/// prefetchers keep too few lines in flight on this project's machine (`docs/performance-log.md`).
 #[inline]
 #[target_feature(enable = "avx2")]
 fn prefetch_ahead<T>(p: *const T, len: usize) {

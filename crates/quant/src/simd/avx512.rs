@@ -2,7 +2,7 @@
 //! its scalar twin's contract exactly: [`crate::dot`] for f32 rows (one 16-lane register holds two of the
 //! contract's 8-lane accumulators), [`crate::bf16_contract`] for bf16 rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`],
 //! [`crate::mxfp4_bf16_contract`] and [`crate::mxfp4_i16_contract`] for MXFP4 rows. Two rows are computed per call
-//! so they share the input's loads (four were slower for every MXFP4 contract: `docs/performance-log.md`, seventh round).
+//! so they share the input's loads (four were slower for every MXFP4 contract: `docs/performance-log.md`).
 
 use std::arch::x86_64::*;
 
@@ -57,17 +57,17 @@ fn finish(a01: __m512, a23: __m512, w: &[f32], x: &[f32], full: usize) -> f32 {
 /// at the pair's pace, `PREFETCH_BYTES` ahead of that reader: the memory system sees one sequential stream that
 /// runs on into the next pairs, and every line is asked for once. A prefetch per row at its own read point (two
 /// interleaved streams) fed the same kernels 10–15% slower whenever memory was the limit, and 12, 24 or 32 KiB
-/// instead of 16 were no better (`docs/performance-log.md`, fifth round).
+/// instead of 16 were no better (`docs/performance-log.md`).
 pub(crate) const PREFETCH_BYTES: usize = 16 << 10;
 
 /// [`PREFETCH_BYTES`] for the two-row MXFP4 kernels, whose rows are short (1792 bytes for K3's experts) and whose
 /// arithmetic is heavier per byte: 8 KiB ahead fed them best at both memory speeds of the test machine, 4 KiB about
-/// as well, 12–32 KiB a few per cent worse (`docs/performance-log.md`, fifth and sixth rounds).
+/// as well, 12–32 KiB a few per cent worse (`docs/performance-log.md`).
 pub(crate) const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 
 /// How many rows ahead the MXFP4 kernels prefetch the rows' scales, which lie apart from the codes, out of reach of
 /// the codes' prefetch: read on demand they cost the bf16- and int16-input kernels about 3% of their rate from
-/// memory (`docs/performance-log.md`, seventh round). For a K3 expert that is 1.8 KB of scales, read while the kernels
+/// memory (`docs/performance-log.md`). For a K3 expert that is 1.8 KB of scales, read while the kernels
 /// go through 28 KB of codes.
 const SCALE_LEAD_ROWS: usize = 16;
 
@@ -676,7 +676,7 @@ pub unsafe fn mxfp4_dot_rows<const R: usize>(rows: [(&[u8], &[u8]); R], xp: &[f3
         mxfp4_rows(rows, xp.len() / CHUNK, |c, words| {
             // Every row decoded before any is summed: in this order the two-row kernel computes 5–7% faster than
             // decoding and summing row by row, and faster than with the rows' FMA chains interleaved
-            // (`examples/kernel_compute.rs`; docs/performance-log.md, seventh round).
+            // (`examples/kernel_compute.rs`; docs/performance-log.md).
             let mut decoded = [[_mm512_setzero_ps(); 8]; R];
             for (d, w) in decoded.iter_mut().zip(words) {
                 *d = decode(w, table);
