@@ -517,6 +517,66 @@ fn edge_inputs(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     x
 }
 
+/// The tile kernel keeps each pair's even and odd accumulators apart by the chunk's parity: blocks of chunks that
+/// start on an odd chunk, end on one, or hold one chunk must give the twin's bits too.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_tiles_match_twin_for_any_chunk_blocks() {
+    use deltafin_quant::mxfp4_contract::{CHUNK, dot_row_ref, permute_input};
+    use deltafin_quant::simd::avx512::{
+        Bf16Acc, DECODED_CHUNK, bf16_finish, mxfp4_decode_rows, mxfp4_tile,
+    };
+    let present = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("fma");
+    if !cpu_has_or_skip("avx512", present) {
+        return;
+    }
+    let mut r = rng();
+    let cols: usize = 3616; // 29 chunks, the last one partial
+    let n_chunks = cols.div_ceil(CHUNK);
+    let (packed, s) = random_mxfp4(&mut r, 2, cols, &[124, 125, 126, 127, 128, 129]);
+    let row = |i: usize| {
+        (
+            &packed[i * cols / 2..(i + 1) * cols / 2],
+            &s[i * cols / 32..(i + 1) * cols / 32],
+        )
+    };
+    let xps: Vec<Vec<f32>> = (0..3)
+        .map(|_| permute_input(&randn(&mut r, cols)))
+        .collect();
+    let mut decoded = vec![0.0f32; 2 * n_chunks * DECODED_CHUNK];
+    // SAFETY: AVX-512F/BW detected; `decoded` holds both rows' chunks.
+    unsafe { mxfp4_decode_rows(&[row(0), row(1)], n_chunks, &mut decoded) };
+    let (d0, d1) = decoded.split_at(n_chunks * DECODED_CHUNK);
+    for bounds in [
+        &[0, 29][..],
+        &[0, 5, 29],
+        &[0, 1, 2, 3, 16, 28, 29],
+        &[0, 4, 7, 12, 29],
+    ] {
+        // SAFETY: an all-zero bit pattern is a valid vector.
+        let mut acc: Vec<Bf16Acc> = vec![unsafe { std::mem::zeroed() }; 2 * 3];
+        for span in bounds.windows(2) {
+            let xs: [&[f32]; 3] = std::array::from_fn(|t| &xps[t][..]);
+            // SAFETY: features detected; decoded rows of 29 chunks, inputs of 29 · 128 values, 6 accumulators.
+            unsafe { mxfp4_tile::<2, 3>([d0, d1], xs, (span[0], span[1]), &mut acc, 3) };
+        }
+        for i in 0..2 {
+            for (t, xp) in xps.iter().enumerate() {
+                // SAFETY: AVX-512F detected.
+                let got = unsafe { bf16_finish(&acc[i * 3 + t]) };
+                let want = dot_row_ref(row(i).0, row(i).1, xp);
+                assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "blocks {bounds:?} row {i} input {t}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn mxfp4_bf16_input_matches_twin_for_every_shape_and_batch() {
     exercised(

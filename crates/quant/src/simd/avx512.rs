@@ -742,9 +742,14 @@ pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
     acc: &mut [Bf16Acc],
     stride: usize,
 ) {
-    let mut a: [[[__m512; 2]; T]; R] =
-        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t]));
-    for c in c0..c1 {
+    // The even and odd accumulators apart, so that no vector is picked by a run-time index (`acc[c % 2]` kept
+    // them on the stack, stored and reloaded every chunk; `docs/performance-log.md`).
+    let mut even: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][0]));
+    let mut odd: [[__m512; T]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][1]));
+    // Chunk c's `te + to` of every pair, scaled into `into`.
+    let step = |c: usize, into: &mut [[__m512; T]; R]| {
         // SAFETY (caller): chunk c of every decoded row and every input lies in it.
         unsafe {
             let w = rows.map(|p| p.as_ptr().add(c * DECODED_CHUNK));
@@ -774,14 +779,27 @@ pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
                 let scale = _mm512_loadu_ps(w[r].add(CHUNK));
                 for t in 0..T {
                     let sum = _mm512_add_ps(te[r][t], to[r][t]);
-                    a[r][t][c % 2] = _mm512_fmadd_ps(sum, scale, a[r][t][c % 2]);
+                    into[r][t] = _mm512_fmadd_ps(sum, scale, into[r][t]);
                 }
             }
         }
+    };
+    let mut c = c0;
+    if c < c1 && c % 2 == 1 {
+        step(c, &mut odd);
+        c += 1;
+    }
+    while c + 1 < c1 {
+        step(c, &mut even);
+        step(c + 1, &mut odd);
+        c += 2;
+    }
+    if c < c1 {
+        step(c, &mut even);
     }
     for r in 0..R {
         for t in 0..T {
-            acc[r * stride + t] = a[r][t];
+            acc[r * stride + t] = [even[r][t], odd[r][t]];
         }
     }
 }
