@@ -571,16 +571,74 @@ pub unsafe fn mxfp4_row_multi(
     xp_len: usize,
     out: &mut [f32],
 ) {
+    // SAFETY (each arm): every input holds `xp_len / CHUNK` whole chunks (the caller's lengths); features as
+    // required.
+    match out.len() {
+        2 => unsafe { mxfp4_row_fixed::<2>((packed, scales), xps, xp_len, out) },
+        3 => unsafe { mxfp4_row_fixed::<3>((packed, scales), xps, xp_len, out) },
+        _ => {
+            let table = e2m1_table();
+            unsafe {
+                mxfp4_one_row(
+                    (packed, scales),
+                    xp_len / CHUNK,
+                    out,
+                    |words| decode(words, table),
+                    |w, t, c| chunk_sum(w, xps.as_ptr().add(t * xp_len + c * CHUNK)),
+                )
+            }
+        }
+    }
+}
+
+/// [`mxfp4_row_multi`] for exactly `T` inputs, with every input's even and odd accumulators in registers (the chunks
+/// walked in pairs, so no accumulator is picked by a run-time index).
+///
+/// # Safety
+/// As [`mxfp4_row_multi`], with `out.len() == T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn mxfp4_row_fixed<const T: usize>(
+    (packed, scales): (&[u8], &[u8]),
+    xps: &[f32],
+    xp_len: usize,
+    out: &mut [f32],
+) {
     let table = e2m1_table();
-    // SAFETY: every input holds `xp_len / CHUNK` whole chunks (the caller's lengths); features as required.
-    unsafe {
-        mxfp4_one_row(
-            (packed, scales),
-            xp_len / CHUNK,
-            out,
-            |words| decode(words, table),
-            |w, t, c| chunk_sum(w, xps.as_ptr().add(t * xp_len + c * CHUNK)),
-        )
+    let n_chunks = xp_len / CHUNK;
+    let z = _mm512_setzero_ps();
+    let (mut even, mut odd) = ([z; T], [z; T]);
+    // Chunk c's sums against every input, scaled into `into`.
+    let step = |c: usize, s16: __m512, into: &mut [__m512; T]| {
+        let scale = chunk_scale(s16, c % 4);
+        // SAFETY (caller): chunk c of the row (masked at its end) and of every input.
+        unsafe {
+            let w = decode(chunk_words(packed, c), table);
+            for (t, a) in into.iter_mut().enumerate() {
+                let sum = chunk_sum(&w, xps.as_ptr().add(t * xp_len + c * CHUNK));
+                *a = _mm512_fmadd_ps(sum, scale, *a);
+            }
+        }
+    };
+    let (mut c, mut s16) = (0, z);
+    while c < n_chunks {
+        // The scales of chunks c .. c + 4, loaded at every fourth chunk; c and c + 1 share them (c is even).
+        if c % 4 == 0 {
+            s16 = if c * 4 + 16 <= scales.len() {
+                // SAFETY: the sixteen scale bytes from group c · 4 lie in the row.
+                unsafe { scales16_at(scales.as_ptr().add(c * 4)) }
+            } else {
+                scales16(scales, c * 4)
+            };
+        }
+        step(c, s16, &mut even);
+        if c + 1 < n_chunks {
+            step(c + 1, s16, &mut odd);
+        }
+        c += 2;
+    }
+    for (o, (e, d)) in out.iter_mut().zip(even.iter().zip(&odd)) {
+        *o = reduce16(*e, *d);
     }
 }
 
