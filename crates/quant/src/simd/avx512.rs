@@ -386,12 +386,17 @@ fn e2m1_table() -> __m512i {
     unsafe { _mm512_loadu_si512(both.as_ptr() as *const _) }
 }
 
-/// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact. For a row's partial end; whole
-/// blocks use [`scales16_at`], which has no copy path (a copy's call made the compiler keep the two-row driver's
-/// accumulators on the stack around every block).
+/// The multipliers of groups `g0 .. g0 + 16` of a row (1.0 past its end), exact: straight from the row where all
+/// sixteen are in it, through a padded copy at its end. The two-row driver's whole blocks call [`scales16_at`]
+/// themselves, with no copy path in the loop (a copy's call made the compiler keep that driver's accumulators on
+/// the stack around every block).
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn scales16(scales: &[u8], g0: usize) -> __m512 {
+    if let Some(whole) = scales.get(g0..g0 + 16) {
+        // SAFETY: `whole` holds 16 bytes.
+        return unsafe { scales16_at(whole.as_ptr()) };
+    }
     let mut padded = [127u8; 16];
     let have = scales.get(g0..).unwrap_or(&[]);
     for (p, &b) in padded.iter_mut().zip(have) {
@@ -591,8 +596,28 @@ pub unsafe fn mxfp4_row_multi(
     }
 }
 
-/// [`mxfp4_row_multi`] for exactly `T` inputs, with every input's even and odd accumulators in registers (the chunks
-/// walked in pairs, so no accumulator is picked by a run-time index).
+/// Calls `step(c, odd)` for chunks `c0 .. c1` in order, `odd` being `c % 2 == 1`: the chunks go in even/odd pairs, so
+/// at every call `odd` is a constant and a kernel can keep its even and odd accumulators in registers (picking one by
+/// a run-time index, `acc[c % 2]`, kept them on the stack; `docs/performance-log.md`).
+#[inline(always)]
+fn by_parity(c0: usize, c1: usize, mut step: impl FnMut(usize, bool)) {
+    let mut c = c0;
+    if c < c1 && c % 2 == 1 {
+        step(c, true);
+        c += 1;
+    }
+    while c + 1 < c1 {
+        step(c, false);
+        step(c + 1, true);
+        c += 2;
+    }
+    if c < c1 {
+        step(c, false);
+    }
+}
+
+/// [`mxfp4_row_multi`] for exactly `T` inputs, with every input's even and odd accumulators in registers
+/// ([`by_parity`]).
 ///
 /// # Safety
 /// As [`mxfp4_row_multi`], with `out.len() == T`.
@@ -620,23 +645,14 @@ unsafe fn mxfp4_row_fixed<const T: usize>(
             }
         }
     };
-    let (mut c, mut s16) = (0, z);
-    while c < n_chunks {
-        // The scales of chunks c .. c + 4, loaded at every fourth chunk; c and c + 1 share them (c is even).
+    let mut s16 = z;
+    by_parity(0, n_chunks, |c, is_odd| {
+        // The scales of chunks c .. c + 4, loaded at every fourth chunk.
         if c % 4 == 0 {
-            s16 = if c * 4 + 16 <= scales.len() {
-                // SAFETY: the sixteen scale bytes from group c · 4 lie in the row.
-                unsafe { scales16_at(scales.as_ptr().add(c * 4)) }
-            } else {
-                scales16(scales, c * 4)
-            };
+            s16 = scales16(scales, c * 4);
         }
-        step(c, s16, &mut even);
-        if c + 1 < n_chunks {
-            step(c + 1, s16, &mut odd);
-        }
-        c += 2;
-    }
+        step(c, s16, if is_odd { &mut odd } else { &mut even });
+    });
     for (o, (e, d)) in out.iter_mut().zip(even.iter().zip(&odd)) {
         *o = reduce16(*e, *d);
     }
@@ -800,8 +816,7 @@ pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
     acc: &mut [Bf16Acc],
     stride: usize,
 ) {
-    // The even and odd accumulators apart, so that no vector is picked by a run-time index (`acc[c % 2]` kept
-    // them on the stack, stored and reloaded every chunk; `docs/performance-log.md`).
+    // The even and odd accumulators apart, for `by_parity`.
     let mut even: [[__m512; T]; R] =
         std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][0]));
     let mut odd: [[__m512; T]; R] =
@@ -842,19 +857,9 @@ pub unsafe fn mxfp4_tile<const R: usize, const T: usize>(
             }
         }
     };
-    let mut c = c0;
-    if c < c1 && c % 2 == 1 {
-        step(c, &mut odd);
-        c += 1;
-    }
-    while c + 1 < c1 {
-        step(c, &mut even);
-        step(c + 1, &mut odd);
-        c += 2;
-    }
-    if c < c1 {
-        step(c, &mut even);
-    }
+    by_parity(c0, c1, |c, is_odd| {
+        step(c, if is_odd { &mut odd } else { &mut even })
+    });
     for r in 0..R {
         for t in 0..T {
             acc[r * stride + t] = [even[r][t], odd[r][t]];
