@@ -676,3 +676,210 @@ MOE_MMA_ENTRY(4, 2, MMA_STAGES, true, )
 // Measurement variants at one token: four ring stages; no L2 prefetch hint.
 MOE_MMA_ENTRY(1, 2, 4, true, _s4)
 MOE_MMA_ENTRY(1, 2, MMA_STAGES, false, _nohint)
+
+// ---------------------------------------------------------------------------------------------------------------
+// Many tokens per expert (prefill passes, speculative verification): the same exact products as one GEMM per
+// expert on the tensor cores, tokens along the mma's n dimension, so a weight is read and decoded once per tile of
+// up to 8 * NT tokens instead of once per token.
+//
+// Activations. `moe_split_hilo` scales each row by its power of two and splits it into fp16 hi/lo once (as
+// `stage_hilo`), into global memory: frag[row][group] = 8 uint4 (hi words 0..3, then lo words 0..3, each word's
+// halves in the order (0, 4, 2, 6, 1, 5, 3, 7)), and sdown[row] = 2^(14 - s_row).
+//
+// Weights. Lane (g, c) reads word c (elements 8c .. 8c + 7) of every group of rows g and g + 8, so the two k-tiles
+// of a group hold that group alone (k slots of lane c: the word's elements (0, 4, 2, 6), then (1, 5, 3, 7)) and its
+// E8M0 scale applies once the group's four mmas (hi and lo of both k-tiles) are summed. The B fragment of lane
+// (g, c) in n-tile j is token 8j + g's hi (then lo) word c of the group: eight tokens per mma, all of them useful.
+// A warp owns two row streams (gate and up of 16 rows, or 32 rows of down) and every n-tile of its token tile;
+// blocks of 4 warps; grid (row blocks, experts, token tiles).
+
+#define GEMM_WARPS 4
+#define GEMM_THREADS (GEMM_WARPS * WARP)
+
+// frag and sdown of row blockIdx.x of src ([rows, cols], cols a multiple of 128).
+extern "C" __global__ void moe_split_hilo(const float* src, int cols, float* sdown, uint4* frag) {
+    __shared__ float red[32];
+    __shared__ float s_up;
+    const int row = blockIdx.x;
+    const float* x = src + (size_t)row * cols;
+    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    float m = 0.f;
+    for (int q = threadIdx.x; q < cols; q += blockDim.x) m = fmaxf(m, fabsf(x[q]));
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float mm = 0.f;
+        for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w]);
+        int e = (__float_as_int(mm) >> 23) & 0xff;
+        int sh = mm > 0.f ? 141 - e : 0; // mm * 2^sh in [2^14, 2^15), as stage_hilo
+        sh = max(-112, min(126, sh));
+        s_up = __int_as_float((127 + sh) << 23);
+        sdown[row] = __int_as_float((141 - sh) << 23);
+    }
+    __syncthreads();
+    const float f = s_up;
+    uint4* out = frag + (size_t)row * (cols / GROUP) * 8;
+    for (int w = threadIdx.x; w < cols / 8; w += blockDim.x) {
+        const float4* p = (const float4*)(x + (size_t)w * 8);
+        float4 a = p[0], b = p[1];
+        float v[8] = {a.x * f, a.y * f, a.z * f, a.w * f, b.x * f, b.y * f, b.z * f, b.w * f};
+        u32 hi[8], lo[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            hi[k] = f32_to_f16(v[k]);
+            lo[k] = f32_to_f16(v[k] - half_lo(hi[k]));
+        }
+        int grp = w >> 2, q = w & 3;
+        out[grp * 8 + q] = make_uint4(hi[0] | (hi[4] << 16), hi[2] | (hi[6] << 16), hi[1] | (hi[5] << 16),
+                                      hi[3] | (hi[7] << 16));
+        out[grp * 8 + 4 + q] = make_uint4(lo[0] | (lo[4] << 16), lo[2] | (lo[6] << 16), lo[1] | (lo[5] << 16),
+                                          lo[3] | (lo[7] << 16));
+    }
+}
+
+// Loads this lane's weight words and scale words of group batch b (groups 4b .. 4b + 3).
+__device__ __forceinline__ void gemm_load(const u32* const wp[2][2], const u32* const sp[2][2], int b,
+                                          u32 w[2][2][4], u32 e[2][2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            e[i][r] = __ldg(sp[i][r] + b);
+#pragma unroll
+            for (int q = 0; q < 4; q++) w[i][r][q] = __ldg(wp[i][r] + (4 * b + q) * 4);
+        }
+}
+
+// GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the split input
+// rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128.
+template <int NT, bool GATE_UP>
+__device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
+                              float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
+    const ExpertSlot& s = tab.s[blockIdx.y];
+    const int t0 = blockIdx.z * NT * 8;
+    if (t0 >= s.n_rows) return;
+    const int count = min(NT * 8, s.n_rows - t0);
+    const int cols = GATE_UP ? width : inter;
+    const int nrows = GATE_UP ? inter : width;
+    const int groups = cols / GROUP, rowbytes = cols / 2;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int g = lane >> 2, c = lane & 3;
+    const int row0 = (blockIdx.x * GEMM_WARPS + warp) * (GATE_UP ? 16 : 32);
+
+    // Streams: gate/up = (W1, W3) on rows row0 .. row0 + 16; down = W2 on row0 .. + 16 and row0 + 16 .. + 32.
+    // Rows past the end read the last row and are not stored.
+    const u32* wp[2][2];
+    const u32* sp[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u8* mat = (const u8*)(GATE_UP ? (i ? s.w3 : s.w1) : s.w2);
+        const u8* sc = (const u8*)(GATE_UP ? (i ? s.s3 : s.s1) : s.s2);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            size_t row = (size_t)min(row0 + (GATE_UP ? 0 : 16 * i) + g + 8 * r, nrows - 1);
+            wp[i][r] = (const u32*)(mat + row * rowbytes) + c;
+            sp[i][r] = (const u32*)(sc + row * groups);
+        }
+    }
+    // This lane's B rows: token 8j + g of the tile (clamped to the last one; its results are not stored).
+    const uint4* bp[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        int p = s.pair0 + t0 + min(8 * j + g, count - 1);
+        int xr = GATE_UP ? pair_row[p] : p;
+        bp[j] = frag + (size_t)xr * groups * 8 + c;
+    }
+    const int live = (count + 7) / 8;
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
+
+    const int nb = groups / 4;
+    u32 w[2][2][4], e[2][2];
+    gemm_load(wp, sp, 0, w, e);
+    for (int b = 0; b < nb; b++) {
+        u32 wn[2][2][4], en[2][2];
+        gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int grp = 4 * b + q;
+            u32 h[2][2][4];
+            float sc[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    decode_h2(w[i][r][q], h[i][r]);
+                    sc[i][r] = e8m0((e[i][r] >> (8 * q)) & 0xffu);
+                }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                if (j >= live) break;
+                uint4 bh = __ldg(bp[j] + grp * 8), bl = __ldg(bp[j] + grp * 8 + 4);
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float d[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma16816(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
+                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
+                    mma16816(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
+                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
+                    acc[i][j][0] = fmaf(sc[i][0], d[0], acc[i][j][0]);
+                    acc[i][j][1] = fmaf(sc[i][0], d[1], acc[i][j][1]);
+                    acc[i][j][2] = fmaf(sc[i][1], d[2], acc[i][j][2]);
+                    acc[i][j][3] = fmaf(sc[i][1], d[3], acc[i][j][3]);
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                e[i][r] = en[i][r];
+#pragma unroll
+                for (int q = 0; q < 4; q++) w[i][r][q] = wn[i][r][q];
+            }
+    }
+
+    // Accumulator k of n-tile j: row g + 8 (k >> 1), token 8j + 2c + (k & 1).
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int t = 8 * j + 2 * c + (k & 1);
+            if (t >= count) continue;
+            int p = s.pair0 + t0 + t;
+            float sd = sdown[GATE_UP ? pair_row[p] : p];
+            int row = row0 + g + 8 * (k >> 1);
+            if (GATE_UP) {
+                if (row < nrows)
+                    dst[(size_t)p * inter + row] = glu(act_kind, beta, lin_beta, acc[0][j][k] * sd, acc[1][j][k] * sd);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    if (row + 16 * i < nrows) dst[(size_t)p * width + row + 16 * i] = acc[i][j][k] * sd;
+            }
+        }
+}
+
+#define MOE_GEMM_ENTRY(NT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 3) moe_gemm_gate_up_n##NT(                       \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
+        moe_gemm_impl<NT, true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 3)                                               \
+        moe_gemm_down_n##NT(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown,       \
+                            float* y, int width, int inter) {                                                  \
+        moe_gemm_impl<NT, false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                            \
+    }
+
+MOE_GEMM_ENTRY(1)
+MOE_GEMM_ENTRY(2)
+MOE_GEMM_ENTRY(4)
+MOE_GEMM_ENTRY(8)

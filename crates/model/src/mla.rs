@@ -108,6 +108,12 @@ impl Mla {
             )?),
             None => None,
         };
+        // With the absorbed attention on the GPU the host keeps no copy of its matrices.
+        #[cfg(feature = "cuda")]
+        if gpu.is_some() {
+            w_uk_t = Vec::new();
+            w_uv = Vec::new();
+        }
         Ok(Self {
             #[cfg(feature = "cuda")]
             gpu,

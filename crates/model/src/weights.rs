@@ -265,6 +265,11 @@ pub trait ExpertSource: Send + Sync {
     }
 }
 
+/// Matrices the host reads by rows even when the model runs on CUDA: the embedding first (never uploaded), then
+/// KDA's low-rank decay projection (uploaded, host values kept).
+#[cfg(feature = "cuda")]
+const HOST_READ_BY_ROWS: [&str; 2] = ["embed_tokens.weight", "f_b_proj.weight"];
+
 /// Loads weights with shape checks, naming the tensor in every error.
 pub(crate) struct Loader<'a> {
     pub src: &'a dyn WeightSource,
@@ -322,17 +327,24 @@ impl<'a> Loader<'a> {
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
         let t = self.host(name)?;
         check_shape(name, &t.shape, &[rows, cols])?;
-        let m = DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut m = DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
             name: name.to_string(),
             msg: e.to_string(),
         })?;
-        // The embedding is only ever read by rows on the host; everything else multiplies on the device.
+        // On CUDA every matrix multiplies on the device and its host values are freed once uploaded (no second
+        // copy of the spine in host RAM), except those the host reads by rows: the embedding (never uploaded) and
+        // KDA's decay projection `f_b` (a few rows per head per token, on the CPU).
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
-            && !name.ends_with("embed_tokens.weight")
+            && !name.ends_with(HOST_READ_BY_ROWS[0])
         {
-            m.attach_cuda(&g.gpu)
+            let on_device = m
+                .attach_cuda(&g.gpu)
                 .map_err(|e| ModelError::Device(format!("{name}: {e}")))?;
+            if on_device && !HOST_READ_BY_ROWS.iter().any(|s| name.ends_with(s)) {
+                m.release_host();
+            }
         }
         Ok(m)
     }

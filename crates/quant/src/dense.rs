@@ -84,6 +84,19 @@ impl DenseMatrix {
         &self.cuda
     }
 
+    /// Drops the host values, keeping the shape and the kind (the caller holds a device copy).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn release_values(&mut self) {
+        self.data = match &self.data {
+            DenseData::F32(_) => DenseData::F32(Vec::new()),
+            DenseData::Bf16(_) => DenseData::Bf16(Vec::new().into()),
+            DenseData::Int8 { .. } => DenseData::Int8 {
+                q: Vec::new().into(),
+                scales: Vec::new(),
+            },
+        };
+    }
+
     /// Rows (outputs).
     pub fn rows(&self) -> usize {
         self.rows
@@ -99,7 +112,16 @@ impl DenseMatrix {
         &self.data
     }
 
-    /// Bytes of weight storage.
+    /// Elements held on the host: `rows · cols`, or 0 once the values live only on the GPU.
+    pub fn host_len(&self) -> usize {
+        match &self.data {
+            DenseData::F32(v) => v.len(),
+            DenseData::Bf16(v) => v.len(),
+            DenseData::Int8 { q, .. } => q.len(),
+        }
+    }
+
+    /// Bytes of weight storage on the host.
     pub fn nbytes(&self) -> usize {
         match &self.data {
             DenseData::F32(v) => v.len() * 4,
@@ -247,6 +269,12 @@ impl DenseMatrix {
     }
 
     fn check(&self, x: &[f32], t_rows: usize) -> Result<()> {
+        if self.host_len() != self.rows * self.cols {
+            return Err(QuantError::HostReleased {
+                rows: self.rows,
+                cols: self.cols,
+            });
+        }
         if x.len() != t_rows * self.cols {
             return Err(QuantError::BadInput {
                 expected: t_rows * self.cols,

@@ -41,6 +41,14 @@ pub enum QuantError {
         /// Length supplied.
         actual: usize,
     },
+    /// A host product of a matrix whose values live only on the GPU (see `DenseMatrix::release_host`).
+    #[error("the {rows}x{cols} matrix's values are on the GPU only")]
+    HostReleased {
+        /// Rows of the matrix.
+        rows: usize,
+        /// Columns of the matrix.
+        cols: usize,
+    },
     /// CUDA was asked for but cannot be used here: no driver, no NVRTC library or no device.
     #[error("CUDA is unavailable: {0}")]
     CudaUnavailable(String),

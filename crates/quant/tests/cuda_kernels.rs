@@ -14,8 +14,10 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 4] = [
+const KERNELS: [MoeKernel; 6] = [
     MoeKernel::Tensor,
+    MoeKernel::Gemm,
+    MoeKernel::Tiles,
     MoeKernel::TensorS4,
     MoeKernel::TensorNoHint,
     MoeKernel::Simt,
@@ -230,6 +232,10 @@ fn moe_matches_scalar_reference_small_shapes() {
     for (t_len, seed) in [(1, 1), (3, 2), (9, 3), (64, 4)] {
         check_situ_experts(96, 64, 5, t_len, seed);
     }
+    // Widths the GEMM kernels take (multiples of 128): partial n-tiles, several 64-token tiles per expert.
+    for (t_len, seed) in [(1, 5), (5, 6), (13, 7), (37, 8), (150, 9)] {
+        check_situ_experts(256, 384, 4, t_len, seed);
+    }
 }
 
 #[test]
@@ -237,6 +243,7 @@ fn moe_matches_scalar_reference_k3_shape() {
     check_situ_experts(3584, 3072, 3, 1, 11);
     check_situ_experts(3584, 3072, 2, 2, 13);
     check_situ_experts(3584, 3072, 2, 5, 12);
+    check_situ_experts(3584, 3072, 2, 40, 14);
 }
 
 /// Each MXFP4 product on its own (gate and up through the production kernel with the identity activation),
@@ -249,6 +256,8 @@ fn mxfp4_products_match_reference_with_extreme_scales() {
         (160, 96, 1, 24),
         (3584, 3072, 1, 23),
         (3584, 3072, 2, 22),
+        (256, 128, 37, 25),
+        (3584, 3072, 11, 26),
     ] {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let n_experts = 2;

@@ -13,6 +13,13 @@ use crate::error::{QuantError, Result};
 const DENSE_WARPS: usize = 8;
 const DENSE_ROWS_PER_WARP: usize = 2;
 
+/// The bytes of `v` as they lie in memory (little-endian on every target this crate builds for with CUDA).
+fn le_bytes<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: `T` is a plain number type (f32, u16) with no padding; the byte view covers exactly the slice's
+    // memory and lives as long as the borrow of `v`.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
 /// How a device matrix stores its values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -44,22 +51,24 @@ impl DeviceMatrix {
     /// Uploads `m`, or returns `None` when its shape does not suit the kernel (columns must allow 16-byte loads:
     /// a multiple of 4 for f32, of 8 for bf16); such matrices stay on the CPU.
     pub fn upload(gpu: &Arc<Gpu>, m: &DenseMatrix) -> Result<Option<Self>> {
-        let (kind, bytes): (Kind, Vec<u8>) = match m.data() {
-            DenseData::F32(v) => (Kind::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            DenseData::Bf16(v) => (Kind::Bf16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            DenseData::Int8 { .. } => (
-                Kind::F32,
-                (0..m.rows())
-                    .flat_map(|r| m.row_f32(r))
-                    .flat_map(|x| x.to_le_bytes())
-                    .collect(),
-            ),
+        let kind = match m.data() {
+            DenseData::Bf16(_) => Kind::Bf16,
+            DenseData::F32(_) | DenseData::Int8 { .. } => Kind::F32,
         };
         let lanes = if kind == Kind::F32 { 4 } else { 8 };
         if m.rows() == 0 || m.cols() == 0 || !m.cols().is_multiple_of(lanes) {
             return Ok(None);
         }
-        let buf = gpu.upload(&bytes)?;
+        // f32 and bf16 values go up from where they lie (the device is little-endian, like every host this
+        // builds for); row-wise int8 is dequantised to f32 first.
+        let buf = match m.data() {
+            DenseData::F32(v) => gpu.upload(le_bytes(v))?,
+            DenseData::Bf16(v) => gpu.upload(le_bytes(v))?,
+            DenseData::Int8 { .. } => {
+                let vals: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
+                gpu.upload(le_bytes(&vals))?
+            }
+        };
         Ok(Some(Self {
             gpu: gpu.clone(),
             buf,
@@ -187,5 +196,17 @@ impl DenseMatrix {
     /// The device copy, when one is attached.
     pub fn cuda(&self) -> Option<&Arc<DeviceMatrix>> {
         self.cuda_twin().get()
+    }
+
+    /// Frees the host values of a matrix whose device copy is attached (`false`, and nothing freed, when none is):
+    /// its products then run only on the GPU. Host products (`gemm`, `gemm_many`) fail with
+    /// [`QuantError::HostReleased`]; row reads (`row_f32`, `dot_rows`) must not be used on it: the model keeps
+    /// the host values of the matrices it reads by rows.
+    pub fn release_host(&mut self) -> bool {
+        if self.cuda().is_none() {
+            return false;
+        }
+        self.release_values();
+        true
     }
 }

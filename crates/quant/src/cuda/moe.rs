@@ -6,11 +6,14 @@
 //! pair, so a call may launch its experts in several chunks (when the device cache holds fewer experts than the
 //! call needs) and combine once.
 //!
-//! Two kernel families compute the same products: the tensor-core kernels (the default, [`MoeKernel::Tensor`]:
-//! `mma.sync` with fp16 weights decoded exactly from E2M1 and the activations split into fp16 hi/lo halves, f32
-//! accumulation) and the CUDA-core kernels ([`MoeKernel::Simt`]: one f32 FMA per weight and token), kept as a
-//! reference and fallback. `DELTAFIN_MOE_KERNEL=tensor|simt` (or a measurement variant of `tensor`, see
-//! [`MoeKernel`]) picks one for a whole process.
+//! Three kernel families compute the same products. The tensor-core kernels (`mma.sync` with fp16 weights decoded
+//! exactly from E2M1 and the activations split into fp16 hi/lo halves, f32 accumulation) come in two shapes: the
+//! token tiles (one to four tokens, each its own product; the fastest at one token) and the GEMM (tokens along the
+//! mma's n dimension, a weight read once per 64 tokens; for more tokens per expert). [`MoeKernel::Tensor`], the
+//! default, picks between them by the largest expert's token count ([`GEMM_MIN_ROWS`]). The CUDA-core kernels
+//! ([`MoeKernel::Simt`]: one f32 FMA per weight and token) are kept as a reference and fallback.
+//! `DELTAFIN_MOE_KERNEL=tensor|gemm|simt` (or a measurement variant of `tensor`, see [`MoeKernel`]) picks one for
+//! a whole process.
 
 use std::str::FromStr;
 use std::sync::OnceLock;
@@ -33,13 +36,31 @@ const SLOT_WORDS: usize = 7;
 const MAX_SLOTS: usize = 64;
 /// Ring stages of the tensor-core kernels' asynchronous weight copies (`MMA_STAGES`).
 const MMA_STAGES: usize = 3;
+/// [`MoeKernel::Tensor`] runs the GEMM kernels when an expert of the launch has more tokens than this (measured
+/// on the H200: docs/PERFORMANCE.md, "CUDA at real size").
+pub const GEMM_MIN_ROWS: usize = 4;
+/// Threads per block of the GEMM kernels (`GEMM_WARPS` warps).
+const GEMM_THREADS: u32 = 128;
+/// Output rows per block of the GEMM kernels: gate/up (16 rows of gate and of up per warp) and down (32 per warp).
+const GEMM_ROWS_GATE_UP: usize = 4 * 16;
+const GEMM_ROWS_DOWN: usize = 4 * 32;
+/// Columns of the GEMM kernels' inputs must be a multiple of this (four groups a batch).
+const GEMM_COLS: usize = 4 * MXFP4_GROUP;
+/// n-tiles (of 8 tokens) the GEMM kernels are instantiated for.
+const GEMM_TILES: [usize; 4] = [1, 2, 4, 8];
 
 /// Which kernels multiply the MXFP4 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeKernel {
-    /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation), weights
-    /// streamed through a 3-stage `cp.async` ring per warp.
+    /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation): the token tiles
+    /// (weights streamed through a 3-stage `cp.async` ring per warp) up to [`GEMM_MIN_ROWS`] tokens per expert,
+    /// the GEMM beyond.
     Tensor,
+    /// The tensor-core GEMM at any token count (where the widths are multiples of 128; the token tiles
+    /// otherwise).
+    Gemm,
+    /// The tensor-core token tiles at any token count (a measurement variant).
+    Tiles,
     /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
     TensorS4,
     /// As [`MoeKernel::Tensor`] without the 256-byte L2 prefetch hint at one token (a measurement variant).
@@ -71,11 +92,13 @@ impl FromStr for MoeKernel {
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "tensor" => Ok(MoeKernel::Tensor),
+            "gemm" => Ok(MoeKernel::Gemm),
+            "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, tensor-s4, tensor-nohint or simt)"
+                "unknown MoE kernel {other:?} (expected tensor, gemm, tiles, tensor-s4, tensor-nohint or simt)"
             )),
         }
     }
@@ -276,6 +299,16 @@ pub fn run_experts_with(
         }
     }
     let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
+    let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
+    let gemm = gemm_fits
+        && match kernel {
+            MoeKernel::Gemm => true,
+            MoeKernel::Tensor => max_rows > GEMM_MIN_ROWS,
+            _ => false,
+        };
+    if gemm {
+        return run_gemm(gpu, shape, &slots, pair_row, x, act, y);
+    }
     if kernel != MoeKernel::Simt {
         for chunk in slots.chunks(MAX_SLOTS) {
             run_tensor(gpu, shape, chunk, max_rows, pair_row, x, act, y, kernel)?;
@@ -439,6 +472,127 @@ fn run_tensor(
     Ok(())
 }
 
+/// Splits every row of `src` (`[rows, cols]`) into the GEMM kernels' fp16 hi/lo fragments and row factors.
+fn split_hilo(
+    gpu: &Gpu,
+    src: &CudaSlice<f32>,
+    rows: usize,
+    cols: usize,
+) -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
+    // 8 uint4 (128 bytes) per group of 32 columns.
+    let mut frag = gpu.zeros::<u8>((rows * cols / MXFP4_GROUP * 128).max(16))?;
+    let mut sdown = gpu.zeros::<f32>(rows.max(1))?;
+    if rows == 0 {
+        return Ok((frag, sdown));
+    }
+    let f = gpu.function("moe_split_hilo")?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let c_i = cols as i32;
+    let mut b = gpu.stream().launch_builder(f);
+    b.arg(src).arg(&c_i).arg(&mut sdown).arg(&mut frag);
+    // SAFETY: src holds `rows` rows of `cols` floats (the callers size it so), cols is a multiple of 128; frag has
+    // 128 bytes per group of every row and sdown one float per row.
+    unsafe { b.launch(cfg) }.map_err(|e| driver_err("moe_split_hilo", e))?;
+    Ok((frag, sdown))
+}
+
+/// n-tiles of the GEMM kernels for a launch whose largest expert has `max_rows` tokens.
+fn gemm_tiles(max_rows: usize) -> usize {
+    let want = max_rows.div_ceil(8);
+    GEMM_TILES
+        .iter()
+        .copied()
+        .find(|&n| n >= want)
+        .unwrap_or(GEMM_TILES[GEMM_TILES.len() - 1])
+}
+
+/// Gate/up then down for every expert of `slots` on the GEMM kernels (widths multiples of [`GEMM_COLS`]).
+fn run_gemm(
+    gpu: &Gpu,
+    shape: &MoeShape,
+    slots: &[SlotRef],
+    pair_row: &CudaSlice<i32>,
+    x: &CudaSlice<f32>,
+    act: &mut CudaSlice<f32>,
+    y: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let (width, inter) = (shape.width, shape.inter);
+    let (kind, beta, lin) = shape.glu.code();
+    let (w_i, i_i) = (width as i32, inter as i32);
+    let end = slots.iter().map(|s| s.pair0 + s.n_rows).max().unwrap_or(0);
+    let (xfrag, xdown) = split_hilo(gpu, x, x.len() / width, width)?;
+    let tables: Vec<(SlotTable, u32, usize)> = slots
+        .chunks(MAX_SLOTS)
+        .map(|chunk| {
+            let mut table = SlotTable {
+                words: [0; SLOT_WORDS * MAX_SLOTS],
+            };
+            let words = slot_table(chunk);
+            table.words[..words.len()].copy_from_slice(&words);
+            let max_rows = chunk.iter().map(|s| s.n_rows).max().unwrap_or(1);
+            (table, chunk.len() as u32, max_rows)
+        })
+        .collect();
+    for (table, n_slots, max_rows) in &tables {
+        let nt = gemm_tiles(*max_rows);
+        let name = format!("moe_gemm_gate_up_n{nt}");
+        let f = gpu.function(&name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                div_ceil(inter, GEMM_ROWS_GATE_UP),
+                *n_slots,
+                div_ceil(*max_rows, nt * 8),
+            ),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(table)
+            .arg(pair_row)
+            .arg(&xfrag)
+            .arg(&xdown)
+            .arg(&mut *act)
+            .arg(&w_i)
+            .arg(&i_i)
+            .arg(&kind)
+            .arg(&beta)
+            .arg(&lin);
+        // SAFETY: the table holds n_slots ExpertSlot records (checked by `run_experts`: 16-byte aligned packed
+        // tensors, 4-byte aligned scales, pairs below `end` which pair_row and act cover); every x row that
+        // pair_row names was split into xfrag/xdown above; widths are multiples of 128.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
+    }
+    let (afrag, adown) = split_hilo(gpu, act, end, inter)?;
+    for (table, n_slots, max_rows) in &tables {
+        let nt = gemm_tiles(*max_rows);
+        let name = format!("moe_gemm_down_n{nt}");
+        let f = gpu.function(&name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (
+                div_ceil(width, GEMM_ROWS_DOWN),
+                *n_slots,
+                div_ceil(*max_rows, nt * 8),
+            ),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(table)
+            .arg(&afrag)
+            .arg(&adown)
+            .arg(&mut *y)
+            .arg(&w_i)
+            .arg(&i_i);
+        // SAFETY: as above; act rows 0..end were written by the gate/up launches and split into afrag/adown.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
+    }
+    Ok(())
+}
+
 /// `out[t] = Σ_j tok_w[t, j] · y[tok_pair[t, j]]` for `t < t_len`, `j < k` (a negative pair is skipped), summed
 /// in `j` order. Returns `[t_len, width]` on the device.
 pub fn combine(
@@ -513,9 +667,36 @@ mod tests {
     }
 
     #[test]
+    fn gemm_tiles_cover_the_largest_expert() {
+        assert_eq!(gemm_tiles(1), 1);
+        assert_eq!(gemm_tiles(8), 1);
+        assert_eq!(gemm_tiles(9), 2);
+        assert_eq!(gemm_tiles(17), 4);
+        assert_eq!(gemm_tiles(64), 8);
+        // More than 64 tokens: several token tiles of 64 (grid.z).
+        assert_eq!(gemm_tiles(200), 8);
+        // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
+        assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
+        assert!(!96usize.is_multiple_of(GEMM_COLS));
+        for nt in GEMM_TILES {
+            for name in [
+                format!("moe_gemm_gate_up_n{nt}"),
+                format!("moe_gemm_down_n{nt}"),
+            ] {
+                assert!(
+                    super::super::KERNELS.iter().any(|&(n, _)| n == name),
+                    "{name} is not in KERNELS"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn kernel_names_parse() {
         for (name, k) in [
             ("tensor", MoeKernel::Tensor),
+            ("gemm", MoeKernel::Gemm),
+            ("tiles", MoeKernel::Tiles),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),

@@ -1,0 +1,57 @@
+#!/bin/bash
+# CUDA measurements on the H200 machine (issue 20), in few calls. Steps (all by default, or those named in
+# $STEPS):
+#   kernels  cuda_kernels: every MoE kernel family and the dense GEMM against the scalar references
+#   fixtures cuda_fixtures: CUDA logits against the CPU f32 path on every fixture
+#   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
+#   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
+#   cuda     `deltafin --dev cuda run` on it, peak host RSS measured
+#   cpu      the same on the CPU, for the greedy tokens
+# Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+STEPS=${STEPS:-kernels fixtures moebw}
+RAM=${RAM:-64}
+mkdir -p "$OUT" bin
+for f in target/devcuda/*.gz; do gunzip -c "$f" > bin/$(basename "$f" .gz); done
+chmod +x bin/*
+exec > >(tee -a "$OUT/log.txt") 2>&1
+export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
+# The test binaries find the fixtures at the path they were built in.
+mkdir -p /work/main && ln -sfn "$PWD/tests" /work/main/tests
+DATA=${DATA:-/root/dfdata}; mkdir -p "$DATA"
+T0=$(date +%s)
+step() { echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+# Runs a command and prints its peak RSS (the children's maximum resident set).
+peak() { python3 -c 'import resource,subprocess,sys; r=subprocess.run(sys.argv[1:]).returncode; print("exit", r, "peak_rss_gib", round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/2**20, 2))' "$@"; }
+if has kernels; then
+  step "cuda_kernels"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  timeout 300 bin/cuda_kernels --test-threads 1 --nocapture 2>&1 | grep -E "worst|test |result" | tee "$OUT/cuda_kernels.txt"
+fi
+if has fixtures; then
+  step "cuda_fixtures"
+  timeout 300 bin/cuda_fixtures --test-threads 1 --nocapture 2>&1 | tail -25 | tee "$OUT/cuda_fixtures.txt"
+fi
+if has moebw; then
+  step "moe-bw"
+  timeout 200 bin/deltafin-cudabench moe-bw --reps ${REPS:-50} --kernels ${KERNELS:-tensor,gemm,tiles} \
+    --tokens ${TOKENS:-1,2,4,8,16,32,64} | tee "$OUT/moe_bw.txt"
+fi
+if has make; then
+  step "make full-size sparse model"
+  [ -d "$DATA/k3s" ] || timeout 300 bin/xtask make-synthetic --preset k3 --sparse --out "$DATA/k3s"
+  du -sh --apparent-size "$DATA/k3s"; du -sh "$DATA/k3s"
+fi
+if has cuda; then
+  step "cuda run, K3_RAM_GB=$RAM"
+  K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda --model "$DATA/k3s" --prompt-ids 1,2,3 --max-new 4 \
+    --ignore-eos --json --stats | tee "$OUT/cuda_run.txt"
+  nvidia-smi --query-gpu=memory.used --format=csv
+fi
+if has cpu; then
+  step "cpu run, K3_RAM_GB=96"
+  K3_RAM_GB=96 peak timeout 300 bin/deltafin run --dev cpu --model "$DATA/k3s" --prompt-ids 1,2,3 --max-new 4 \
+    --ignore-eos --json --stats | tee "$OUT/cpu_run.txt"
+fi
+step done
