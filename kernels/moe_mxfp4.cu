@@ -751,11 +751,34 @@ __device__ __forceinline__ void gemm_load(const u32* const wp[2][2], const u32* 
         }
 }
 
+// Queues the B fragments of group batch b (groups 4b .. 4b + 3) of the tile's tokens into shared-memory buffer
+// `buf`: [group q][token][8 uint4], the hi and lo halves swapped for odd tokens so that a quarter warp (tokens g and
+// g + 1) reads 32 distinct banks. rows[] are the tile's frag rows (clamped).
+template <int NT>
+__device__ __forceinline__ void gemm_stage_b(uint4* buf, const uint4* frag, const int* rows, int groups, int b) {
+    constexpr int ITEMS = NT * 8 * 32; // tokens x (4 groups x 8 uint4)
+#pragma unroll
+    for (int it = 0; it < ITEMS / GEMM_THREADS; it++) {
+        int idx = it * GEMM_THREADS + threadIdx.x;
+        int tok = idx >> 5, u = idx & 31, q = u >> 3, w = u & 7;
+        const uint4* src = frag + ((size_t)rows[tok] * groups + 4 * b + q) * 8 + w;
+        uint4* dst = buf + ((q * NT * 8 + tok) * 8 + (w ^ ((tok & 1) * 4)));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src));
+    }
+    cp_async_commit();
+}
+
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the split input
-// rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128.
-template <int NT, bool GATE_UP>
+// rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128. SMEM_B: the B
+// fragments go through shared memory (cp.async, double-buffered per batch of four groups, shared by the block's
+// warps) instead of being loaded by every warp through L1. Every n-tile is computed (tokens past the tile's end
+// repeat its last token and are not stored), so the loops have no data-dependent branches and the mmas of all
+// n-tiles interleave.
+template <int NT, bool GATE_UP, bool SMEM_B>
 __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                               float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
+    extern __shared__ uint4 bsm[];
+    __shared__ int rows_sm[NT * 8];
     const ExpertSlot& s = tab.s[blockIdx.y];
     const int t0 = blockIdx.z * NT * 8;
     if (t0 >= s.n_rows) return;
@@ -782,15 +805,19 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
             sp[i][r] = (const u32*)(sc + row * groups);
         }
     }
-    // This lane's B rows: token 8j + g of the tile (clamped to the last one; its results are not stored).
-    const uint4* bp[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        int p = s.pair0 + t0 + min(8 * j + g, count - 1);
-        int xr = GATE_UP ? pair_row[p] : p;
-        bp[j] = frag + (size_t)xr * groups * 8 + c;
+    // The tile's frag rows: token t (clamped to the last one).
+    for (int t = threadIdx.x; t < NT * 8; t += blockDim.x) {
+        int p = s.pair0 + t0 + min(t, count - 1);
+        rows_sm[t] = GATE_UP ? pair_row[p] : p;
     }
-    const int live = (count + 7) / 8;
+    __syncthreads();
+    const uint4* bp[NT];
+    if (!SMEM_B) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) bp[j] = frag + (size_t)rows_sm[8 * j + g] * groups * 8 + c;
+    }
+    // In shared memory, lane (g, c) finds its hi word at unit c (even g) or 4 + c (odd g), and lo at the other.
+    const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
 
     float acc[2][NT][4];
 #pragma unroll
@@ -801,11 +828,23 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
             for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
 
     const int nb = groups / 4;
+    constexpr int BUF = NT * 8 * 32; // uint4 per shared-memory buffer
+    if (SMEM_B) gemm_stage_b<NT>(bsm, frag, rows_sm, groups, 0);
     u32 w[2][2][4], e[2][2];
     gemm_load(wp, sp, 0, w, e);
     for (int b = 0; b < nb; b++) {
         u32 wn[2][2][4], en[2][2];
         gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
+        const uint4* xb = bsm + (b & 1) * BUF;
+        if (SMEM_B) {
+            if (b + 1 < nb) {
+                gemm_stage_b<NT>(bsm + ((b + 1) & 1) * BUF, frag, rows_sm, groups, b + 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait_all();
+            }
+            __syncthreads();
+        }
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const int grp = 4 * b + q;
@@ -820,22 +859,30 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
                 }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
-                if (j >= live) break;
-                uint4 bh = __ldg(bp[j] + grp * 8), bl = __ldg(bp[j] + grp * 8 + 4);
+                uint4 bh, bl;
+                if (SMEM_B) {
+                    const uint4* tb = xb + (q * NT * 8 + 8 * j + g) * 8;
+                    bh = tb[hi_u];
+                    bl = tb[lo_u];
+                } else {
+                    bh = __ldg(bp[j] + grp * 8);
+                    bl = __ldg(bp[j] + grp * 8 + 4);
+                }
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
-                    float d[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma16816(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
-                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
-                    mma16816(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
-                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
-                    acc[i][j][0] = fmaf(sc[i][0], d[0], acc[i][j][0]);
-                    acc[i][j][1] = fmaf(sc[i][0], d[1], acc[i][j][1]);
-                    acc[i][j][2] = fmaf(sc[i][1], d[2], acc[i][j][2]);
-                    acc[i][j][3] = fmaf(sc[i][1], d[3], acc[i][j][3]);
+                    float dh[4] = {0.f, 0.f, 0.f, 0.f}, dl[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma16816(dh, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
+                    mma16816(dl, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
+                    mma16816(dh, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
+                    mma16816(dl, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
+                    acc[i][j][0] = fmaf(sc[i][0], dh[0] + dl[0], acc[i][j][0]);
+                    acc[i][j][1] = fmaf(sc[i][0], dh[1] + dl[1], acc[i][j][1]);
+                    acc[i][j][2] = fmaf(sc[i][1], dh[2] + dl[2], acc[i][j][2]);
+                    acc[i][j][3] = fmaf(sc[i][1], dh[3] + dl[3], acc[i][j][3]);
                 }
             }
         }
+        if (SMEM_B) __syncthreads(); // every warp is done with this buffer before it is refilled
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -854,7 +901,7 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
             int t = 8 * j + 2 * c + (k & 1);
             if (t >= count) continue;
             int p = s.pair0 + t0 + t;
-            float sd = sdown[GATE_UP ? pair_row[p] : p];
+            float sd = sdown[rows_sm[t]];
             int row = row0 + g + 8 * (k >> 1);
             if (GATE_UP) {
                 if (row < nrows)
@@ -867,19 +914,27 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
         }
 }
 
-#define MOE_GEMM_ENTRY(NT)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 3) moe_gemm_gate_up_n##NT(                       \
+// Entry points moe_gemm_{gate_up,down}_n<NT><SUFFIX>: NT n-tiles of 8 tokens; SUFFIX _s: B through shared memory.
+#define MOE_GEMM_ENTRY(NT, SMEM_B, SUFFIX, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB) moe_gemm_gate_up_n##NT##SUFFIX(            \
         const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
         float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_gemm_impl<NT, true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);       \
+        moe_gemm_impl<NT, true, SMEM_B>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta,          \
+                                        lin_beta);                                                              \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 3)                                               \
-        moe_gemm_down_n##NT(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown,       \
-                            float* y, int width, int inter) {                                                  \
-        moe_gemm_impl<NT, false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                            \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB)                                            \
+        moe_gemm_down_n##NT##SUFFIX(const __grid_constant__ SlotTable tab, const uint4* frag,                  \
+                                    const float* sdown, float* y, int width, int inter) {                      \
+        moe_gemm_impl<NT, false, SMEM_B>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                    \
     }
 
-MOE_GEMM_ENTRY(1)
-MOE_GEMM_ENTRY(2)
-MOE_GEMM_ENTRY(4)
-MOE_GEMM_ENTRY(8)
+// (MINB: blocks per multiprocessor the register allocation must allow; two for eight n-tiles, whose 64
+// accumulators and staged operands need more than 168 registers.)
+MOE_GEMM_ENTRY(1, false, , 3)
+MOE_GEMM_ENTRY(2, false, , 3)
+MOE_GEMM_ENTRY(4, false, , 3)
+MOE_GEMM_ENTRY(8, false, , 2)
+MOE_GEMM_ENTRY(1, true, _s, 3)
+MOE_GEMM_ENTRY(2, true, _s, 3)
+MOE_GEMM_ENTRY(4, true, _s, 3)
+MOE_GEMM_ENTRY(8, true, _s, 2)

@@ -5,7 +5,8 @@
 #   fixtures cuda_fixtures: CUDA logits against the CPU f32 path on every fixture
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
-#   cuda     `deltafin --dev cuda run` on it, peak host RSS measured
+#   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
+#            (GiB; "all" for the default, every layer on the GPU)
 #   cpu      the same on the CPU, for the greedy tokens
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT.
 set -u
@@ -35,7 +36,7 @@ if has fixtures; then
 fi
 if has moebw; then
   step "moe-bw"
-  timeout 200 bin/deltafin-cudabench moe-bw --reps ${REPS:-50} --kernels ${KERNELS:-tensor,gemm,tiles} \
+  timeout 200 bin/deltafin-cudabench moe-bw --reps ${REPS:-50} --kernels ${KERNELS:-tensor,tiles,gemm} \
     --tokens ${TOKENS:-1,2,4,8,16,32,64} | tee "$OUT/moe_bw.txt"
 fi
 if has make; then
@@ -44,10 +45,12 @@ if has make; then
   du -sh --apparent-size "$DATA/k3s"; du -sh "$DATA/k3s"
 fi
 if has cuda; then
-  step "cuda run, K3_RAM_GB=$RAM"
-  K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda --model "$DATA/k3s" --prompt-ids 1,2,3 --max-new 4 \
-    --ignore-eos --json --stats | tee "$OUT/cuda_run.txt"
-  nvidia-smi --query-gpu=memory.used --format=csv
+  for v in ${VRAMS:-all}; do
+    vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
+    step "cuda run, K3_RAM_GB=$RAM, VRAM budget $v"
+    K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
+      --max-new 4 --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_$v.txt"
+  done
 fi
 if has cpu; then
   step "cpu run, K3_RAM_GB=96"

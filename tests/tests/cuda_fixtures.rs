@@ -10,8 +10,11 @@ use deltafin_tests::{Golden, fixture, max_abs_diff};
 /// Max |Δlogit| allowed between CUDA and the CPU.
 const TOL: f32 = 1e-3;
 
-fn open(dir: &Path, pref: DevicePref) -> Engine {
-    let e = Engine::open(dir, EngineOptions::default().with_device(pref)).expect("fixture opens");
+/// Opens `dir` on `pref`, with at most `gpu_layers` layers kept on the GPU (the rest streamed).
+fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>) -> Engine {
+    let mut o = EngineOptions::default().with_device(pref);
+    o.device.gpu_layers = gpu_layers;
+    let e = Engine::open(dir, o).expect("fixture opens");
     if pref == DevicePref::Cuda {
         assert!(e.device_name().starts_with("cuda"), "{}", e.device_name());
     }
@@ -19,12 +22,21 @@ fn open(dir: &Path, pref: DevicePref) -> Engine {
 }
 
 fn check(name: &str) {
+    check_with(name, None);
+}
+
+/// As [`check`], with at most `gpu_layers` layers on the GPU: the others are uploaded at every forward pass.
+fn check_with(name: &str, gpu_layers: Option<usize>) {
     let dir = fixture(name);
     let g = Golden::load(&dir).expect("golden");
     let ids = g.ids("input_ids").expect("ids");
     let prompt = g.ids("greedy_prompt").expect("prompt");
-    let cpu = open(&dir, DevicePref::Cpu);
-    let gpu = open(&dir, DevicePref::Cuda);
+    let cpu = open(&dir, DevicePref::Cpu, None);
+    let gpu = open(&dir, DevicePref::Cuda, gpu_layers);
+    if let Some(n) = gpu_layers {
+        let want: Vec<usize> = (n..cpu.config().n_layers).collect();
+        assert_eq!(gpu.streamed_layers(), want, "{name}: streamed layers");
+    }
 
     // Whole sequence (prefill in chunks of 64).
     let a = cpu.session().prefill(&ids).expect("cpu prefill").data;
@@ -70,6 +82,13 @@ fn check(name: &str) {
 #[test]
 fn k3_tiny_a_cuda_matches_cpu() {
     check("k3/k3-tiny-a");
+}
+
+/// Spine layers streamed to the GPU at every pass (one layer resident, or none) give the resident path's logits.
+#[test]
+fn streamed_gpu_layers_match_cpu() {
+    check_with("k3/k3-tiny-a", Some(1));
+    check_with("kimi-linear/qlora", Some(0));
 }
 
 #[test]

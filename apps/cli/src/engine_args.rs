@@ -34,6 +34,14 @@ pub struct EngineArgs {
     /// [K3_PREFILL_CHUNK; default auto].
     #[arg(long)]
     pub prefill_chunk: Option<String>,
+    /// GPU memory for the model in GiB (with `--dev cuda`): spine layers stay on the GPU as far as they fit, the
+    /// rest are uploaded at every forward pass [K3_VRAM_GB; default: the free GPU memory less 1 GiB].
+    #[arg(long)]
+    pub vram_gb: Option<f64>,
+    /// Spine layers kept on the GPU at most (with `--dev cuda`); the rest are uploaded at every forward pass
+    /// [K3_GPU_LAYERS; default: as many as `--vram-gb` holds].
+    #[arg(long)]
+    pub gpu_layers: Option<usize>,
     /// Tokens of context reserved for a session's attention cache, charged to the memory budget [K3_CONTEXT;
     /// default 8192].
     #[arg(long)]
@@ -58,6 +66,8 @@ impl EngineArgs {
             "K3_PREFILL_CHUNK" => self.prefill_chunk.is_some(),
             "K3_CONTEXT" => self.context.is_some(),
             "K3_DEV" => dev.is_some(),
+            "K3_VRAM_GB" => self.vram_gb.is_some(),
+            "K3_GPU_LAYERS" => self.gpu_layers.is_some(),
             _ => false,
         };
         let mut o = EngineOptions::from_vars(|var| {
@@ -88,6 +98,16 @@ impl EngineArgs {
         if let Some(n) = self.context {
             anyhow::ensure!(n > 0, "--context must be at least 1");
             o.context = n;
+        }
+        if let Some(gb) = self.vram_gb {
+            anyhow::ensure!(
+                gb.is_finite() && gb > 0.0,
+                "--vram-gb must be a positive number of GiB"
+            );
+            o.device.vram_bytes = Some((gb * (1u64 << 30) as f64) as u64);
+        }
+        if let Some(n) = self.gpu_layers {
+            o.device.gpu_layers = Some(n);
         }
         if let Some(d) = dev {
             o.device.pref = d;

@@ -33,9 +33,14 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 30)]
         reps: usize,
-        /// Kernel families to time (tensor, gemm, tiles, tensor-s4, tensor-nohint, simt); each one's output is
+        /// Kernel families to time (tensor, gemm, gemm4-ldg, gemm8, gemm8-ldg, tiles, tensor-s4,
+        /// tensor-nohint, simt); each one's output is
         /// compared with the first one's.
-        #[arg(long, default_value = "tensor,gemm,tiles,simt", value_delimiter = ',')]
+        #[arg(
+            long,
+            default_value = "tensor,gemm,gemm4-ldg,gemm8,gemm8-ldg,tiles",
+            value_delimiter = ','
+        )]
         kernels: Vec<String>,
     },
     /// Write a synthetic model.

@@ -1,4 +1,5 @@
-//! Where the graph runs (`cpu`, `cuda`, `auto`; the runtime reads `K3_DEV`) and the size of the GPU expert cache.
+//! Where the graph runs (`cpu`, `cuda`, `auto`; the runtime reads `K3_DEV`), the GPU memory budget and the size of
+//! the GPU expert cache.
 //!
 //! `auto` means CUDA when this build has the `cuda` feature and a usable GPU, the CPU otherwise. Asking for `cuda`
 //! where it cannot run is an error that says why.
@@ -47,8 +48,16 @@ impl std::fmt::Display for DevicePref {
 pub struct DeviceOptions {
     /// Requested device.
     pub pref: DevicePref,
-    /// Bytes of GPU memory for routed experts (default: half of the free memory after the spine is loaded).
+    /// Bytes of GPU memory for routed experts (default: half of the free memory after the spine is loaded, or
+    /// what `vram_bytes` leaves).
     pub gpu_cache_bytes: Option<u64>,
+    /// Bytes of GPU memory the model may use: spine layers stay on the GPU as far as they fit (with room for two
+    /// streamed layers and the expert cache), the rest are uploaded at every forward pass (default: the memory
+    /// free when the model opens, less a margin).
+    pub vram_bytes: Option<u64>,
+    /// At most this many spine layers stay on the GPU (the first ones); the rest are streamed even when the
+    /// budget would hold them (default: as many as fit).
+    pub gpu_layers: Option<usize>,
 }
 
 impl DeviceOptions {

@@ -76,8 +76,9 @@ impl Model {
     /// read from `src` again at every forward call, by a background thread one layer ahead of the compute (at
     /// most two streamed layers in memory at once). A streamed layer's names and shapes are checked here from the
     /// source's headers without reading its values. When any layer is streamed the embedding is read by rows at
-    /// every call too; the final mix, norm and head stay resident. On CUDA every layer stays resident (streaming
-    /// is CPU-only). `resident` must have one entry per layer.
+    /// every call too; the final mix, norm and head stay resident. On CUDA `resident` does not apply: layers stay
+    /// on the GPU as far as its memory budget allows (`DeviceOptions::vram_bytes`) and the others are streamed,
+    /// uploaded by the reader. `resident` must have one entry per layer.
     pub fn load_streamed(
         cfg: ModelConfig,
         src: SharedWeightSource,
@@ -155,23 +156,95 @@ impl Model {
             (ld, device)
         };
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let checker = Loader::shapes_only(src);
+        // On CUDA the GPU memory plan decides which layers stay (on the device; their host values are freed), the
+        // host plan does not apply; the head goes up first so that the plan sees it.
+        #[cfg(feature = "cuda")]
+        let can_stream = resident.is_some();
         #[cfg(feature = "cuda")]
         let resident = resident.filter(|_| ld.gpu.is_none());
+        #[cfg(feature = "cuda")]
+        let mut vram = match &ld.gpu {
+            Some(g) => Some(crate::gpu::VramPlan::new(
+                &g.gpu,
+                opts.vram_bytes,
+                opts.gpu_layers,
+                2 * cfg.moe.top_k * g.experts.slot_bytes(),
+            )?),
+            None => None,
+        };
+        #[cfg(feature = "cuda")]
+        let mut head_first = match vram {
+            Some(_) => Some(ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?),
+            None => None,
+        };
         let keep = |l: usize| resident.is_none_or(|r| r[l]);
-        let streaming = (0..cfg.n_layers).any(|l| !keep(l));
-        let checker = Loader::shapes_only(src);
-        let layers = (0..cfg.n_layers)
-            .map(|l| {
-                if keep(l) {
-                    return Layer::load(&ld, &cfg, l).map(Some);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            #[cfg(feature = "cuda")]
+            if let Some(plan) = vram.as_mut() {
+                if !plan.full() {
+                    let before = plan.used()?;
+                    let layer = Layer::load(&ld, &cfg, l)?;
+                    if plan.keep(before)? {
+                        layers.push(Some(layer));
+                        continue;
+                    }
+                    drop(layer);
+                    if !can_stream {
+                        return Err(ModelError::Device(format!(
+                            "the spine does not fit the GPU memory budget of {:.2} GiB (layer {l} of {}), and                              this model was opened without a source to stream layers from",
+                            plan.budget() as f64 / (1u64 << 30) as f64,
+                            cfg.n_layers
+                        )));
+                    }
                 }
-                // A streamed layer's names and shapes are checked here from the headers, reading nothing; its
-                // values are read at every forward call.
                 Layer::load(&checker, &cfg, l)?;
-                Ok(None)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let streamed = (0..cfg.n_layers).filter(|&l| !keep(l)).collect();
+                layers.push(None);
+                continue;
+            }
+            if keep(l) {
+                layers.push(Some(Layer::load(&ld, &cfg, l)?));
+                continue;
+            }
+            // A streamed layer's names and shapes are checked here from the headers, reading nothing; its values
+            // are read at every forward call.
+            Layer::load(&checker, &cfg, l)?;
+            layers.push(None);
+        }
+        // Room for two streamed layers as large as the largest one: give resident layers back, last first.
+        #[cfg(feature = "cuda")]
+        if let Some(plan) = &vram
+            && layers.iter().any(Option::is_none)
+        {
+            while !plan.streaming_fits()? {
+                let Some(last) = layers.iter().rposition(Option::is_some) else {
+                    return Err(plan.too_small()?);
+                };
+                layers[last] = None;
+            }
+        }
+        let streamed: Vec<usize> = (0..cfg.n_layers).filter(|&l| layers[l].is_none()).collect();
+        let streaming = !streamed.is_empty();
+        #[cfg(feature = "cuda")]
+        if let (Some(plan), Some(g)) = (&vram, &ld.gpu) {
+            if streaming {
+                tracing::info!(
+                    "GPU memory budget {:.1} GiB: {} of {} layers on the GPU, {} streamed",
+                    plan.budget() as f64 / (1u64 << 30) as f64,
+                    cfg.n_layers - streamed.len(),
+                    cfg.n_layers,
+                    streamed.len()
+                );
+            }
+            if let Some(b) = plan.expert_budget(streaming)? {
+                let b = match opts.gpu_cache_bytes {
+                    Some(asked) => asked.min(b),
+                    None => b,
+                };
+                g.experts.set_budget(b);
+            }
+        }
         let output_mix = match cfg.attn_res_block {
             Some(_) => Some(ResMix::load(
                 &ld,
@@ -189,7 +262,16 @@ impl Model {
                 Some(ld.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?)
             },
             norm: ld.vec(&cfg.model_tensor("model.norm.weight"), &[h])?,
-            head: ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?,
+            head: {
+                #[cfg(feature = "cuda")]
+                let first = head_first.take();
+                #[cfg(not(feature = "cuda"))]
+                let first = None;
+                match first {
+                    Some(m) => m,
+                    None => ld.matrix(&cfg.model_tensor("lm_head.weight"), v, h)?,
+                }
+            },
             layers,
             streamed,
             stream: None,
@@ -316,7 +398,11 @@ impl Model {
             profile: &self.profile,
             expert_input: self.expert_input,
         };
-        p = with_streamed_layers(src, &self.cfg, &self.streamed, |streamed| {
+        #[cfg(feature = "cuda")]
+        let gpu = self.gpu.clone();
+        #[cfg(not(feature = "cuda"))]
+        let gpu = None;
+        p = with_streamed_layers(src, &self.cfg, &self.streamed, gpu, |streamed| {
             for (l, (slot, layer_state)) in
                 self.layers.iter().zip(next.layers.iter_mut()).enumerate()
             {

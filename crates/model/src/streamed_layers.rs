@@ -16,6 +16,13 @@ use crate::layer::Layer;
 use crate::profile::{Phase, Profile};
 use crate::weights::{Loader, WeightSource};
 
+/// The GPU handles a streamed layer is uploaded with (a stand-in without the `cuda` feature).
+#[cfg(feature = "cuda")]
+pub(crate) type GpuHandles = crate::gpu::GpuHandles;
+/// The GPU handles a streamed layer is uploaded with (a stand-in without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+pub(crate) type GpuHandles = ();
+
 /// Hands the streamed layers to the forward pass in order, as the background reader delivers them.
 pub(crate) struct StreamedLayers {
     rx: Option<Receiver<Result<Layer>>>,
@@ -46,10 +53,12 @@ impl StreamedLayers {
 /// Runs `body` while a background thread reads `layers` (ascending indices) from `src`, one ahead of the
 /// compute. With no streamed layers no thread is started. When `body` returns early (an error), the reader stops
 /// after the layer it is reading.
+/// `gpu`: the model's GPU handles when it runs on CUDA (the reader then uploads each layer as it builds it).
 pub(crate) fn with_streamed_layers<R>(
     src: Option<&(dyn WeightSource + Send + Sync)>,
     cfg: &ModelConfig,
     layers: &[usize],
+    gpu: Option<GpuHandles>,
     body: impl FnOnce(&mut StreamedLayers) -> Result<R>,
 ) -> Result<R> {
     let Some(src) = src.filter(|_| !layers.is_empty()) else {
@@ -59,7 +68,18 @@ pub(crate) fn with_streamed_layers<R>(
         // Capacity 0: a finished read waits for the forward pass to ask for it (double buffering, not more).
         let (tx, rx) = sync_channel::<Result<Layer>>(0);
         s.spawn(move || {
-            let ld = Loader::new(src);
+            #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+            let mut ld = Loader::new(src);
+            #[cfg(feature = "cuda")]
+            if let Some(g) = gpu {
+                if let Err(e) = g.gpu.bind() {
+                    let _ = tx.send(Err(crate::gpu::cuda_err(e)));
+                    return;
+                }
+                ld.gpu = Some(g);
+            }
+            #[cfg(not(feature = "cuda"))]
+            let _ = gpu;
             for &index in layers {
                 let layer = Layer::load(&ld, cfg, index);
                 let failed = layer.is_err();

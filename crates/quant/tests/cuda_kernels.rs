@@ -14,9 +14,17 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 6] = [
+const KERNELS: [MoeKernel; 8] = [
     MoeKernel::Tensor,
-    MoeKernel::Gemm,
+    MoeKernel::GEMM,
+    MoeKernel::Gemm {
+        smem: false,
+        tiles: 8,
+    },
+    MoeKernel::Gemm {
+        smem: true,
+        tiles: 8,
+    },
     MoeKernel::Tiles,
     MoeKernel::TensorS4,
     MoeKernel::TensorNoHint,

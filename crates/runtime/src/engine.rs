@@ -148,12 +148,10 @@ impl Engine {
                 .collect(),
             false,
         );
-        let mut model = if plan.resident.iter().all(|&r| r) {
-            Model::load_on(cfg, &*spine, &options.device)?
-        } else {
-            let src: deltafin_model::SharedWeightSource = spine.clone();
-            Model::load_streamed(cfg, src, &options.device, &plan.resident)?
-        };
+        // Through `load_streamed` even when every layer is pinned: on CUDA the GPU memory plan may stream layers
+        // the host keeps (an all-resident plan streams nothing on the CPU).
+        let src: deltafin_model::SharedWeightSource = spine.clone();
+        let mut model = Model::load_streamed(cfg, src, &options.device, &plan.resident)?;
         model.set_expert_input(options.expert_input);
         let slow = match options.expert_input {
             ExpertInput::F32 => None,

@@ -59,6 +59,8 @@ pub const ENGINE_VARS: &[&str] = &[
     "K3_CONTEXT",
     "K3_DEV",
     "K3_GPU_CACHE_GB",
+    "K3_VRAM_GB",
+    "K3_GPU_LAYERS",
 ];
 
 /// Options for [`crate::Engine::open`].
@@ -85,7 +87,8 @@ pub struct EngineOptions {
     pub context: usize,
     /// How to reach the hub when the model is a streaming install (endpoint, token, retries).
     pub hub: HubOptions,
-    /// Where the model runs (`K3_DEV`, default cpu) and the GPU expert cache size (`K3_GPU_CACHE_GB`).
+    /// Where the model runs (`K3_DEV`, default cpu), the GPU memory budget (`K3_VRAM_GB`) and the GPU expert cache
+    /// size (`K3_GPU_CACHE_GB`).
     pub device: DeviceOptions,
 }
 
@@ -159,6 +162,12 @@ impl EngineOptions {
         }
         if let Some(v) = var("K3_GPU_CACHE_GB") {
             o.device.gpu_cache_bytes = Some((parse_gib("K3_GPU_CACHE_GB", &v)? * GIB) as u64);
+        }
+        if let Some(v) = var("K3_VRAM_GB") {
+            o.device.vram_bytes = Some((parse_gib("K3_VRAM_GB", &v)? * GIB) as u64);
+        }
+        if let Some(v) = var("K3_GPU_LAYERS") {
+            o.device.gpu_layers = Some(parse_whole("K3_GPU_LAYERS", &v)?);
         }
         Ok(o)
     }
@@ -257,6 +266,13 @@ fn parse_gib(name: &str, v: &str) -> Result<f64> {
         })
 }
 
+/// A whole number, zero included.
+fn parse_whole(name: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse::<usize>()
+        .map_err(|_| RuntimeError::Usage(format!("{name}={v:?}: expected a whole number")))
+}
+
 /// A positive whole number.
 fn parse_count(name: &str, v: &str) -> Result<usize> {
     v.trim()
@@ -305,6 +321,8 @@ mod tests {
             ("K3_CONTEXT", "4096"),
             ("K3_DEV", "auto"),
             ("K3_GPU_CACHE_GB", "2"),
+            ("K3_VRAM_GB", "24"),
+            ("K3_GPU_LAYERS", "0"),
         ]))
         .expect("valid values");
         assert_eq!(o.ram_gb, Some(12.5));
@@ -316,6 +334,8 @@ mod tests {
         assert_eq!(o.context, 4096);
         assert_eq!(o.device.pref, DevicePref::Auto);
         assert_eq!(o.device.gpu_cache_bytes, Some(2 << 30));
+        assert_eq!(o.device.vram_bytes, Some(24 << 30));
+        assert_eq!(o.device.gpu_layers, Some(0));
     }
 
     #[test]
@@ -331,6 +351,8 @@ mod tests {
             ("K3_CONTEXT", "x"),
             ("K3_DEV", "metal"),
             ("K3_GPU_CACHE_GB", "nan"),
+            ("K3_VRAM_GB", "-3"),
+            ("K3_GPU_LAYERS", "-1"),
         ] {
             let err = EngineOptions::from_vars(vars(&[(name, value)]))
                 .expect_err("a bad value is an error")

@@ -12,7 +12,7 @@
 //! favourites fade.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -120,7 +120,8 @@ pub struct GpuExperts {
     offsets: [usize; 6],
     slot_bytes: usize,
     max_experts: usize,
-    budget: Option<u64>,
+    /// Bytes of device memory for the slots (0: half of what is free at first use).
+    budget: AtomicU64,
     disabled: AtomicBool,
     state: Mutex<CacheState>,
 }
@@ -163,10 +164,15 @@ impl GpuExperts {
             offsets,
             slot_bytes: end.max(PART_ALIGN),
             max_experts: max_experts.max(1),
-            budget,
+            budget: AtomicU64::new(budget.unwrap_or(0)),
             disabled: AtomicBool::new(false),
             state: Mutex::new(CacheState::default()),
         }
+    }
+
+    /// Sets the slots' device memory (before the first MoE call allocates them; later calls change nothing).
+    pub(crate) fn set_budget(&self, bytes: u64) {
+        self.budget.store(bytes.max(1), Ordering::Relaxed);
     }
 
     /// The cache's counters.
@@ -193,9 +199,9 @@ impl GpuExperts {
         if st.pool.is_some() {
             return Ok(());
         }
-        let budget = match self.budget {
-            Some(b) => b as f64,
-            None => {
+        let budget = match self.budget.load(Ordering::Relaxed) {
+            b @ 1.. => b as f64,
+            0 => {
                 let (free, _) = self.gpu.memory().map_err(cuda_err)?;
                 free as f64 * DEFAULT_CACHE_SHARE
             }

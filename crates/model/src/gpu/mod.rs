@@ -8,11 +8,15 @@
 //! - Routed experts: a GPU-memory expert cache in front of host RAM, uploads from pinned buffers on a second
 //!   stream, and the MXFP4 kernels ([`experts::GpuExperts`]).
 //!
+//! - Spine layers stay on the GPU as far as the memory budget allows ([`VramPlan`]); the others are uploaded by the
+//!   spine reader at every forward pass, one layer ahead of the compute.
+//!
 //! Activations cross PCIe between blocks (rows of `hidden` floats per token): small next to the weights. The KDA
 //! state is uploaded and read back around each recurrence call, so the session's state stays the host's (snapshots
 //! and speculation rollbacks work unchanged); keeping it on the device is the next step for long sessions.
 
 pub mod experts;
+mod vram;
 
 use std::sync::{Arc, Mutex};
 
@@ -25,6 +29,7 @@ use crate::error::{ModelError, Result};
 use crate::state::MlaCache;
 
 pub use experts::{ExpertCacheStats, GpuExperts};
+pub(crate) use vram::VramPlan;
 
 /// Maps a CUDA failure into the model's error.
 pub(crate) fn cuda_err(e: deltafin_quant::QuantError) -> ModelError {

@@ -35,7 +35,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 33] = [
+pub(crate) const KERNELS: [(&str, bool); 41] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -63,6 +63,14 @@ pub(crate) const KERNELS: [(&str, bool); 33] = [
     ("moe_gemm_down_n4", false),
     ("moe_gemm_gate_up_n8", false),
     ("moe_gemm_down_n8", false),
+    ("moe_gemm_gate_up_n1_s", true),
+    ("moe_gemm_down_n1_s", true),
+    ("moe_gemm_gate_up_n2_s", true),
+    ("moe_gemm_down_n2_s", true),
+    ("moe_gemm_gate_up_n4_s", true),
+    ("moe_gemm_down_n4_s", true),
+    ("moe_gemm_gate_up_n8_s", true),
+    ("moe_gemm_down_n8_s", true),
     ("moe_combine", false),
     ("dense_gemm_f32", false),
     ("dense_gemm_bf16", false),

@@ -36,9 +36,12 @@ const SLOT_WORDS: usize = 7;
 const MAX_SLOTS: usize = 64;
 /// Ring stages of the tensor-core kernels' asynchronous weight copies (`MMA_STAGES`).
 const MMA_STAGES: usize = 3;
-/// [`MoeKernel::Tensor`] runs the GEMM kernels when an expert of the launch has more tokens than this (measured
-/// on the H200: docs/PERFORMANCE.md, "CUDA at real size").
-pub const GEMM_MIN_ROWS: usize = 4;
+/// [`MoeKernel::Tensor`] runs the GEMM kernels when an expert of the launch has more tokens than this, with the B
+/// fragments through shared memory above [`GEMM_SMEM_ROWS`] (measured on the H200: docs/PERFORMANCE.md, "CUDA at
+/// real size").
+pub const GEMM_MIN_ROWS: usize = 2;
+/// See [`GEMM_MIN_ROWS`].
+pub const GEMM_SMEM_ROWS: usize = 8;
 /// Threads per block of the GEMM kernels (`GEMM_WARPS` warps).
 const GEMM_THREADS: u32 = 128;
 /// Output rows per block of the GEMM kernels: gate/up (16 rows of gate and of up per warp) and down (32 per warp).
@@ -57,8 +60,14 @@ pub enum MoeKernel {
     /// the GEMM beyond.
     Tensor,
     /// The tensor-core GEMM at any token count (where the widths are multiples of 128; the token tiles
-    /// otherwise).
-    Gemm,
+    /// otherwise): B fragments through shared memory (`smem`) or loaded by each warp, at most `tiles` n-tiles of 8
+    /// tokens per block (more tokens take more blocks, each reading the weights again).
+    Gemm {
+        /// B fragments staged in shared memory, shared by the block's warps.
+        smem: bool,
+        /// n-tiles per block: 1, 2, 4 or 8.
+        tiles: usize,
+    },
     /// The tensor-core token tiles at any token count (a measurement variant).
     Tiles,
     /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
@@ -76,6 +85,12 @@ const MMA_WARPS: usize = 4;
 const MMA_STREAMS: usize = 2;
 
 impl MoeKernel {
+    /// The GEMM kernels [`MoeKernel::Tensor`] uses above [`GEMM_SMEM_ROWS`] tokens (`gemm`).
+    pub const GEMM: MoeKernel = MoeKernel::Gemm {
+        smem: true,
+        tiles: 4,
+    };
+
     /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
     fn tensor_variant(self, tt: usize) -> (usize, &'static str) {
         match (self, tt) {
@@ -92,13 +107,26 @@ impl FromStr for MoeKernel {
     fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s {
             "tensor" => Ok(MoeKernel::Tensor),
-            "gemm" => Ok(MoeKernel::Gemm),
+            "gemm" => Ok(MoeKernel::GEMM),
+            "gemm8" => Ok(MoeKernel::Gemm {
+                smem: true,
+                tiles: 8,
+            }),
+            "gemm8-ldg" => Ok(MoeKernel::Gemm {
+                smem: false,
+                tiles: 8,
+            }),
+            "gemm4-ldg" => Ok(MoeKernel::Gemm {
+                smem: false,
+                tiles: 4,
+            }),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, tiles, tensor-s4, tensor-nohint or simt)"
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, tiles, tensor-s4, \
+                 tensor-nohint or simt)"
             )),
         }
     }
@@ -300,14 +328,17 @@ pub fn run_experts_with(
     }
     let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
-    let gemm = gemm_fits
-        && match kernel {
-            MoeKernel::Gemm => true,
-            MoeKernel::Tensor => max_rows > GEMM_MIN_ROWS,
-            _ => false,
-        };
-    if gemm {
-        return run_gemm(gpu, shape, &slots, pair_row, x, act, y);
+    let gemm = match kernel {
+        MoeKernel::Gemm { smem, tiles } if gemm_fits => Some((smem, tiles)),
+        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => match MoeKernel::GEMM {
+            MoeKernel::Gemm { smem, tiles } => Some((smem, tiles)),
+            _ => None,
+        },
+        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_MIN_ROWS => Some((false, 1)),
+        _ => None,
+    };
+    if let Some((smem, tiles)) = gemm {
+        return run_gemm(gpu, shape, &slots, pair_row, x, act, y, smem, tiles);
     }
     if kernel != MoeKernel::Simt {
         for chunk in slots.chunks(MAX_SLOTS) {
@@ -500,9 +531,9 @@ fn split_hilo(
     Ok((frag, sdown))
 }
 
-/// n-tiles of the GEMM kernels for a launch whose largest expert has `max_rows` tokens.
-fn gemm_tiles(max_rows: usize) -> usize {
-    let want = max_rows.div_ceil(8);
+/// n-tiles of the GEMM kernels for a launch whose largest expert has `max_rows` tokens, at most `cap`.
+fn gemm_tiles(max_rows: usize, cap: usize) -> usize {
+    let want = max_rows.div_ceil(8).min(cap);
     GEMM_TILES
         .iter()
         .copied()
@@ -510,7 +541,15 @@ fn gemm_tiles(max_rows: usize) -> usize {
         .unwrap_or(GEMM_TILES[GEMM_TILES.len() - 1])
 }
 
-/// Gate/up then down for every expert of `slots` on the GEMM kernels (widths multiples of [`GEMM_COLS`]).
+/// Dynamic shared memory of a GEMM kernel with `nt` n-tiles: two buffers of four groups' B fragments
+/// (128 bytes a token and group) when they are staged in shared memory.
+fn gemm_smem(nt: usize, smem: bool) -> usize {
+    if smem { 2 * nt * 8 * 4 * 128 } else { 0 }
+}
+
+/// Gate/up then down for every expert of `slots` on the GEMM kernels (widths multiples of [`GEMM_COLS`]), B
+/// fragments through shared memory or not, at most `cap` n-tiles per block.
+#[allow(clippy::too_many_arguments)]
 fn run_gemm(
     gpu: &Gpu,
     shape: &MoeShape,
@@ -519,7 +558,10 @@ fn run_gemm(
     x: &CudaSlice<f32>,
     act: &mut CudaSlice<f32>,
     y: &mut CudaSlice<f32>,
+    smem: bool,
+    cap: usize,
 ) -> Result<()> {
+    let suffix = if smem { "_s" } else { "" };
     let (width, inter) = (shape.width, shape.inter);
     let (kind, beta, lin) = shape.glu.code();
     let (w_i, i_i) = (width as i32, inter as i32);
@@ -538,8 +580,8 @@ fn run_gemm(
         })
         .collect();
     for (table, n_slots, max_rows) in &tables {
-        let nt = gemm_tiles(*max_rows);
-        let name = format!("moe_gemm_gate_up_n{nt}");
+        let nt = gemm_tiles(*max_rows, cap);
+        let name = format!("moe_gemm_gate_up_n{nt}{suffix}");
         let f = gpu.function(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -548,7 +590,7 @@ fn run_gemm(
                 div_ceil(*max_rows, nt * 8),
             ),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: gemm_smem(nt, smem) as u32,
         };
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
@@ -568,8 +610,8 @@ fn run_gemm(
     }
     let (afrag, adown) = split_hilo(gpu, act, end, inter)?;
     for (table, n_slots, max_rows) in &tables {
-        let nt = gemm_tiles(*max_rows);
-        let name = format!("moe_gemm_down_n{nt}");
+        let nt = gemm_tiles(*max_rows, cap);
+        let name = format!("moe_gemm_down_n{nt}{suffix}");
         let f = gpu.function(&name)?;
         let cfg = LaunchConfig {
             grid_dim: (
@@ -578,7 +620,7 @@ fn run_gemm(
                 div_ceil(*max_rows, nt * 8),
             ),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: gemm_smem(nt, smem) as u32,
         };
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
@@ -668,13 +710,17 @@ mod tests {
 
     #[test]
     fn gemm_tiles_cover_the_largest_expert() {
-        assert_eq!(gemm_tiles(1), 1);
-        assert_eq!(gemm_tiles(8), 1);
-        assert_eq!(gemm_tiles(9), 2);
-        assert_eq!(gemm_tiles(17), 4);
-        assert_eq!(gemm_tiles(64), 8);
+        assert_eq!(gemm_tiles(1, 8), 1);
+        assert_eq!(gemm_tiles(8, 8), 1);
+        assert_eq!(gemm_tiles(9, 8), 2);
+        assert_eq!(gemm_tiles(17, 8), 4);
+        assert_eq!(gemm_tiles(64, 8), 8);
+        assert_eq!(gemm_tiles(64, 4), 4);
         // More than 64 tokens: several token tiles of 64 (grid.z).
-        assert_eq!(gemm_tiles(200), 8);
+        assert_eq!(gemm_tiles(200, 8), 8);
+        // Two 32 KiB buffers at eight n-tiles: three blocks fit a multiprocessor's 228 KiB.
+        assert_eq!(gemm_smem(8, true), 64 * 1024);
+        assert_eq!(gemm_smem(8, false), 0);
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
@@ -695,7 +741,14 @@ mod tests {
     fn kernel_names_parse() {
         for (name, k) in [
             ("tensor", MoeKernel::Tensor),
-            ("gemm", MoeKernel::Gemm),
+            ("gemm", MoeKernel::GEMM),
+            (
+                "gemm4-ldg",
+                MoeKernel::Gemm {
+                    smem: false,
+                    tiles: 4,
+                },
+            ),
             ("tiles", MoeKernel::Tiles),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
