@@ -178,15 +178,16 @@ impl Kda {
         #[cfg(feature = "cuda")]
         if let Some(done) = self.forward_on_device(old, &p)? {
             let (s, out) = done;
-            *state = Arc::new(KdaState { conv, s });
+            *state = Arc::new(KdaState::on_device(conv, s));
             let out = tensor(out, t_len, c)?;
             return profile.time(Phase::KdaProj, || linear(&out, &self.o_proj));
         }
 
-        let mut s_new = crate::state::state_buffer(old.s.len());
+        let old_s = old.s()?;
+        let mut s_new = crate::state::state_buffer(old_s.len());
         let per_head: Vec<Vec<f32>> = s_new
             .par_chunks_mut(d * d)
-            .zip(old.s.par_chunks(d * d))
+            .zip(old_s.par_chunks(d * d))
             .enumerate()
             .map(|(head, (s, s_prev))| {
                 let inp = self.head_inputs(old, &p, head);
@@ -195,7 +196,7 @@ impl Kda {
                 out
             })
             .collect();
-        *state = Arc::new(KdaState { conv, s: s_new });
+        *state = Arc::new(KdaState::new(conv, s_new));
         // [H, T, D] -> [T, H·D]
         let mut out = vec![0.0f32; t_len * c];
         for (head, o) in per_head.iter().enumerate() {
@@ -310,13 +311,13 @@ struct HeadInputs {
 #[cfg(feature = "cuda")]
 impl Kda {
     /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU): every head's inputs on the
-    /// CPU threads, the recurrence on the device, the gated norm back on the CPU. Returns the new state and the
-    /// normed outputs `[T, C]`.
+    /// CPU threads, the recurrence on the device, the gated norm back on the CPU. Returns the new state (on the
+    /// device) and the normed outputs `[T, C]`.
     fn forward_on_device(
         &self,
         old: &KdaState,
         p: &Projected,
-    ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    ) -> Result<Option<(crate::gpu::DeviceKdaState, Vec<f32>)>> {
         let Some(gpu) = &self.gpu else {
             return Ok(None);
         };
@@ -349,9 +350,8 @@ impl Kda {
                 beta[t * h + hd] = inp.beta[t];
             }
         }
-        let mut s = old.s.to_vec();
-        let Some(mut out) =
-            crate::gpu::kda_recurrent(gpu, &mut s, &q, &k, &v, &g, &beta, (t_len, h, d))?
+        let Some((s, mut out)) =
+            crate::gpu::kda_recurrent(gpu, old, &q, &k, &v, &g, &beta, (t_len, h, d))?
         else {
             return Ok(None);
         };

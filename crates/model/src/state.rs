@@ -3,7 +3,7 @@
 //! State is passed explicitly (`&mut SessionState`), so a snapshot is a clone and a rollback is keeping the old
 //! value. KDA states sit behind `Arc`, so a clone shares them until one side writes (copy on write).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::config::{AttnKind, ModelConfig};
 
@@ -26,18 +26,80 @@ pub(crate) fn state_buffer(len: usize) -> Vec<f32> {
 }
 
 /// The state of one KDA layer.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// The recurrent matrices live on the host, or, when the model runs on CUDA, on the GPU only: a forward pass there
+/// leaves the new matrices on the device (no transfer per token) and [`Self::s`] brings them to the host the first
+/// time someone reads them (a snapshot file, a CPU pass, a test). Either way a state never changes once built.
+#[derive(Clone, Debug)]
 pub struct KdaState {
     /// The last `kernel - 1` pre-conv projection rows of q, k and v, oldest first (`[(K-1) * C]` each).
     pub conv: [Vec<f32>; 3],
-    /// Recurrent states, `[heads, head_dim (k), head_dim (v)]`.
-    pub s: Vec<f32>,
+    /// Recurrent states on the host, `[heads, head_dim (k), head_dim (v)]` (unset while only the device has them).
+    s: OnceLock<Vec<f32>>,
+    /// The same states on the GPU, when a CUDA pass made them.
+    #[cfg(feature = "cuda")]
+    device: Option<crate::gpu::DeviceKdaState>,
+}
+
+impl KdaState {
+    /// A state with host matrices `s`.
+    pub fn new(conv: [Vec<f32>; 3], s: Vec<f32>) -> Self {
+        Self {
+            conv,
+            s: OnceLock::from(s),
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
+
+    /// A state whose matrices are on the GPU only.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_device(conv: [Vec<f32>; 3], device: crate::gpu::DeviceKdaState) -> Self {
+        Self {
+            conv,
+            s: OnceLock::new(),
+            device: Some(device),
+        }
+    }
+
+    /// The matrices on the GPU, when they are there.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device(&self) -> Option<&crate::gpu::DeviceKdaState> {
+        self.device.as_ref()
+    }
+
+    /// The recurrent states `[heads, head_dim (k), head_dim (v)]`, copied from the GPU on first use when only it
+    /// has them.
+    pub fn s(&self) -> crate::Result<&[f32]> {
+        if let Some(s) = self.s.get() {
+            return Ok(s);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let host = d.download()?;
+            return Ok(self.s.get_or_init(|| host));
+        }
+        Err(crate::ModelError::Device(
+            "a KDA state without matrices".to_string(),
+        ))
+    }
+}
+
+impl PartialEq for KdaState {
+    /// Equal values (the matrices compared on the host; a state that cannot be read equals nothing).
+    fn eq(&self, other: &Self) -> bool {
+        self.conv == other.conv
+            && match (self.s(), other.s()) {
+                (Ok(a), Ok(b)) => a == b,
+                _ => false,
+            }
+    }
 }
 
 impl Drop for KdaState {
-    /// The state matrices go back to the idle buffers (see `state_buffer`).
+    /// The host matrices go back to the idle buffers (see `state_buffer`).
     fn drop(&mut self) {
-        let s = std::mem::take(&mut self.s);
+        let s = self.s.take().unwrap_or_default();
         if s.is_empty() {
             return;
         }
@@ -125,10 +187,10 @@ impl SessionState {
             .layer_kinds
             .iter()
             .map(|kind| match kind {
-                AttnKind::Kda => LayerState::Kda(Arc::new(KdaState {
-                    conv: [vec![0.0; window], vec![0.0; window], vec![0.0; window]],
-                    s: vec![0.0; cfg.kda.n_heads * cfg.kda.head_dim * cfg.kda.head_dim],
-                })),
+                AttnKind::Kda => LayerState::Kda(Arc::new(KdaState::new(
+                    [vec![0.0; window], vec![0.0; window], vec![0.0; window]],
+                    vec![0.0; cfg.kda.n_heads * cfg.kda.head_dim * cfg.kda.head_dim],
+                ))),
                 AttnKind::Mla => LayerState::Mla(MlaCache::default()),
             })
             .collect();

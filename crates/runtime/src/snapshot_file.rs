@@ -50,7 +50,7 @@ pub fn save(path: &Path, snap: &Snapshot, fingerprint: u32) -> Result<()> {
                 for c in &k.conv {
                     put_f32s(&mut body, c);
                 }
-                put_f32s(&mut body, &k.s);
+                put_f32s(&mut body, k.s()?);
             }
             LayerState::Mla(m) => {
                 body.push(1);
@@ -199,7 +199,7 @@ pub fn load(path: &Path, cfg: &ModelConfig, fingerprint: u32) -> Result<Snapshot
                     r.f32s(Some(window))?,
                 ];
                 let s = r.f32s(Some(s_len))?;
-                layers.push(LayerState::Kda(Arc::new(KdaState { conv, s })));
+                layers.push(LayerState::Kda(Arc::new(KdaState::new(conv, s))));
             }
             (AttnKind::Mla, 1) => {
                 let width = r.u64()? as usize;

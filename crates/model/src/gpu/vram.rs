@@ -13,8 +13,9 @@ use deltafin_quant::cuda::Gpu;
 use super::cuda_err;
 use crate::error::{ModelError, Result};
 
-/// Device memory kept free for activations, kernel buffers and the allocator (bytes).
-const RESERVE: usize = 1 << 30;
+/// Device memory kept free for activations, kernel buffers, KDA states (a session's are 434 MB at K3's size, two
+/// or three alive during a pass or with a checkpoint) and the allocator (bytes).
+const RESERVE: usize = 2 << 30;
 /// Margin below the free memory when no budget is given (bytes).
 const DEFAULT_MARGIN: usize = 1 << 30;
 
