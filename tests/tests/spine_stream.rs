@@ -272,3 +272,61 @@ fn bad_pin_lists_are_clear_errors() {
     .expect_err("layer 99 does not exist");
     assert!(err.to_string().contains("layer 99 does not exist"), "{err}");
 }
+
+/// Counts what an open reports.
+#[derive(Default)]
+struct Counted {
+    starts: std::sync::Mutex<Vec<(String, u64)>>,
+    done: std::sync::atomic::AtomicU64,
+    finished: std::sync::atomic::AtomicU64,
+}
+
+impl deltafin_storage::Progress for Counted {
+    fn start(&self, label: &str, total: u64) {
+        self.starts
+            .lock()
+            .expect("lock")
+            .push((label.to_string(), total));
+    }
+    fn advance(&self, bytes: u64) {
+        self.done
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+    fn finish(&self) {
+        self.finished
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Opening reports one `open` phase whose total is the bytes the load reads: every spine byte with the whole spine
+/// pinned, the pinned layers and fixed tensors when some layers are streamed (their bytes come at forward time).
+#[test]
+fn open_reports_the_spine_bytes_it_reads() {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    let dir = fixture("k3/k3-tiny-a");
+    for pins in [PinLayers::All, PinLayers::First(1)] {
+        let counted = Arc::new(Counted::default());
+        let options = EngineOptions::default().with_pin_layers(pins.clone());
+        let engine = Engine::open_with_progress(
+            &dir,
+            options,
+            Some(counted.clone() as Arc<dyn deltafin_storage::Progress + Send>),
+        )
+        .expect("open");
+        let starts = counted.starts.lock().expect("lock").clone();
+        assert_eq!(starts.len(), 1, "{pins:?}: {starts:?}");
+        let (label, total) = &starts[0];
+        assert_eq!(label, "open");
+        assert!(*total > 0);
+        assert_eq!(
+            counted.done.load(Ordering::Relaxed),
+            *total,
+            "{pins:?}: bytes reported against the total"
+        );
+        assert_eq!(counted.finished.load(Ordering::Relaxed), 1);
+        // Reading nothing more: the streamed layer's bytes come at forward time, not through the open's bar.
+        engine.session().prefill(&[1, 2, 3]).expect("prefill");
+        assert_eq!(counted.done.load(Ordering::Relaxed), *total, "{pins:?}");
+    }
+}

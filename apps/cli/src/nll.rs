@@ -55,7 +55,7 @@ pub fn run(args: NllArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     }
     let ids = parse_ids(&args.ids)?;
     let options = args.engine.options(dev)?;
-    let engine = Engine::open(&args.model, options)
+    let engine = Engine::open_with_progress(&args.model, options, crate::progress::open_bar())
         .with_context(|| format!("opening model {}", args.model.display()))?;
     let mut session = engine.session();
     let rows: Vec<Vec<f32>> = match args.mode {

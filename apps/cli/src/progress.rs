@@ -1,6 +1,6 @@
 //! Progress bars on stderr, shown only on a terminal: the prefill bar of `deltafin run` (once a prompt has taken a
-//! couple of seconds, with tokens and layers done and an estimate of the time left) and the byte bars of `setup`
-//! (storage reports through its [`Progress`] trait).
+//! couple of seconds, with tokens and layers done and an estimate of the time left), and the byte bars of `setup`
+//! and of opening a model (storage and the engine report through storage's [`Progress`] trait).
 
 use std::cell::RefCell;
 use std::io::IsTerminal;
@@ -44,6 +44,13 @@ pub fn prefill_bar<'e>() -> Option<ProgressFn<'e>> {
             }
         }
     }))
+}
+
+/// The byte bar of opening a model (the spine read, and uploaded on a GPU), where stderr is a terminal.
+pub fn open_bar() -> Option<std::sync::Arc<dyn Progress + Send>> {
+    std::io::stderr()
+        .is_terminal()
+        .then(|| std::sync::Arc::new(BarProgress::default()) as std::sync::Arc<dyn Progress + Send>)
 }
 
 /// Byte progress bars for installs (bytes, rate, ETA); hidden when stderr is not a terminal.

@@ -88,7 +88,7 @@ pub fn run(args: RunArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         None => demo::default_model_dir()?,
     };
     let options = args.engine.options(dev)?;
-    let engine = Engine::open(&model_dir, options)
+    let engine = Engine::open_with_progress(&model_dir, options, crate::progress::open_bar())
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     if let Some(missing) = engine.missing_experts() {
         eprintln!(

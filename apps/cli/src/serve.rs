@@ -57,7 +57,7 @@ pub fn run(args: ServeArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         None => demo::default_model_dir()?,
     };
     let options = args.engine.options(dev)?;
-    let engine = Engine::open(&model_dir, options)
+    let engine = Engine::open_with_progress(&model_dir, options, crate::progress::open_bar())
         .with_context(|| format!("opening model {}", model_dir.display()))?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
         model_dir

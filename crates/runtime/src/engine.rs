@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use deltafin_model::{ExpertInput, ExpertSource, Model, ModelConfig};
 use deltafin_storage::{
-    ExpertFormat, ExpertMap, Missing, ModelFiles, NoProgress, ReadPoolOptions, SpanReader,
-    StreamInstall, is_stream_install,
+    ExpertFormat, ExpertMap, Missing, ModelFiles, NoProgress, Progress, ReadPoolOptions,
+    SpanReader, StreamInstall, is_stream_install,
 };
 use deltafin_text::tokenizer::Tokenizer;
 
@@ -60,6 +60,16 @@ impl Engine {
     /// missing header or spine span is fetched and every cached spine span verified first; experts are then
     /// fetched on demand.
     pub fn open(dir: &Path, options: EngineOptions) -> Result<Self> {
+        Self::open_with_progress(dir, options, None)
+    }
+
+    /// [`Self::open`], telling `progress` the spine bytes read as the model loads (phase `open`, the total being
+    /// the bytes the load reads: the pinned layers and fixed tensors, or the whole spine on a GPU).
+    pub fn open_with_progress(
+        dir: &Path,
+        options: EngineOptions,
+        progress: Option<Arc<dyn Progress + Send>>,
+    ) -> Result<Self> {
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(RuntimeError::NoConfig(dir.to_path_buf()));
@@ -151,7 +161,27 @@ impl Engine {
         // Through `load_streamed` even when every layer is pinned: on CUDA the GPU memory plan may stream layers
         // the host keeps (an all-resident plan streams nothing on the CPU).
         let src: deltafin_model::SharedWeightSource = spine.clone();
-        let mut model = Model::load_streamed(cfg, src, &options.device, &plan.resident)?;
+        if let Some(p) = &progress {
+            let on_gpu = options.device.pref != deltafin_model::DevicePref::Cpu;
+            let pinned: u64 = (0..n_layers)
+                .filter(|&l| on_gpu || plan.resident[l])
+                .map(|l| layer_bytes[l])
+                .sum();
+            // With layers streamed on the CPU the embedding is read by rows at every pass, not at open.
+            let embed = if !on_gpu && plan.resident.iter().any(|&r| !r) {
+                0
+            } else {
+                embed_bytes
+            };
+            p.start("open", pinned + fixed_bytes + embed);
+            spine.set_progress(Some(Arc::clone(p)));
+        }
+        let loaded = Model::load_streamed(cfg, src, &options.device, &plan.resident);
+        spine.set_progress(None);
+        if let Some(p) = &progress {
+            p.finish();
+        }
+        let mut model = loaded?;
         model.set_expert_input(options.expert_input);
         let slow = match options.expert_input {
             ExpertInput::F32 => None,

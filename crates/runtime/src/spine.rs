@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use deltafin_model::{HostTensor, ModelError, WeightSource};
 use deltafin_quant::{DenseData, DenseMatrix};
 use deltafin_storage::{
-    Dtype, ModelFiles, PlannedTensor, SpanBytes, TensorInfo, write_safetensors,
+    Dtype, ModelFiles, PlannedTensor, Progress, SpanBytes, TensorInfo, write_safetensors,
 };
 
 use crate::convert::{dense_data, dense_data_in_place, int8_in_place, to_f32};
@@ -142,6 +142,8 @@ pub struct SpineSource {
     stored_bytes: u64,
     read_bytes: AtomicU64,
     reads: AtomicU64,
+    /// Told every spine byte read while set (the progress of an open).
+    progress: std::sync::Mutex<Option<Arc<dyn Progress + Send>>>,
     /// Reads a decoder layer's tensors in one direct-I/O batch (for the streamed spine and the load at open).
     layers: LayerReader,
 }
@@ -219,6 +221,7 @@ impl SpineSource {
             int8,
             stored_bytes,
             read_bytes: AtomicU64::new(0),
+            progress: std::sync::Mutex::new(None),
             reads: AtomicU64::new(0),
             layers,
         })
@@ -304,6 +307,22 @@ impl SpineSource {
     fn count(&self, bytes: usize) {
         self.read_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         self.reads.fetch_add(1, Ordering::Relaxed);
+        if let Some(p) = self
+            .progress
+            .lock()
+            .ok()
+            .as_deref()
+            .and_then(Option::as_ref)
+        {
+            p.advance(bytes as u64);
+        }
+    }
+
+    /// Reports every spine byte read to `progress` from now on (`None`: to nobody).
+    pub fn set_progress(&self, progress: Option<Arc<dyn Progress + Send>>) {
+        if let Ok(mut p) = self.progress.lock() {
+            *p = progress;
+        }
     }
 }
 
