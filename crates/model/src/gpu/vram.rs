@@ -2,9 +2,10 @@
 //!
 //! Layers are uploaded in order while they fit: after each one, the device memory in use (measured with
 //! `cuMemGetInfo` against the start) plus room for two streamed layers (the one computing and the one being
-//! uploaded, each as large as the largest layer seen) plus a reserve for activations and a minimal expert cache
-//! must stay within the budget. The first layer that does not fit is freed again and it and every later layer
-//! are streamed: uploaded at every forward pass by the spine reader, one layer ahead of the compute.
+//! uploaded, each as large as the largest layer seen) plus a reserve (activations, KDA states) and a minimal expert
+//! cache must stay within the budget. The first layer that does not fit is freed again and it and every later layer
+//! are streamed: uploaded at every forward pass by the spine reader, one layer ahead of the compute. If the layer
+//! that did not fit is the largest, resident layers are given back, last first, until two of it fit.
 
 use std::sync::Arc;
 
