@@ -86,6 +86,11 @@ impl VramPlan {
     /// memory goes back to the device at a synchronisation).
     pub fn used(&self) -> Result<usize> {
         self.gpu.synchronize().map_err(cuda_err)?;
+        // Weights are allocated, uploaded and freed on the upload stream.
+        self.gpu
+            .copy_stream()
+            .synchronize()
+            .map_err(|e| ModelError::Device(format!("cuda: upload stream synchronize: {e}")))?;
         let (free, _) = self.gpu.memory().map_err(cuda_err)?;
         Ok(self.free0.saturating_sub(free))
     }

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
 
 use super::{Gpu, div_ceil, driver_err};
 use crate::dense::{DenseData, DenseMatrix};
@@ -32,6 +32,8 @@ enum Kind {
 pub struct DeviceMatrix {
     gpu: Arc<Gpu>,
     buf: CudaSlice<u8>,
+    /// The end of the upload, when it ran on the upload stream (products wait for it).
+    ready: Option<CudaEvent>,
     rows: usize,
     cols: usize,
     kind: Kind,
@@ -61,17 +63,18 @@ impl DeviceMatrix {
         }
         // f32 and bf16 values go up from where they lie (the device is little-endian, like every host this
         // builds for); row-wise int8 is dequantised to f32 first.
-        let buf = match m.data() {
-            DenseData::F32(v) => gpu.upload(le_bytes(v))?,
-            DenseData::Bf16(v) => gpu.upload(le_bytes(v))?,
+        let (buf, ready) = match m.data() {
+            DenseData::F32(v) => gpu.upload_staged(le_bytes(v))?,
+            DenseData::Bf16(v) => gpu.upload_staged(le_bytes(v))?,
             DenseData::Int8 { .. } => {
                 let vals: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
-                gpu.upload(le_bytes(&vals))?
+                gpu.upload_staged(le_bytes(&vals))?
             }
         };
         Ok(Some(Self {
             gpu: gpu.clone(),
             buf,
+            ready,
             rows: m.rows(),
             cols: m.cols(),
             kind,
@@ -111,6 +114,12 @@ impl DeviceMatrix {
             Kind::Bf16 => "dense_gemm_bf16",
         };
         let f = self.gpu.function(name)?;
+        if let Some(ev) = &self.ready {
+            self.gpu
+                .stream()
+                .wait(ev)
+                .map_err(|e| driver_err("waiting for a weight upload", e))?;
+        }
         let (rows, cols, t) = (self.rows as i32, self.cols as i32, t_rows as i32);
         let cfg = LaunchConfig {
             grid_dim: (div_ceil(self.rows, DENSE_WARPS * DENSE_ROWS_PER_WARP), 1, 1),

@@ -6,10 +6,11 @@
 //! [`QuantError::CudaUnavailable`] with the reason when there is no driver, no NVRTC or no device.
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
-//! kernels, all experts of a layer per launch).
+//! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream).
 
 pub mod dense;
 pub mod moe;
+mod upload;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -136,6 +137,7 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
     smem_optin: usize,
+    staging: upload::Staging,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -228,6 +230,7 @@ impl Gpu {
             functions,
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
+            staging: upload::Staging::default(),
         })
     }
 
