@@ -364,6 +364,16 @@ __device__ __forceinline__ void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32
 
 __device__ __forceinline__ u32 word_of(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
+// The factors of a row whose largest magnitude is mm: up = 2^s with mm * 2^s in [2^14, 2^15) (s clamped so both
+// factors stay normal floats), down = 2^(14 - s), which turns a row sum of E2M1 * 2^-14 weights back into w.x.
+__device__ __forceinline__ void hilo_factors(float mm, float* up, float* down) {
+    int e = (__float_as_int(mm) >> 23) & 0xff;
+    int sh = mm > 0.f ? 141 - e : 0;
+    sh = max(-112, min(126, sh));
+    *up = __int_as_float((127 + sh) << 23);
+    *down = __int_as_float((141 - sh) << 23);
+}
+
 // Stages tokens rows[0..count) of `src` (`cols` wide) as fp16 hi/lo fragments (layout above); tokens count..TT
 // and the padding groups are zeros. s_down[t] receives 2^(14 - s_t), the factor that turns a row sum back into
 // w.x. Ends with a barrier.
@@ -391,11 +401,7 @@ __device__ void stage_hilo(uint4* xs, const float* src, const int rows[TT], int 
         int t = threadIdx.x;
         float mm = 0.f;
         for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w][t]);
-        int e = (__float_as_int(mm) >> 23) & 0xff;
-        int sh = mm > 0.f ? 141 - e : 0; // mm * 2^sh in [2^14, 2^15)
-        sh = max(-112, min(126, sh));
-        s_up[t] = __int_as_float((127 + sh) << 23);
-        s_down[t] = __int_as_float((141 - sh) << 23);
+        hilo_factors(mm, &s_up[t], &s_down[t]);
     }
     if (threadIdx.x < 4) xs[TT * gp * 8 + threadIdx.x] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
@@ -711,11 +717,7 @@ extern "C" __global__ void moe_split_hilo(const float* src, int cols, float* sdo
     if (threadIdx.x == 0) {
         float mm = 0.f;
         for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w]);
-        int e = (__float_as_int(mm) >> 23) & 0xff;
-        int sh = mm > 0.f ? 141 - e : 0; // mm * 2^sh in [2^14, 2^15), as stage_hilo
-        sh = max(-112, min(126, sh));
-        s_up = __int_as_float((127 + sh) << 23);
-        sdown[row] = __int_as_float((141 - sh) << 23);
+        hilo_factors(mm, &s_up, &sdown[row]);
     }
     __syncthreads();
     const float f = s_up;

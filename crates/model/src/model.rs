@@ -193,7 +193,8 @@ impl Model {
                     drop(layer);
                     if !can_stream {
                         return Err(ModelError::Device(format!(
-                            "the spine does not fit the GPU memory budget of {:.2} GiB (layer {l} of {}), and                              this model was opened without a source to stream layers from",
+                            "the spine does not fit the GPU memory budget of {:.2} GiB (layer {l} of {}), and \
+                             this model was opened without a source to stream layers from",
                             plan.budget() as f64 / (1u64 << 30) as f64,
                             cfg.n_layers
                         )));

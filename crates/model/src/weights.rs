@@ -265,8 +265,8 @@ pub trait ExpertSource: Send + Sync {
     }
 }
 
-/// Matrices the host reads by rows even when the model runs on CUDA: the embedding first (never uploaded), then
-/// KDA's low-rank decay projection (uploaded, host values kept).
+/// Matrices only the host reads (by rows) even when the model runs on CUDA: the embedding and KDA's low-rank decay
+/// projection. They are not uploaded and keep their host values.
 #[cfg(feature = "cuda")]
 const HOST_READ_BY_ROWS: [&str; 2] = ["embed_tokens.weight", "f_b_proj.weight"];
 
@@ -333,16 +333,16 @@ impl<'a> Loader<'a> {
             msg: e.to_string(),
         })?;
         // On CUDA every matrix multiplies on the device and its host values are freed once uploaded (no second
-        // copy of the spine in host RAM), except those the host reads by rows: the embedding (never uploaded) and
-        // KDA's decay projection `f_b` (a few rows per head per token, on the CPU).
+        // copy of the spine in host RAM), except those only the host reads by rows: the embedding and KDA's decay
+        // projection `f_b` (a few rows per head per token, on the CPU).
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
-            && !name.ends_with(HOST_READ_BY_ROWS[0])
+            && !HOST_READ_BY_ROWS.iter().any(|s| name.ends_with(s))
         {
             let on_device = m
                 .attach_cuda(&g.gpu)
                 .map_err(|e| ModelError::Device(format!("{name}: {e}")))?;
-            if on_device && !HOST_READ_BY_ROWS.iter().any(|s| name.ends_with(s)) {
+            if on_device {
                 m.release_host();
             }
         }

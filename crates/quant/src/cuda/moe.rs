@@ -42,6 +42,8 @@ const MMA_STAGES: usize = 3;
 pub const GEMM_MIN_ROWS: usize = 2;
 /// See [`GEMM_MIN_ROWS`].
 pub const GEMM_SMEM_ROWS: usize = 8;
+/// The GEMM above [`GEMM_SMEM_ROWS`]: B through shared memory, 4 n-tiles ([`MoeKernel::GEMM`]).
+const GEMM_DEFAULT: (bool, usize) = (true, 4);
 /// Threads per block of the GEMM kernels (`GEMM_WARPS` warps).
 const GEMM_THREADS: u32 = 128;
 /// Output rows per block of the GEMM kernels: gate/up (16 rows of gate and of up per warp) and down (32 per warp).
@@ -87,8 +89,8 @@ const MMA_STREAMS: usize = 2;
 impl MoeKernel {
     /// The GEMM kernels [`MoeKernel::Tensor`] uses above [`GEMM_SMEM_ROWS`] tokens (`gemm`).
     pub const GEMM: MoeKernel = MoeKernel::Gemm {
-        smem: true,
-        tiles: 4,
+        smem: GEMM_DEFAULT.0,
+        tiles: GEMM_DEFAULT.1,
     };
 
     /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
@@ -239,6 +241,16 @@ fn tile_for(max_rows: usize, cols: usize, smem_limit: usize) -> Option<usize> {
         .find(|&t| t <= want && t * cols * 4 <= smem_limit)
 }
 
+/// The tensor-core kernels' by-value table for up to [`MAX_SLOTS`] experts (the rest zero, never read).
+fn launch_table(slots: &[SlotRef]) -> SlotTable {
+    let mut table = SlotTable {
+        words: [0; SLOT_WORDS * MAX_SLOTS],
+    };
+    let words = slot_table(slots);
+    table.words[..words.len()].copy_from_slice(&words);
+    table
+}
+
 fn slot_table(slots: &[SlotRef]) -> Vec<u64> {
     let mut table = Vec::with_capacity(slots.len() * SLOT_WORDS);
     for s in slots {
@@ -330,10 +342,7 @@ pub fn run_experts_with(
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some((smem, tiles)),
-        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => match MoeKernel::GEMM {
-            MoeKernel::Gemm { smem, tiles } => Some((smem, tiles)),
-            _ => None,
-        },
+        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => Some(GEMM_DEFAULT),
         MoeKernel::Tensor if gemm_fits && max_rows > GEMM_MIN_ROWS => Some((false, 1)),
         _ => None,
     };
@@ -439,11 +448,7 @@ fn run_tensor(
     kernel: MoeKernel,
 ) -> Result<()> {
     let (width, inter) = (shape.width, shape.inter);
-    let mut table = SlotTable {
-        words: [0; SLOT_WORDS * MAX_SLOTS],
-    };
-    let words = slot_table(slots);
-    table.words[..words.len()].copy_from_slice(&words);
+    let table = launch_table(slots);
     let n_slots = slots.len() as u32;
     let need = |tt: usize| {
         let stages = kernel.tensor_variant(tt).0;
@@ -547,6 +552,26 @@ fn gemm_smem(nt: usize, smem: bool) -> usize {
     if smem { 2 * nt * 8 * 4 * 128 } else { 0 }
 }
 
+/// The launch of a GEMM kernel over `nrows` output rows (`rows_per_block` a block) of `n_slots` experts whose
+/// largest has `max_rows` tokens, `nt` n-tiles a block.
+fn gemm_launch(
+    (nrows, rows_per_block): (usize, usize),
+    n_slots: u32,
+    max_rows: usize,
+    nt: usize,
+    smem: bool,
+) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            div_ceil(nrows, rows_per_block),
+            n_slots,
+            div_ceil(max_rows, nt * 8),
+        ),
+        block_dim: (GEMM_THREADS, 1, 1),
+        shared_mem_bytes: gemm_smem(nt, smem) as u32,
+    }
+}
+
 /// Gate/up then down for every expert of `slots` on the GEMM kernels (widths multiples of [`GEMM_COLS`]), B
 /// fragments through shared memory or not, at most `cap` n-tiles per block.
 #[allow(clippy::too_many_arguments)]
@@ -570,28 +595,15 @@ fn run_gemm(
     let tables: Vec<(SlotTable, u32, usize)> = slots
         .chunks(MAX_SLOTS)
         .map(|chunk| {
-            let mut table = SlotTable {
-                words: [0; SLOT_WORDS * MAX_SLOTS],
-            };
-            let words = slot_table(chunk);
-            table.words[..words.len()].copy_from_slice(&words);
             let max_rows = chunk.iter().map(|s| s.n_rows).max().unwrap_or(1);
-            (table, chunk.len() as u32, max_rows)
+            (launch_table(chunk), chunk.len() as u32, max_rows)
         })
         .collect();
     for (table, n_slots, max_rows) in &tables {
         let nt = gemm_tiles(*max_rows, cap);
         let name = format!("moe_gemm_gate_up_n{nt}{suffix}");
         let f = gpu.function(&name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                div_ceil(inter, GEMM_ROWS_GATE_UP),
-                *n_slots,
-                div_ceil(*max_rows, nt * 8),
-            ),
-            block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: gemm_smem(nt, smem) as u32,
-        };
+        let cfg = gemm_launch((inter, GEMM_ROWS_GATE_UP), *n_slots, *max_rows, nt, smem);
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
             .arg(pair_row)
@@ -613,15 +625,7 @@ fn run_gemm(
         let nt = gemm_tiles(*max_rows, cap);
         let name = format!("moe_gemm_down_n{nt}{suffix}");
         let f = gpu.function(&name)?;
-        let cfg = LaunchConfig {
-            grid_dim: (
-                div_ceil(width, GEMM_ROWS_DOWN),
-                *n_slots,
-                div_ceil(*max_rows, nt * 8),
-            ),
-            block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: gemm_smem(nt, smem) as u32,
-        };
+        let cfg = gemm_launch((width, GEMM_ROWS_DOWN), *n_slots, *max_rows, nt, smem);
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
             .arg(&afrag)
@@ -721,6 +725,14 @@ mod tests {
         // Two 32 KiB buffers at eight n-tiles: three blocks fit a multiprocessor's 228 KiB.
         assert_eq!(gemm_smem(8, true), 64 * 1024);
         assert_eq!(gemm_smem(8, false), 0);
+        // K3, 64 tokens per expert, 16 experts, 4 n-tiles: 48 blocks of gate/up rows (28 of down), two token tiles.
+        let g = gemm_launch((3072, GEMM_ROWS_GATE_UP), 16, 64, 4, true);
+        assert_eq!(
+            (g.grid_dim, g.block_dim.0, g.shared_mem_bytes),
+            ((48, 16, 2), 128, 32 * 1024)
+        );
+        let d = gemm_launch((3584, GEMM_ROWS_DOWN), 16, 64, 4, true);
+        assert_eq!(d.grid_dim, (28, 16, 2));
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
