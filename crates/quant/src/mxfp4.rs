@@ -29,12 +29,29 @@ const TILE_TOKENS: usize = 3;
 const TILE_BLOCK_CHUNKS: usize = 16;
 /// Rows per task of a tiled product: decoded, 16 rows of a K3 expert are 258 KB, which stay in L2.
 const TILE_ROWS_PER_TASK: usize = 16;
+/// Inputs from which a product runs with the inputs across the vector lanes on AVX-512
+/// ([`Mxfp4Matrix::rows_f32_lanes`]; `crate::simd::avx512_tokens`).
+#[cfg(target_arch = "x86_64")]
+const LANES_MIN_TOKENS: usize = 12;
+/// Rows per task of a product with the inputs across the lanes: a task reads all of its inputs once, so more rows
+/// share that read; 48 rows' decoded block (393 KB), their accumulators at 64 inputs (384 KB) and a block of 64
+/// inputs (512 KB) stay in a 2 MB L2 together.
+const LANES_ROWS_PER_TASK: usize = 48;
+/// Chunks per block of a product with the inputs across the lanes: two groups of 16 inputs over a block (16 KiB for
+/// one lane `k`) stay in L1 while every row of the task passes over them.
+#[cfg(target_arch = "x86_64")]
+const LANES_BLOCK_CHUNKS: usize = 16;
 /// Activation rows per piece of a batched product ([`crate::dense::TOKEN_BLOCK`]: a piece's inputs stay in L2).
 const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 
 /// Rows per task for `matrix` at `t_rows` activation rows: [`MXFP4_TASK_BYTES`] of work, at least one row pair;
 /// [`TILE_ROWS_PER_TASK`] where the product runs in tiles.
-fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize) -> usize {
+fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize, xps: &PermutedInput) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(xps, PermutedInput::F32Lanes(_)) {
+        return LANES_ROWS_PER_TASK;
+    }
+    let _ = (xps, LANES_ROWS_PER_TASK);
     if t_rows >= TILE_MIN_TOKENS {
         return TILE_ROWS_PER_TASK;
     }
@@ -212,6 +229,8 @@ impl<'a> Mxfp4Matrix<'a> {
     fn rows_permuted(&self, r0: usize, xps: &PermutedInput, t_rows: usize, out: &mut [f32]) {
         match xps {
             PermutedInput::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
+            #[cfg(target_arch = "x86_64")]
+            PermutedInput::F32Lanes(xt) => self.rows_f32_lanes(r0, xt, t_rows, out),
             PermutedInput::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
             PermutedInput::I16(xqs) => self.rows_i16(r0, xqs, t_rows, out),
         }
@@ -314,6 +333,82 @@ impl<'a> Mxfp4Matrix<'a> {
             // SAFETY: AVX-512F present.
             *o = unsafe { bf16_finish(a) };
         }
+    }
+
+    /// [`Self::rows_permuted`] for exact f32 inputs laid out across the vector lanes
+    /// (`crate::simd::avx512_tokens::token_lanes`, built only where AVX-512 is present): the task's rows are decoded
+    /// once, then for each block of [`LANES_BLOCK_CHUNKS`] chunks and each lane `k`, tiles of two rows by two
+    /// groups of 16 inputs (four rows by one group where a single group is left) run over the block. Every result is
+    /// bit-identical to [`Self::dot_row_ref`].
+    #[cfg(target_arch = "x86_64")]
+    fn rows_f32_lanes(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
+        use crate::simd::avx512_tokens::{
+            GROUP, accumulators_len, block_weights, decode_block, decode_scales, finish,
+            padded_chunks, row_scales, tile, token_lanes_len,
+        };
+        let n_chunks = mxfp4_contract::chunks(self.cols);
+        let n_pad = padded_chunks(self.cols);
+        let groups = t_rows.div_ceil(GROUP);
+        let rows_here = out.len() / t_rows.max(1);
+        if t_rows == 0 || xt.len() < token_lanes_len(self.cols, t_rows) {
+            return;
+        }
+        let row_bytes: Vec<RowBytes<'a>> =
+            (r0..r0 + rows_here).map(|r| self.row_bytes(r)).collect();
+        LANES_SCRATCH.with_borrow_mut(|scratch| {
+            let [w, sc, acc] = scratch.take(&[
+                block_weights(rows_here, LANES_BLOCK_CHUNKS),
+                rows_here * row_scales(self.cols),
+                accumulators_len(rows_here, groups),
+            ]);
+            acc.fill(0.0);
+            // SAFETY: AVX-512F present (inputs are laid out across the lanes only then); `sc` sized for the rows.
+            unsafe { decode_scales(&row_bytes, self.cols, sc) };
+            let sc = &*sc;
+            for c0 in (0..n_chunks).step_by(LANES_BLOCK_CHUNKS) {
+                let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n_chunks));
+                let nb = (span.1 - c0).div_ceil(2) * 2;
+                // SAFETY: as above; `w` holds the rows' block of `nb <= LANES_BLOCK_CHUNKS` chunks.
+                unsafe { decode_block(&row_bytes, c0, nb, w) };
+                let w = &*w;
+                // SAFETY (every call below): AVX-512F and FMA present; the decoded block, the multipliers, the
+                // inputs and the accumulators hold every tile's rows and groups, and `span.1 <= n_chunks <= n_pad`.
+                macro_rules! tiles {
+                    ($v:literal, $g:expr, $k:expr, $($r:literal)+) => {{
+                        let mut r = 0;
+                        while r < rows_here {
+                            let left = rows_here - r;
+                            $(
+                                if left >= $r {
+                                    unsafe {
+                                        tile::<$r, $v>((w, nb, sc), xt, (r, $g, $k), span, n_pad, acc, groups)
+                                    };
+                                    r += $r;
+                                    continue;
+                                }
+                            )+
+                        }
+                    }};
+                }
+                for k in 0..mxfp4_contract::CHUNK_LANES {
+                    for g in (0..groups).step_by(2) {
+                        if groups - g >= 2 {
+                            tiles!(2, g, k, 4 2 1);
+                        } else {
+                            tiles!(1, g, k, 4 2 1);
+                        }
+                    }
+                }
+            }
+            for r in 0..rows_here {
+                for g in 0..groups {
+                    // SAFETY: AVX-512F present; `acc` holds every pair.
+                    let sums = unsafe { finish(acc, r, g, groups) };
+                    let n = GROUP.min(t_rows - g * GROUP);
+                    out[r * t_rows + g * GROUP..][..n].copy_from_slice(&sums[..n]);
+                }
+            }
+        });
     }
 
     /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
@@ -535,9 +630,51 @@ type PairKernel = unsafe fn([RowBytes<'_>; 2], &[u32]) -> [f32; 2];
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Per-thread buffers of the tasks that multiply with the inputs across the lanes (decoded rows, multipliers,
+    /// accumulators), kept between tasks: allocated afresh, each task's hundreds of KiB came from new zeroed pages.
+    static LANES_SCRATCH: std::cell::RefCell<Scratch<3>> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// `N` reusable, line-aligned f32 buffers.
+#[cfg(target_arch = "x86_64")]
+struct Scratch<const N: usize> {
+    bufs: [crate::aligned::Lines; N],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const N: usize> Default for Scratch<N> {
+    fn default() -> Self {
+        Self {
+            bufs: std::array::from_fn(|_| crate::aligned::Lines::zeroed(0)),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const N: usize> Scratch<N> {
+    /// The buffers, each grown to at least `lens[i]` values and cut to exactly that (old contents kept, not zeroed).
+    fn take(&mut self, lens: &[usize; N]) -> [&mut [f32]; N] {
+        for (b, &len) in self.bufs.iter_mut().zip(lens) {
+            if b.len() < len {
+                *b = crate::aligned::Lines::zeroed(len);
+            }
+        }
+        let mut out = self.bufs.each_mut().map(|b| &mut b[..]);
+        for (o, &len) in out.iter_mut().zip(lens) {
+            *o = &mut std::mem::take(o)[..len];
+        }
+        out
+    }
+}
+
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
 enum PermutedInput {
     F32(crate::aligned::Lines),
+    /// Exact f32 inputs across the vector lanes (`crate::simd::avx512_tokens::token_lanes`).
+    #[cfg(target_arch = "x86_64")]
+    F32Lanes(crate::aligned::Lines),
     Bf16(Vec<u32>),
     I16(Vec<u32>),
 }
@@ -546,6 +683,11 @@ impl PermutedInput {
     /// `t_rows` rows of `cols` activations in `x`, permuted for `input`.
     fn new(x: &[f32], cols: usize, input: Mxfp4Input) -> Self {
         let rows = x.chunks_exact(cols.max(1));
+        #[cfg(target_arch = "x86_64")]
+        if input == Mxfp4Input::F32 && crate::simd::has_avx512() && rows.len() >= LANES_MIN_TOKENS {
+            let t_rows = rows.len();
+            return Self::F32Lanes(crate::simd::avx512_tokens::token_lanes(x, cols, t_rows));
+        }
         match input {
             Mxfp4Input::F32 => Self::F32(crate::aligned::Lines::copy_of(
                 &rows
@@ -629,19 +771,28 @@ fn token_blocks<'q, 'a>(products: &'q mut [Mxfp4Product<'_, 'a>]) -> Vec<Mxfp4Pr
 fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Result<()> {
     // Permuted inputs, one per distinct input; `input_of[i]` is product i's. Products over the same input next
     // to each other (an expert's gate and up) share one permuted copy.
-    let mut inputs: Vec<PermutedInput> = Vec::with_capacity(products.len());
+    // They are built in parallel: for long prompts, dozens of experts' inputs of megabytes each.
+    let mut firsts: Vec<usize> = Vec::with_capacity(products.len());
     let mut input_of = Vec::with_capacity(products.len());
     for (i, p) in products.iter().enumerate() {
-        let m = &p.matrix;
         let shares_last = i > 0 && {
             let prev = &products[i - 1];
-            std::ptr::eq(prev.x, p.x) && prev.matrix.cols == m.cols
+            std::ptr::eq(prev.x, p.x) && prev.matrix.cols == p.matrix.cols
         };
         if !shares_last {
-            inputs.push(PermutedInput::new(p.x, m.cols, input));
+            firsts.push(i);
         }
-        input_of.push(inputs.len() - 1);
+        input_of.push(firsts.len() - 1);
     }
+    let inputs: Vec<PermutedInput> = {
+        use rayon::prelude::*;
+        let build = |&i: &usize| PermutedInput::new(products[i].x, products[i].matrix.cols, input);
+        if firsts.len() < 2 {
+            firsts.iter().map(build).collect()
+        } else {
+            firsts.par_iter().map(build).collect()
+        }
+    };
     // Outputs by weight row (`[rows, t_rows]`), so a task's rows are contiguous; transposed into `y` after.
     let mut by_row: Vec<Vec<f32>> = products
         .iter()
@@ -652,7 +803,7 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
         if p.t_rows == 0 {
             continue;
         }
-        let per_task = rows_per_task(&p.matrix, p.t_rows);
+        let per_task = rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]]);
         for (k, block) in out.chunks_mut(per_task * p.t_rows).enumerate() {
             tasks.push((i, k * per_task, block));
         }

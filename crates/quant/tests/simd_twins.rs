@@ -262,9 +262,10 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
         ] {
             let (packed, s) = random_mxfp4(&mut r, rows, cols, scales);
             let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
-            // 2 and 3 run with fixed register accumulators, 4 and more in tiles of three inputs on AVX-512
-            // (remainders of one and two included).
-            for t_rows in [1, 2, 3, 4, 5, 7, 13] {
+            // 2 and 3 run with fixed register accumulators, 4 to 11 in tiles of three inputs on AVX-512
+            // (remainders of one and two included), 12 and more with the inputs across the lanes (one group of 16,
+            // a partial one, pairs of groups and a pair plus one).
+            for t_rows in [1, 2, 3, 4, 5, 7, 12, 16, 17, 40] {
                 let xs = randn(&mut r, t_rows * cols);
                 let mut y = vec![0.0; t_rows * rows];
                 m.gemm(&xs, t_rows, &mut y).expect("gemm");
@@ -650,7 +651,7 @@ fn dispatch_matches_twin(
     for &cols in MXFP4_COLS {
         let rows = 37; // odd: the last row of a pair runs alone
         let (packed, s) = random_mxfp4(&mut r, rows, cols, &[0, 1, 126, 127, 128, 140, 253, 254]);
-        for t_rows in [1, 2, 5] {
+        for t_rows in [1, 2, 5, 19] {
             let mut xs = edge_inputs(&mut r, t_rows * cols);
             edit(&mut xs[..cols]);
             let mut y = vec![f32::NAN; t_rows * rows];

@@ -392,7 +392,7 @@ fn e2m1_table() -> __m512i {
 /// the stack around every block).
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn scales16(scales: &[u8], g0: usize) -> __m512 {
+pub(crate) fn scales16(scales: &[u8], g0: usize) -> __m512 {
     if let Some(whole) = scales.get(g0..g0 + 16) {
         // SAFETY: `whole` holds 16 bytes.
         return unsafe { scales16_at(whole.as_ptr()) };
@@ -600,7 +600,7 @@ pub unsafe fn mxfp4_row_multi(
 /// at every call `odd` is a constant and a kernel can keep its even and odd accumulators in registers (picking one by
 /// a run-time index, `acc[c % 2]`, kept them on the stack; `docs/performance-log.md`).
 #[inline(always)]
-fn by_parity(c0: usize, c1: usize, mut step: impl FnMut(usize, bool)) {
+pub(crate) fn by_parity(c0: usize, c1: usize, mut step: impl FnMut(usize, bool)) {
     let mut c = c0;
     if c < c1 && c % 2 == 1 {
         step(c, true);

@@ -1,0 +1,588 @@
+//! AVX-512 MXFP4 products of many inputs with the inputs across the vector lanes (prefill at 16 or more tokens
+//! per matrix).
+//!
+//! [`crate::mxfp4_contract`] computes, for one row and one input, sixteen independent lanes `k`, each a chain over
+//! the row's chunks `c`: `te`/`to` over the lane's eight weights, then `acc[c % 2][k] = fma(te + to, scale,
+//! acc[c % 2][k])`, and a fixed reduction of the lanes at the end. The single-input kernels put the sixteen `k` in a
+//! vector's lanes; here a vector's lanes are sixteen *inputs* at one `k` instead, so each weight is broadcast from
+//! memory once and used by every input, and the inputs' vectors are reused by four rows in registers ([`rows4`], in
+//! `asm!`). Per lane the operations and their order are the contract's, so every result is bit-identical to
+//! [`crate::mxfp4_contract::dot_row_ref`].
+//!
+//! Layouts (`n_pad` = the row's chunk count rounded up to even):
+//! - inputs ([`token_lanes`]): group `g` of 16 inputs, lane `k`, chunk `c`, code `s`, input `t` at
+//!   `(g · 16 + k) · stride + (c · 8 + s) · 16 + t` (`stride` = `n_pad · 128` and one line): for one `k` a group's
+//!   chunks are contiguous, so a block of them stays in L1 while every row of a task passes over it;
+//! - rows, a block of chunks at a time ([`decode_block`]): for one `k`, a row's chunks are 32 contiguous bytes each;
+//!   their multipliers group by group for the whole row ([`decode_scales`]).
+
+use std::arch::x86_64::*;
+
+use crate::aligned::Lines;
+use crate::mxfp4::{E2M1_TABLE, MXFP4_GROUP};
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE};
+
+/// Inputs per vector (one group).
+pub const GROUP: usize = 16;
+
+/// Chunks of a row in the layouts here: its chunk count rounded up to even (the decoder writes two chunks per store).
+pub fn padded_chunks(cols: usize) -> usize {
+    crate::mxfp4_contract::chunks(cols).div_ceil(2) * 2
+}
+
+/// `t_rows` inputs of `cols` values (`x`, row-major) in the inputs' layout (see the module header), zero past the
+/// row and past the last input.
+pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
+    let n_pad = padded_chunks(cols);
+    let groups = t_rows.div_ceil(GROUP);
+    let stride = lane_stride(n_pad);
+    let mut xt = Lines::zeroed(groups * CHUNK_LANES * stride);
+    for (t, row) in x.chunks_exact(cols.max(1)).take(t_rows).enumerate() {
+        let (g, lane) = (t / GROUP, t % GROUP);
+        for (i, &v) in row.iter().enumerate() {
+            let (c, k, s) = (i / CHUNK, i % CHUNK / CODES_PER_LANE, i % CODES_PER_LANE);
+            xt[(g * CHUNK_LANES + k) * stride + (c * CODES_PER_LANE + s) * GROUP + lane] = v;
+        }
+    }
+    xt
+}
+
+/// Values of one (group, lane) block of the inputs' layout: its chunks and one cache line more, so that the blocks a
+/// tile reads together do not all start at the same offset in a 4 KiB page (which made them compete for the same L1
+/// sets).
+fn lane_stride(n_pad: usize) -> usize {
+    n_pad * CODES_PER_LANE * GROUP + GROUP
+}
+
+/// Values of [`token_lanes`]`(_, cols, t_rows)`.
+pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
+    t_rows.div_ceil(GROUP) * CHUNK_LANES * lane_stride(padded_chunks(cols))
+}
+
+/// Values of the decoded weights of `rows` rows over a block of `nb` chunks ([`decode_block`]).
+pub fn block_weights(rows: usize, nb: usize) -> usize {
+    rows * CHUNK_LANES * nb * CODES_PER_LANE
+}
+
+/// Values of one decoded row's multipliers ([`decode_scales`]).
+pub fn row_scales(cols: usize) -> usize {
+    row_scales_per_row(padded_chunks(cols))
+}
+
+/// [`row_scales`] for a row of `n_pad` chunks: one multiplier per group of 32.
+fn row_scales_per_row(n_pad: usize) -> usize {
+    n_pad * CHUNK / MXFP4_GROUP
+}
+
+/// Decodes chunks `c0 .. c0 + nb` (`nb` even) of MXFP4 rows (`(packed, scales)`) into `w`, [`block_weights`]`(rows,
+/// nb)` values: weight `s` of lane `k` of chunk `c0 + j` of row `r` at `((r · 16 + k) · nb + j) · 8 + s` (for one `k`,
+/// a row's chunks are 32 contiguous bytes each). Exact; past a row's end the weights are 0, as the contract reads
+/// them. A task decodes one block at a time, so the decoded block stays in L2 beside the block's inputs.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `w` holds [`block_weights`]`(rows.len(), nb)` values.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn decode_block(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, w: &mut [f32]) {
+    debug_assert!(nb.is_multiple_of(2) && w.len() >= block_weights(rows.len(), nb));
+    // SAFETY: the table holds 16 f32.
+    let table = unsafe { _mm512_loadu_ps(E2M1_TABLE.as_ptr()) };
+    // Lane j of a two-chunk vector: code j % 8 of one lane word, of chunk c (j < 8) or c + 1.
+    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    let lanes_of = |k: i32| {
+        _mm512_setr_epi32(
+            k,
+            k,
+            k,
+            k,
+            k,
+            k,
+            k,
+            k,
+            16 + k,
+            16 + k,
+            16 + k,
+            16 + k,
+            16 + k,
+            16 + k,
+            16 + k,
+            16 + k,
+        )
+    };
+    let per_row = CHUNK_LANES * nb * CODES_PER_LANE;
+    for (r, (packed, _)) in rows.iter().enumerate() {
+        let wr = &mut w[r * per_row..(r + 1) * per_row];
+        for j in (0..nb).step_by(2) {
+            // SAFETY: chunk words masked at the row's end (zero past it).
+            let (w0, w1) = unsafe { (words(packed, c0 + j), words(packed, c0 + j + 1)) };
+            for k in 0..CHUNK_LANES {
+                let codes = _mm512_permutex2var_epi32(w0, lanes_of(k as i32), w1);
+                // The permute reads the low four bits of each index: the code.
+                let v = _mm512_permutexvar_ps(_mm512_srlv_epi32(codes, shifts), table);
+                let at = (k * nb + j) * CODES_PER_LANE;
+                // SAFETY: `at .. at + 16` lies in row r's block (`j + 1 < nb`).
+                unsafe { _mm512_storeu_ps(wr.as_mut_ptr().add(at), v) };
+            }
+        }
+    }
+}
+
+/// The multipliers of MXFP4 rows (`(packed, scales)` of `cols` weights each) into `sc`, [`row_scales`]`(cols)` per
+/// row, group by group (lane `k` of chunk `c` uses group `4c + k / 4`); 1 past a row's end, as the contract reads
+/// them.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `sc` holds `rows.len()` rows.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]) {
+    let per_row = row_scales(cols);
+    for (r, (_, scales)) in rows.iter().enumerate() {
+        let sr = &mut sc[r * per_row..(r + 1) * per_row];
+        for (g0, out) in (0..).step_by(16).zip(sr.chunks_mut(16)) {
+            let mut m = [0.0f32; 16];
+            // SAFETY: `m` holds 16 f32.
+            unsafe { _mm512_storeu_ps(m.as_mut_ptr(), super::avx512::scales16(scales, g0)) };
+            out.copy_from_slice(&m[..out.len()]);
+        }
+    }
+}
+
+/// The sixteen code words of chunk `c` of a row, zero past its end.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn words(packed: &[u8], c: usize) -> __m512i {
+    let at = c * CHUNK_BYTES;
+    let have = packed.len().saturating_sub(at).min(CHUNK_BYTES) / 4;
+    if have == CHUNK_LANES {
+        // SAFETY: 64 bytes from `at` lie in `packed`.
+        unsafe { _mm512_loadu_si512(packed.as_ptr().add(at) as *const _) }
+    } else {
+        let mask = ((1u32 << have) - 1) as u16;
+        // SAFETY: only the lanes in the mask are read, all inside `packed`.
+        unsafe { _mm512_maskz_loadu_epi32(mask, packed.as_ptr().add(at) as *const i32) }
+    }
+}
+
+/// Values of the even and odd accumulators of every lane `k` of every (row, group) pair of a task:
+/// `[rows][groups][16][2]` vectors of 16.
+pub fn accumulators_len(rows: usize, groups: usize) -> usize {
+    rows * groups * CHUNK_LANES * 2 * GROUP
+}
+
+/// Where pair (`r`, `g`)'s lane-`k` accumulators start ([`accumulators_len`]`(_, groups)`).
+#[inline]
+fn acc_at(r: usize, g: usize, groups: usize, k: usize) -> usize {
+    ((r * groups + g) * CHUNK_LANES + k) * 2 * GROUP
+}
+
+/// One tile: rows `r0 .. r0 + R` of the task (`w`: its decoded block of `nb` chunks from `c0`; `sc`: its multipliers)
+/// against groups `g0 .. g0 + V` of the inputs (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in
+/// `acc`. Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through intrinsics.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; `w`, `sc` hold rows `r0 .. r0 + R` and `xt` groups `g0 .. g0 + V` of the
+/// layouts for `n_pad` chunks; `c1 <= n_pad`; `acc` holds the pairs (`groups` groups per row).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub unsafe fn tile<const R: usize, const V: usize>(
+    (w, nb, sc): (&[f32], usize, &[f32]),
+    xt: &[f32],
+    (r0, g0, k): (usize, usize, usize),
+    (c0, c1): (usize, usize),
+    n_pad: usize,
+    acc: &mut [f32],
+    groups: usize,
+) {
+    debug_assert!(c1 <= n_pad && c1 - c0 <= nb && w.len() >= block_weights(r0 + R, nb));
+    debug_assert!(xt.len() >= (g0 + V) * CHUNK_LANES * lane_stride(n_pad));
+    debug_assert!(acc.len() >= acc_at(r0 + R - 1, g0 + V - 1, groups, k) + 2 * GROUP);
+    // Row r's lane k of chunk c is at `wr[r] + c · 8`, the block starting at chunk c0.
+    let wr: [*const f32; R] = std::array::from_fn(|r| {
+        w[((r0 + r) * CHUNK_LANES + k) * nb * CODES_PER_LANE..]
+            .as_ptr()
+            .wrapping_sub(c0 * CODES_PER_LANE)
+    });
+    // Lane k of chunk c uses group 4c + k / 4 of the row.
+    let sr: [*const f32; R] =
+        std::array::from_fn(|r| sc[(r0 + r) * row_scales_per_row(n_pad) + k / 4..].as_ptr());
+    let xg: [*const f32; V] =
+        std::array::from_fn(|v| xt[((g0 + v) * CHUNK_LANES + k) * lane_stride(n_pad)..].as_ptr());
+    let p = acc.as_mut_ptr();
+    let at: [[usize; V]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, k)));
+    // The even chunks, then the odd ones: the contract's two accumulators of a lane never meet before its
+    // reduction, so one of them at a time is in registers (three vectors per pair with `te` and `to`, which lets a
+    // tile hold eight pairs).
+    if R == 4 && V <= 2 {
+        let at4: [[usize; V]; 4] = std::array::from_fn(|r| at[r]);
+        let x1 = if V == 2 { xg[V - 1] } else { xg[0] };
+        // SAFETY: as the caller guarantees for this tile.
+        return unsafe {
+            tile_rows4::<V>((wr[0], nb, sr[0]), (xg[0], x1), (c0, c1), n_pad, p, &at4)
+        };
+    }
+    for parity in 0..2 {
+        // SAFETY (every access below): the caller's layouts hold every address.
+        let mut acc_v: [[__m512; V]; R] = std::array::from_fn(|r| {
+            std::array::from_fn(|v| unsafe { _mm512_loadu_ps(p.add(at[r][v] + parity * GROUP)) })
+        });
+        let first = c0 + (c0 + parity) % 2;
+        for c in (first..c1).step_by(2) {
+            let z = _mm512_setzero_ps();
+            let (mut te, mut to) = ([[z; V]; R], [[z; V]; R]);
+            for s in 0..CODES_PER_LANE {
+                let xs: [__m512; V] = std::array::from_fn(|v| unsafe {
+                    _mm512_loadu_ps(xg[v].add((c * CODES_PER_LANE + s) * GROUP))
+                });
+                for r in 0..R {
+                    let b = unsafe { _mm512_set1_ps(*wr[r].wrapping_add(c * CODES_PER_LANE + s)) };
+                    for v in 0..V {
+                        let t = if s % 2 == 0 {
+                            &mut te[r][v]
+                        } else {
+                            &mut to[r][v]
+                        };
+                        *t = if s < 2 {
+                            _mm512_mul_ps(b, xs[v])
+                        } else {
+                            _mm512_fmadd_ps(b, xs[v], *t)
+                        };
+                    }
+                }
+            }
+            for r in 0..R {
+                let scale = unsafe { _mm512_set1_ps(*sr[r].add(4 * c)) };
+                for v in 0..V {
+                    acc_v[r][v] =
+                        _mm512_fmadd_ps(_mm512_add_ps(te[r][v], to[r][v]), scale, acc_v[r][v]);
+                }
+            }
+        }
+        for r in 0..R {
+            for v in 0..V {
+                unsafe { _mm512_storeu_ps(p.add(at[r][v] + parity * GROUP), acc_v[r][v]) };
+            }
+        }
+    }
+}
+
+/// One step `s` of a four-row tile in `asm!` text: the groups' inputs of code `s` (at byte `$x` from each group's
+/// chunk), then per row its weight broadcast once (at byte `$w` from the row's chunk) and `$op` (`vmulps` for codes 0
+/// and 1, `vfmadd231ps` after) into that row's `te` or `to` registers, `zmm$t` for the pairs in order. Inputs in
+/// zmm24 (and zmm25), the broadcast in zmm26.
+macro_rules! step_rows4 {
+    (1, $x:literal, $w:literal, $op:literal, $t0:literal $t1:literal $t2:literal $t3:literal) => {
+        concat!(
+            "vmovups zmm24, zmmword ptr [{xa} + ",
+            $x,
+            "]\n",
+            "vbroadcastss zmm26, dword ptr [{wa} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t0,
+            ", zmm26, zmm24\n",
+            "vbroadcastss zmm26, dword ptr [{wa} + {ws} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t1,
+            ", zmm26, zmm24\n",
+            "vbroadcastss zmm26, dword ptr [{wb} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t2,
+            ", zmm26, zmm24\n",
+            "vbroadcastss zmm26, dword ptr [{wb} + {ws} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t3,
+            ", zmm26, zmm24\n",
+        )
+    };
+    (2, $x:literal, $w:literal, $op:literal,
+     $t0:literal $t1:literal $t2:literal $t3:literal $t4:literal $t5:literal $t6:literal $t7:literal) => {
+        concat!(
+            "vmovups zmm24, zmmword ptr [{xa} + ",
+            $x,
+            "]\n",
+            "vmovups zmm25, zmmword ptr [{xa} + {xs} + ",
+            $x,
+            "]\n",
+            "vbroadcastss zmm26, dword ptr [{wa} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t0,
+            ", zmm26, zmm24\n",
+            $op,
+            " zmm",
+            $t1,
+            ", zmm26, zmm25\n",
+            "vbroadcastss zmm26, dword ptr [{wa} + {ws} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t2,
+            ", zmm26, zmm24\n",
+            $op,
+            " zmm",
+            $t3,
+            ", zmm26, zmm25\n",
+            "vbroadcastss zmm26, dword ptr [{wb} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t4,
+            ", zmm26, zmm24\n",
+            $op,
+            " zmm",
+            $t5,
+            ", zmm26, zmm25\n",
+            "vbroadcastss zmm26, dword ptr [{wb} + {ws} + ",
+            $w,
+            "]\n",
+            $op,
+            " zmm",
+            $t6,
+            ", zmm26, zmm24\n",
+            $op,
+            " zmm",
+            $t7,
+            ", zmm26, zmm25\n",
+        )
+    };
+}
+
+/// The end of a chunk of a four-row tile in `asm!` text: per row its multiplier broadcast (zmm27) and, per pair,
+/// `acc = fma(te + to, multiplier, acc)` (zmm28 holds the sum); then the pointers move two chunks on (the next chunk
+/// of the same parity) and the loop repeats `{n}` times.
+macro_rules! finish_rows4 {
+    (1) => {
+        concat!(
+            "vbroadcastss zmm27, dword ptr [{sa}]\n",
+            "vaddps zmm28, zmm8, zmm16\n",
+            "vfmadd231ps zmm0, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sa} + {ss}]\n",
+            "vaddps zmm28, zmm9, zmm17\n",
+            "vfmadd231ps zmm1, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sb}]\n",
+            "vaddps zmm28, zmm10, zmm18\n",
+            "vfmadd231ps zmm2, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sb} + {ss}]\n",
+            "vaddps zmm28, zmm11, zmm19\n",
+            "vfmadd231ps zmm3, zmm28, zmm27\n",
+            finish_rows4!(next),
+        )
+    };
+    (2) => {
+        concat!(
+            "vbroadcastss zmm27, dword ptr [{sa}]\n",
+            "vaddps zmm28, zmm8, zmm16\n",
+            "vfmadd231ps zmm0, zmm28, zmm27\n",
+            "vaddps zmm28, zmm9, zmm17\n",
+            "vfmadd231ps zmm1, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sa} + {ss}]\n",
+            "vaddps zmm28, zmm10, zmm18\n",
+            "vfmadd231ps zmm2, zmm28, zmm27\n",
+            "vaddps zmm28, zmm11, zmm19\n",
+            "vfmadd231ps zmm3, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sb}]\n",
+            "vaddps zmm28, zmm12, zmm20\n",
+            "vfmadd231ps zmm4, zmm28, zmm27\n",
+            "vaddps zmm28, zmm13, zmm21\n",
+            "vfmadd231ps zmm5, zmm28, zmm27\n",
+            "vbroadcastss zmm27, dword ptr [{sb} + {ss}]\n",
+            "vaddps zmm28, zmm14, zmm22\n",
+            "vfmadd231ps zmm6, zmm28, zmm27\n",
+            "vaddps zmm28, zmm15, zmm23\n",
+            "vfmadd231ps zmm7, zmm28, zmm27\n",
+            finish_rows4!(next),
+        )
+    };
+    (next) => {
+        concat!(
+            "add {xa}, 1024\n",
+            "add {wa}, 64\n",
+            "add {wb}, 64\n",
+            "add {sa}, 32\n",
+            "add {sb}, 32\n",
+            "dec {n}\n",
+            "jnz 2b\n",
+        )
+    };
+}
+
+/// Four rows against `V` (1 or 2) groups over the chunks of one parity, in `asm!` so that every vector has a fixed
+/// register: 4·V accumulators (zmm0..), 4·V `te` (zmm8..) and `to` (zmm16..), the inputs, one broadcast weight and one
+/// multiplier, 29 registers at most. Written with intrinsics, LLVM hoisted a chunk's input loads or folded each weight
+/// broadcast into every FMA, and the tile spilled or went load-bound. Per lane the operations are the contract's:
+/// `te = w0·x0`, `fma(w2, x2, te)`, …; `to` likewise; `acc = fma(te + to, scale, acc)`.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `n >= 1` chunks of the parity from the pointers: `x` (group 0 at chunk `c`, group 1
+/// at `x + xs` bytes), `w` (row 0 at chunk `c`, row `r` at `w + r · ws` bytes), `sc` (row 0's multiplier of lane `k` at
+/// chunk `c`, row `r` at `sc + r · ss` bytes); each chunk after the next at 1024, 64 and 32 bytes on.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows4<const V: usize>(
+    acc: &mut [__m512; 8],
+    (x, xs): (*const f32, usize),
+    (w, ws): (*const f32, usize),
+    (sc, ss): (*const f32, usize),
+    n: usize,
+) {
+    let [
+        mut a0,
+        mut a1,
+        mut a2,
+        mut a3,
+        mut a4,
+        mut a5,
+        mut a6,
+        mut a7,
+    ] = *acc;
+    // SAFETY (both arms): the caller guarantees every address the loop reads.
+    unsafe {
+        if V == 2 {
+            std::arch::asm!(
+                "2:",
+                step_rows4!(2, "0", "0", "vmulps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "64", "4", "vmulps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "128", "8", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "192", "12", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "256", "16", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "320", "20", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "384", "24", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "448", "28", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                finish_rows4!(2),
+                xa = inout(reg) x => _, xs = in(reg) xs,
+                wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(2 * ws) => _, ws = in(reg) ws,
+                sa = inout(reg) sc => _, sb = inout(reg) sc.wrapping_byte_add(2 * ss) => _, ss = in(reg) ss,
+                n = inout(reg) n => _,
+                inout("zmm0") a0, inout("zmm1") a1, inout("zmm2") a2, inout("zmm3") a3,
+                inout("zmm4") a4, inout("zmm5") a5, inout("zmm6") a6, inout("zmm7") a7,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
+                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
+                out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _, out("zmm28") _,
+                options(nostack, readonly),
+            );
+        } else {
+            std::arch::asm!(
+                "2:",
+                step_rows4!(1, "0", "0", "vmulps", "8" "9" "10" "11"),
+                step_rows4!(1, "64", "4", "vmulps", "16" "17" "18" "19"),
+                step_rows4!(1, "128", "8", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "192", "12", "vfmadd231ps", "16" "17" "18" "19"),
+                step_rows4!(1, "256", "16", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "320", "20", "vfmadd231ps", "16" "17" "18" "19"),
+                step_rows4!(1, "384", "24", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "448", "28", "vfmadd231ps", "16" "17" "18" "19"),
+                finish_rows4!(1),
+                xa = inout(reg) x => _,
+                wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(2 * ws) => _, ws = in(reg) ws,
+                sa = inout(reg) sc => _, sb = inout(reg) sc.wrapping_byte_add(2 * ss) => _, ss = in(reg) ss,
+                n = inout(reg) n => _,
+                inout("zmm0") a0, inout("zmm1") a1, inout("zmm2") a2, inout("zmm3") a3,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
+                out("zmm24") _, out("zmm26") _, out("zmm27") _, out("zmm28") _,
+                options(nostack, readonly),
+            );
+        }
+    }
+    *acc = [a0, a1, a2, a3, a4, a5, a6, a7];
+}
+
+/// [`tile`] for four rows and one or two groups through [`rows4`]: `w`, `sc` where row 0 of the tile would hold
+/// chunk 0 of lane `k` (`nb` chunks per row and lane in `w`), `x` at each group's block (lane `k`, chunk 0), `at`
+/// where each pair's accumulators lie in `acc`.
+///
+/// # Safety
+/// As [`tile`].
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_rows4<const V: usize>(
+    (w, nb, sc): (*const f32, usize, *const f32),
+    (x0, x1): (*const f32, *const f32),
+    (c0, c1): (usize, usize),
+    n_pad: usize,
+    acc: *mut f32,
+    at: &[[usize; V]; 4],
+) {
+    let f = std::mem::size_of::<f32>();
+    let ws = CHUNK_LANES * nb * CODES_PER_LANE * f;
+    let ss = row_scales_per_row(n_pad) * f;
+    let xs = (x1 as usize).wrapping_sub(x0 as usize);
+    for parity in 0..2 {
+        let first = c0 + (c0 + parity) % 2;
+        if first >= c1 {
+            continue;
+        }
+        let n = (c1 - first).div_ceil(2);
+        let mut regs = [_mm512_setzero_ps(); 8];
+        for r in 0..4 {
+            for v in 0..V {
+                // SAFETY: the caller's `acc` holds every pair.
+                regs[r * V + v] = unsafe { _mm512_loadu_ps(acc.add(at[r][v] + parity * GROUP)) };
+            }
+        }
+        // SAFETY: the caller's layouts hold `n` chunks of this parity from `first` for every row and group.
+        unsafe {
+            rows4::<V>(
+                &mut regs,
+                (x0.add(first * CODES_PER_LANE * GROUP), xs),
+                (w.wrapping_add(first * CODES_PER_LANE), ws),
+                (sc.add(first * CHUNK / MXFP4_GROUP), ss),
+                n,
+            )
+        };
+        for r in 0..4 {
+            for v in 0..V {
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_ps(acc.add(at[r][v] + parity * GROUP), regs[r * V + v]) };
+            }
+        }
+    }
+}
+
+/// The contract's reduction of pair (`r`, `g`)'s sixteen lanes, for its sixteen inputs: `out[t]` for input `16g +
+/// t`.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `acc` holds the pair.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GROUP] {
+    let p = acc.as_ptr();
+    // SAFETY: the caller's `acc` holds the pair's 32 vectors.
+    let mut v: [__m512; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
+        let at = acc_at(r, g, groups, k);
+        _mm512_add_ps(
+            _mm512_loadu_ps(p.add(at)),
+            _mm512_loadu_ps(p.add(at + GROUP)),
+        )
+    });
+    let mut width = CHUNK_LANES / 2;
+    while width > 0 {
+        for k in 0..width {
+            v[k] = _mm512_add_ps(v[k], v[k + width]);
+        }
+        width /= 2;
+    }
+    let mut out = [0.0f32; GROUP];
+    // SAFETY: `out` holds 16 f32.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v[0]) };
+    out
+}
