@@ -55,35 +55,6 @@ impl std::ops::DerefMut for Lines {
     }
 }
 
-/// `N` reusable, line-aligned f32 buffers.
-pub struct Scratch<const N: usize> {
-    bufs: [Lines; N],
-}
-
-impl<const N: usize> Default for Scratch<N> {
-    fn default() -> Self {
-        Self {
-            bufs: std::array::from_fn(|_| Lines::zeroed(0)),
-        }
-    }
-}
-
-impl<const N: usize> Scratch<N> {
-    /// The buffers, each grown to at least `lens[i]` values and cut to exactly that (old contents kept, not zeroed).
-    pub fn take(&mut self, lens: &[usize; N]) -> [&mut [f32]; N] {
-        for (b, &len) in self.bufs.iter_mut().zip(lens) {
-            if b.len() < len {
-                *b = Lines::zeroed(len);
-            }
-        }
-        let mut out = self.bufs.each_mut().map(|b| &mut b[..]);
-        for (o, &len) in out.iter_mut().zip(lens) {
-            *o = &mut std::mem::take(o)[..len];
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -229,14 +229,6 @@ impl DenseMatrix {
             par_row_blocks(&mut y, |r0, out| self.rows_with(r0, &x, out));
             return Ok(y);
         }
-        #[cfg(target_arch = "x86_64")]
-        if let DenseData::Bf16(v) = &self.data
-            && crate::simd::has_avx512()
-            && t_rows >= LANES_MIN_TOKENS
-        {
-            gemm_bf16_lanes(v, self.rows, self.cols, x, t_rows, &mut y);
-            return Ok(y);
-        }
         let xs: Vec<Prepared<'_>> = x
             .chunks_exact(self.cols.max(1))
             .take(t_rows)
@@ -252,18 +244,12 @@ impl DenseMatrix {
                 })
                 .collect();
             let c = self.cols;
-            par_row_tiles(
-                self.rows,
-                t_rows,
-                TILE_ROWS_PER_TASK,
-                &mut y,
-                |r0, tokens, out| {
-                    let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
-                        .map(|r| row(v, r, c))
-                        .collect();
-                    bf16_contract::dot_tiles(&rows, &xps[tokens], out);
-                },
-            );
+            par_row_tiles(self.rows, t_rows, &mut y, |r0, tokens, out| {
+                let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
+                    .map(|r| row(v, r, c))
+                    .collect();
+                bf16_contract::dot_tiles(&rows, &xps[tokens], out);
+            });
             return Ok(y);
         }
         par_rows(self.rows, t_rows, &mut y, |r, t| self.row_with(r, &xs[t]));
@@ -455,13 +441,12 @@ const TILE_ROWS_PER_TASK: usize = 32;
 /// memory instead, and got slower per token as prompts grew.
 pub const TOKEN_BLOCK: usize = 64;
 
-/// Fills `y [t_rows, rows]` in parallel over tasks of `rows_per_task` weight rows by at most [`TOKEN_BLOCK`] inputs:
-/// `f(r0, tokens, out)` fills `out [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` and the inputs
+/// Fills `y [t_rows, rows]` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at most [`TOKEN_BLOCK`]
+/// inputs: `f(r0, tokens, out)` fills `out [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` and the inputs
 /// `tokens`. One threaded job for every task.
 fn par_row_tiles(
     rows: usize,
     t_rows: usize,
-    rows_per_task: usize,
     y: &mut [f32],
     f: impl Fn(usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
@@ -475,8 +460,8 @@ fn par_row_tiles(
         .collect();
     let mut tasks: Vec<(usize, std::ops::Range<usize>, &mut [f32])> = Vec::new();
     for (b, buf) in blocks.iter().zip(by_block.iter_mut()) {
-        for (k, out) in buf.chunks_mut(rows_per_task * b.len()).enumerate() {
-            tasks.push((k * rows_per_task, b.clone(), out));
+        for (k, out) in buf.chunks_mut(TILE_ROWS_PER_TASK * b.len()).enumerate() {
+            tasks.push((k * TILE_ROWS_PER_TASK, b.clone(), out));
         }
     }
     if tasks.len() < 2 {
@@ -492,116 +477,6 @@ fn par_row_tiles(
             }
         }
     }
-}
-
-/// Inputs from which a bf16 product runs with the inputs across the vector lanes on AVX-512 ([`gemm_bf16_lanes`]).
-#[cfg(target_arch = "x86_64")]
-const LANES_MIN_TOKENS: usize = 16;
-/// Rows per task of a bf16 product with the inputs across the lanes: six tiles of six rows; their decoded block
-/// (74 KB), accumulators at 64 inputs (295 KB) and a block of 64 inputs (128 KB) stay in L2.
-#[cfg(target_arch = "x86_64")]
-const LANES_ROWS_PER_TASK: usize = 36;
-/// Chunks of 32 per block of a bf16 product with the inputs across the lanes (the decoder's gather reads 16).
-#[cfg(target_arch = "x86_64")]
-const LANES_BLOCK_CHUNKS: usize = 16;
-
-#[cfg(target_arch = "x86_64")]
-thread_local! {
-    /// Per-thread buffers of the bf16 tasks with the inputs across the lanes (decoded block, accumulators).
-    static LANES_SCRATCH: std::cell::RefCell<crate::aligned::Scratch<2>> =
-        std::cell::RefCell::new(crate::aligned::Scratch::default());
-}
-
-/// `y = x · wᵀ` for bf16 rows `v` (`rows × cols`) and `t_rows` inputs `x` on AVX-512, with 16 inputs across each
-/// vector's lanes (`crate::simd::avx512_bf16_tokens`): the inputs are laid out once per piece of [`TOKEN_BLOCK`],
-/// then tasks of [`LANES_ROWS_PER_TASK`] rows decode their rows a block of chunks at a time and run tiles of six
-/// rows by four groups over it. Every output is bit-identical to [`bf16_contract::dot_ref`].
-#[cfg(target_arch = "x86_64")]
-fn gemm_bf16_lanes(v: &[u16], rows: usize, cols: usize, x: &[f32], t_rows: usize, y: &mut [f32]) {
-    use crate::simd::avx512_bf16_tokens::token_lanes;
-    let xts: Vec<crate::aligned::Lines> = x
-        .chunks(TOKEN_BLOCK * cols.max(1))
-        .take(t_rows.div_ceil(TOKEN_BLOCK))
-        .map(|xb| token_lanes(xb, cols, xb.len() / cols.max(1)))
-        .collect();
-    par_row_tiles(rows, t_rows, LANES_ROWS_PER_TASK, y, |r0, tokens, out| {
-        let here: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
-            .map(|r| row(v, r, cols))
-            .collect();
-        bf16_lanes_task(
-            &here,
-            cols,
-            &xts[tokens.start / TOKEN_BLOCK],
-            tokens.len(),
-            out,
-        );
-    });
-}
-
-/// One task of [`gemm_bf16_lanes`]: `rows` against the `t_rows` inputs laid out in `xt`, into `out [rows, t_rows]`.
-#[cfg(target_arch = "x86_64")]
-fn bf16_lanes_task(rows: &[&[u16]], cols: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
-    use crate::simd::avx512_bf16_tokens::{
-        GROUP, accumulators_len, block_weights, decode_block, finish, tile, token_lanes_len,
-    };
-    let n = cols.div_ceil(bf16_contract::CHUNK);
-    let groups = t_rows.div_ceil(GROUP);
-    let rows_here = rows.len();
-    if t_rows == 0 || xt.len() < token_lanes_len(cols, t_rows) || out.len() < rows_here * t_rows {
-        out.fill(f32::NAN);
-        return;
-    }
-    LANES_SCRATCH.with_borrow_mut(|scratch| {
-        let [w, acc] = scratch.take(&[
-            block_weights(rows_here, LANES_BLOCK_CHUNKS),
-            accumulators_len(rows_here, groups),
-        ]);
-        acc.fill(0.0);
-        for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
-            let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
-            let nb = span.1 - c0;
-            // SAFETY: AVX-512F present (the caller checked); `w` holds the block of `nb <= 16` chunks.
-            unsafe { decode_block(rows, c0, nb, w) };
-            let w = &*w;
-            // SAFETY (every call below): AVX-512F and FMA present; the block, the inputs and the accumulators hold
-            // every tile's rows and groups, and `span.1 <= n`.
-            macro_rules! tiles {
-                ($v:literal, $g:expr, $j:expr, $($r:literal)+) => {{
-                    let mut r = 0;
-                    while r < rows_here {
-                        let left = rows_here - r;
-                        $(
-                            if left >= $r {
-                                unsafe { tile::<$r, $v>((w, nb), xt, (r, $g, $j), span, n, acc, groups) };
-                                r += $r;
-                                continue;
-                            }
-                        )+
-                    }
-                }};
-            }
-            for j in 0..bf16_contract::CHUNK {
-                let mut g = 0;
-                while g < groups {
-                    match groups - g {
-                        1 => tiles!(1, g, j, 6 2 1),
-                        2 => tiles!(2, g, j, 6 2 1),
-                        3 => tiles!(3, g, j, 6 2 1),
-                        _ => tiles!(4, g, j, 6 2 1),
-                    }
-                    g += (groups - g).min(4);
-                }
-            }
-        }
-        for r in 0..rows_here {
-            for g in 0..groups {
-                // SAFETY: AVX-512F present; `acc` holds every pair.
-                let sums = unsafe { finish(acc, r, g, groups) };
-                let k = GROUP.min(t_rows - g * GROUP);
-                out[r * t_rows + g * GROUP..][..k].copy_from_slice(&sums[..k]);
-            }
-        }
-    });
 }
 
 /// Fills `y` (one output per weight row) in parallel over blocks of [`DENSE_ROWS_PER_TASK`] rows: `f(r0, out)`

@@ -634,8 +634,39 @@ type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 thread_local! {
     /// Per-thread buffers of the tasks that multiply with the inputs across the lanes (decoded rows, multipliers,
     /// accumulators), kept between tasks: allocated afresh, each task's hundreds of KiB came from new zeroed pages.
-    static LANES_SCRATCH: std::cell::RefCell<crate::aligned::Scratch<3>> =
-        std::cell::RefCell::new(crate::aligned::Scratch::default());
+    static LANES_SCRATCH: std::cell::RefCell<Scratch<3>> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// `N` reusable, line-aligned f32 buffers.
+#[cfg(target_arch = "x86_64")]
+struct Scratch<const N: usize> {
+    bufs: [crate::aligned::Lines; N],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const N: usize> Default for Scratch<N> {
+    fn default() -> Self {
+        Self {
+            bufs: std::array::from_fn(|_| crate::aligned::Lines::zeroed(0)),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const N: usize> Scratch<N> {
+    /// The buffers, each grown to at least `lens[i]` values and cut to exactly that (old contents kept, not zeroed).
+    fn take(&mut self, lens: &[usize; N]) -> [&mut [f32]; N] {
+        for (b, &len) in self.bufs.iter_mut().zip(lens) {
+            if b.len() < len {
+                *b = crate::aligned::Lines::zeroed(len);
+            }
+        }
+        let mut out = self.bufs.each_mut().map(|b| &mut b[..]);
+        for (o, &len) in out.iter_mut().zip(lens) {
+            *o = &mut std::mem::take(o)[..len];
+        }
+        out
+    }
 }
 
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
