@@ -425,11 +425,14 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
                 }
             }
         });
-    for r in 0..rows {
-        for t in 0..t_rows {
-            y[t * rows + r] = by_row[r * t_rows + t];
-        }
-    }
+    // Into `y` by output row (one input each), in parallel.
+    y.par_chunks_mut(rows.max(1))
+        .enumerate()
+        .for_each(|(t, y_t)| {
+            for (r, o) in y_t.iter_mut().enumerate() {
+                *o = by_row[r * t_rows + t];
+            }
+        });
 }
 
 /// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
@@ -469,13 +472,18 @@ fn par_row_tiles(
     } else {
         tasks.into_par_iter().for_each(|(r0, b, out)| f(r0, b, out));
     }
-    for (b, buf) in blocks.iter().zip(&by_block) {
-        let width = b.len();
-        for (r, row) in buf.chunks_exact(width).enumerate() {
-            for (t, &v) in b.clone().zip(row) {
-                y[t * rows + r] = v;
-            }
+    // Into `y` by output row (one input each), in parallel: for a long prompt, millions of values.
+    let out_row = |(t, y_t): (usize, &mut [f32])| {
+        let b = t / TOKEN_BLOCK;
+        let (buf, width, at) = (&by_block[b], blocks[b].len(), t - blocks[b].start);
+        for (r, o) in y_t.iter_mut().enumerate() {
+            *o = buf[r * width + at];
         }
+    };
+    if rows * t_rows < 1 << 16 {
+        y.chunks_mut(rows.max(1)).enumerate().for_each(out_row);
+    } else {
+        y.par_chunks_mut(rows.max(1)).enumerate().for_each(out_row);
     }
 }
 

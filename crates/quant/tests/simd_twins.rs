@@ -125,13 +125,16 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
         &[Contract::Dense, Contract::Int8, Contract::Quantise],
     );
     let mut r = rng();
-    let (rows, cols) = (300, 97);
-    let w = randn(&mut r, rows * cols);
-    let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-    let f32m = DenseMatrix::new(rows, cols, DenseData::F32(w)).expect("shape");
-    // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial.
+    // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial; 16 and 40 inputs end in
+    // partial tiles; 97 columns are one partial chunk, 1100 several blocks of chunks, the last partial.
     const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
-    for t_rows in [5, 150] {
+    for ((rows, cols), t_rows) in [(300, 97), (50, 1100)]
+        .into_iter()
+        .flat_map(|shape| [5, 16, 40, 150].map(|t| (shape, t)))
+    {
+        let w = randn(&mut r, rows * cols);
+        let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let f32m = DenseMatrix::new(rows, cols, DenseData::F32(w)).expect("shape");
         let x = randn(&mut r, t_rows * cols);
         for m in [
             f32m.clone(),
