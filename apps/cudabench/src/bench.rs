@@ -359,3 +359,80 @@ pub fn decode(
     );
     Ok(())
 }
+
+/// Pinned buffer for the link-rate reference of [`upload_bw`].
+const PINNED_REFERENCE: usize = 256 << 20;
+
+/// Host-to-device rates of `mib`-MiB uploads, medians of `reps` after one warm-up each: copies from a pinned buffer
+/// (the link's rate, the bound issue 20 holds uploads to), the engine's staged uploads from pageable memory
+/// (`Gpu::upload_staged`: CPU copies into two pinned buffers overlapped with their DMA) and plain pageable uploads
+/// (`Gpu::upload`). Prints one JSON line.
+pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
+    let gpu = Gpu::shared()?;
+    let bytes = mib.max(1) << 20;
+    let reps = reps.max(1);
+    let host: Vec<u8> = (0..bytes)
+        .map(|i| (i.wrapping_mul(31) >> 3) as u8)
+        .collect();
+    let stream = gpu.copy_stream();
+    // SAFETY: every byte of the pinned buffer is written below before any copy reads it.
+    let mut pinned = unsafe { gpu.context().alloc_pinned::<u8>(PINNED_REFERENCE) }
+        .context("pinned host memory")?;
+    for (i, b) in pinned
+        .as_mut_slice()
+        .context("pinned host memory")?
+        .iter_mut()
+        .enumerate()
+    {
+        *b = (i.wrapping_mul(31) >> 3) as u8;
+    }
+    // SAFETY: written by the copies before it is read (it is never read).
+    let mut dev = unsafe { stream.alloc::<u8>(PINNED_REFERENCE) }.context("device memory")?;
+    let timed = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+        f()?;
+        let mut rates = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            let t = Instant::now();
+            f()?;
+            rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(median(&mut rates))
+    };
+    let pinned_rate = timed(&mut || {
+        let src = pinned.as_slice().context("pinned host memory")?;
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(PINNED_REFERENCE);
+            let mut view = dev.slice_mut(0..n);
+            stream.memcpy_htod(&src[..n], &mut view)?;
+            left -= n;
+        }
+        stream.synchronize()?;
+        Ok(())
+    })?;
+    let staged_rate = timed(&mut || {
+        let (buf, done) = gpu.upload_staged(&host)?;
+        match done {
+            Some(ev) => ev.synchronize()?,
+            None => gpu.synchronize()?,
+        }
+        drop(buf);
+        Ok(())
+    })?;
+    let pageable_rate = timed(&mut || {
+        let buf = gpu.upload(&host)?;
+        gpu.synchronize()?;
+        drop(buf);
+        Ok(())
+    })?;
+    println!(
+        "{{\"device\":{:?},\"bytes\":{bytes},\"pinned_gb_s\":{:.2},\"staged_gb_s\":{:.2},\"pageable_gb_s\":{:.2},\
+         \"staged_over_pinned\":{:.3}}}",
+        gpu.name(),
+        pinned_rate / 1e9,
+        staged_rate / 1e9,
+        pageable_rate / 1e9,
+        staged_rate / pinned_rate,
+    );
+    Ok(())
+}

@@ -43,6 +43,16 @@ enum Cmd {
         )]
         kernels: Vec<String>,
     },
+    /// Host-to-device upload rate: the engine's staged uploads (`Gpu::upload_staged`) and plain pageable ones,
+    /// against copies from pinned memory (the link's rate) in the same process.
+    UploadBw {
+        /// MiB per upload (a streamed K3 layer is about 1,270).
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+        /// Timed repetitions per kind (median reported).
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
     /// Write a synthetic model.
     Synth {
         /// Preset name (demo, large, ...).
@@ -107,6 +117,7 @@ fn main() -> anyhow::Result<()> {
                 runs,
                 gpu_cache_gb,
             } => bench::decode(&model, &devs, prompt_len, tokens, runs, gpu_cache_gb),
+            Cmd::UploadBw { mib, reps } => bench::upload_bw(mib, reps),
             Cmd::Synth { .. } => Ok(()),
         }
     }
