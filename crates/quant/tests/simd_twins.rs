@@ -128,9 +128,11 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
     // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial; 16 and 40 inputs end in
     // partial tiles; 97 columns are one partial chunk, 1100 several blocks of chunks, the last partial.
     const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
+    // 700 rows by 150 inputs: enough outputs that they are copied into `y` in parallel.
     for ((rows, cols), t_rows) in [(300, 97), (50, 1100)]
         .into_iter()
         .flat_map(|shape| [5, 16, 40, 150].map(|t| (shape, t)))
+        .chain([((700, 97), 150)])
     {
         let w = randn(&mut r, rows * cols);
         let wb: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
@@ -306,6 +308,9 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
         (64, 32, 0),
         // More inputs than a token block (`dense::TOKEN_BLOCK`): cut into pieces, the last one partial.
         (48, 160, 150),
+        // Enough outputs (rows × inputs ≥ 65536) that they are copied into `y` in parallel, over several tasks
+        // of rows with the inputs across the lanes.
+        (1100, 96, 64),
     ];
     let data: Vec<_> = shapes
         .iter()
