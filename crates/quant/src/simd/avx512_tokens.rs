@@ -1,5 +1,5 @@
-//! AVX-512 MXFP4 products of many inputs with the inputs across the vector lanes (prefill at 16 or more tokens
-//! per matrix).
+//! AVX-512 MXFP4 products of many inputs with the inputs across the vector lanes (prefill, from 12 inputs per
+//! matrix: `crate::mxfp4`'s `LANES_MIN_TOKENS`).
 //!
 //! [`crate::mxfp4_contract`] computes, for one row and one input, sixteen independent lanes `k`, each a chain over
 //! the row's chunks `c`: `te`/`to` over the lane's eight weights, then `acc[c % 2][k] = fma(te + to, scale,
@@ -48,8 +48,8 @@ pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
 }
 
 /// Values of one (group, lane) block of the inputs' layout: its chunks and one cache line more, so that the blocks a
-/// tile reads together do not all start at the same offset in a 4 KiB page (which made them compete for the same L1
-/// sets).
+/// tile reads together do not all start at the same offset in a 4 KiB page (where they would compete for the same L1
+/// sets; at K3's widths they otherwise would, though no difference was measurable on the noisy 2-core machine).
 fn lane_stride(n_pad: usize) -> usize {
     n_pad * CODES_PER_LANE * GROUP + GROUP
 }
