@@ -36,6 +36,7 @@ const LANES_MIN_TOKENS: usize = 12;
 /// Rows per task of a product with the inputs across the lanes: a task reads all of its inputs once, so more rows
 /// share that read; 48 rows' decoded block (393 KB), their accumulators at 64 inputs (384 KB) and a block of 64
 /// inputs (512 KB) stay in a 2 MB L2 together.
+#[cfg(target_arch = "x86_64")]
 const LANES_ROWS_PER_TASK: usize = 48;
 /// Chunks per block of a product with the inputs across the lanes: two groups of 16 inputs over a block (16 KiB for
 /// one lane `k`) stay in L1 while every row of the task passes over them.
@@ -51,7 +52,8 @@ fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize, xps: &PermutedInput) -
     if matches!(xps, PermutedInput::F32Lanes(_)) {
         return LANES_ROWS_PER_TASK;
     }
-    let _ = (xps, LANES_ROWS_PER_TASK);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = xps;
     if t_rows >= TILE_MIN_TOKENS {
         return TILE_ROWS_PER_TASK;
     }

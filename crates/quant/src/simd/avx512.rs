@@ -443,7 +443,7 @@ fn chunk_scale(s16: __m512, j: usize) -> __m512 {
 /// The CPU must support AVX-512F.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn chunk_words(packed: &[u8], c: usize) -> __m512i {
+pub(crate) unsafe fn chunk_words(packed: &[u8], c: usize) -> __m512i {
     let at = c * CHUNK_BYTES;
     let have = packed.len().saturating_sub(at).min(CHUNK_BYTES) / 4;
     if have == CHUNK_LANES {

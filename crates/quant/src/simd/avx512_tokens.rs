@@ -18,9 +18,10 @@
 
 use std::arch::x86_64::*;
 
+use super::avx512::chunk_words;
 use crate::aligned::Lines;
 use crate::mxfp4::{E2M1_TABLE, MXFP4_GROUP};
-use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE};
+use crate::mxfp4_contract::{CHUNK, CHUNK_LANES, CODES_PER_LANE};
 
 /// Inputs per vector (one group).
 pub const GROUP: usize = 16;
@@ -113,7 +114,8 @@ pub unsafe fn decode_block(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, w: &mu
         let wr = &mut w[r * per_row..(r + 1) * per_row];
         for j in (0..nb).step_by(2) {
             // SAFETY: chunk words masked at the row's end (zero past it).
-            let (w0, w1) = unsafe { (words(packed, c0 + j), words(packed, c0 + j + 1)) };
+            let (w0, w1) =
+                unsafe { (chunk_words(packed, c0 + j), chunk_words(packed, c0 + j + 1)) };
             for k in 0..CHUNK_LANES {
                 let codes = _mm512_permutex2var_epi32(w0, lanes_of(k as i32), w1);
                 // The permute reads the low four bits of each index: the code.
@@ -143,25 +145,6 @@ pub unsafe fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]
             unsafe { _mm512_storeu_ps(m.as_mut_ptr(), super::avx512::scales16(scales, g0)) };
             out.copy_from_slice(&m[..out.len()]);
         }
-    }
-}
-
-/// The sixteen code words of chunk `c` of a row, zero past its end.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn words(packed: &[u8], c: usize) -> __m512i {
-    let at = c * CHUNK_BYTES;
-    let have = packed.len().saturating_sub(at).min(CHUNK_BYTES) / 4;
-    if have == CHUNK_LANES {
-        // SAFETY: 64 bytes from `at` lie in `packed`.
-        unsafe { _mm512_loadu_si512(packed.as_ptr().add(at) as *const _) }
-    } else {
-        let mask = ((1u32 << have) - 1) as u16;
-        // SAFETY: only the lanes in the mask are read, all inside `packed`.
-        unsafe { _mm512_maskz_loadu_epi32(mask, packed.as_ptr().add(at) as *const i32) }
     }
 }
 
@@ -268,158 +251,84 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     }
 }
 
-/// One step `s` of a four-row tile in `asm!` text: the groups' inputs of code `s` (at byte `$x` from each group's
-/// chunk), then per row its weight broadcast once (at byte `$w` from the row's chunk) and `$op` (`vmulps` for codes 0
-/// and 1, `vfmadd231ps` after) into that row's `te` or `to` registers, `zmm$t` for the pairs in order. Inputs in
-/// zmm24 (and zmm25), the broadcast in zmm26.
+/// One row's part of a step of a four-row tile in `asm!` text: its weight broadcast once into zmm26 (from byte `$off`
+/// of `$w`), then `$op` (`vmulps` for codes 0 and 1, `vfmadd231ps` after) of it with each input register `zmm$x` into
+/// the pair's `te` or `to` register `zmm$t`.
+#[rustfmt::skip]
+macro_rules! row_products {
+    ($w:literal, $off:literal, $op:literal, $($t:literal $x:literal)+) => {
+        concat!(
+            "vbroadcastss zmm26, dword ptr [", $w, " + ", $off, "]\n",
+            $($op, " zmm", $t, ", zmm26, zmm", $x, "\n",)+
+        )
+    };
+}
+
+/// One step `s` of a four-row tile in `asm!` text: the groups' inputs of code `s` (byte `$x` of each group's chunk)
+/// into zmm24 (and zmm25), then every row's products ([`row_products`], weights at byte `$w` of the row's chunk) into
+/// the `te` or `to` registers `zmm$t`, pairs in order.
+#[rustfmt::skip]
 macro_rules! step_rows4 {
     (1, $x:literal, $w:literal, $op:literal, $t0:literal $t1:literal $t2:literal $t3:literal) => {
         concat!(
-            "vmovups zmm24, zmmword ptr [{xa} + ",
-            $x,
-            "]\n",
-            "vbroadcastss zmm26, dword ptr [{wa} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t0,
-            ", zmm26, zmm24\n",
-            "vbroadcastss zmm26, dword ptr [{wa} + {ws} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t1,
-            ", zmm26, zmm24\n",
-            "vbroadcastss zmm26, dword ptr [{wb} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t2,
-            ", zmm26, zmm24\n",
-            "vbroadcastss zmm26, dword ptr [{wb} + {ws} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t3,
-            ", zmm26, zmm24\n",
+            "vmovups zmm24, zmmword ptr [{xa} + ", $x, "]\n",
+            row_products!("{wa}", $w, $op, $t0 "24"),
+            row_products!("{wa} + {ws}", $w, $op, $t1 "24"),
+            row_products!("{wb}", $w, $op, $t2 "24"),
+            row_products!("{wb} + {ws}", $w, $op, $t3 "24"),
         )
     };
     (2, $x:literal, $w:literal, $op:literal,
      $t0:literal $t1:literal $t2:literal $t3:literal $t4:literal $t5:literal $t6:literal $t7:literal) => {
         concat!(
-            "vmovups zmm24, zmmword ptr [{xa} + ",
-            $x,
-            "]\n",
-            "vmovups zmm25, zmmword ptr [{xa} + {xs} + ",
-            $x,
-            "]\n",
-            "vbroadcastss zmm26, dword ptr [{wa} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t0,
-            ", zmm26, zmm24\n",
-            $op,
-            " zmm",
-            $t1,
-            ", zmm26, zmm25\n",
-            "vbroadcastss zmm26, dword ptr [{wa} + {ws} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t2,
-            ", zmm26, zmm24\n",
-            $op,
-            " zmm",
-            $t3,
-            ", zmm26, zmm25\n",
-            "vbroadcastss zmm26, dword ptr [{wb} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t4,
-            ", zmm26, zmm24\n",
-            $op,
-            " zmm",
-            $t5,
-            ", zmm26, zmm25\n",
-            "vbroadcastss zmm26, dword ptr [{wb} + {ws} + ",
-            $w,
-            "]\n",
-            $op,
-            " zmm",
-            $t6,
-            ", zmm26, zmm24\n",
-            $op,
-            " zmm",
-            $t7,
-            ", zmm26, zmm25\n",
+            "vmovups zmm24, zmmword ptr [{xa} + ", $x, "]\n",
+            "vmovups zmm25, zmmword ptr [{xa} + {xs} + ", $x, "]\n",
+            row_products!("{wa}", $w, $op, $t0 "24" $t1 "25"),
+            row_products!("{wa} + {ws}", $w, $op, $t2 "24" $t3 "25"),
+            row_products!("{wb}", $w, $op, $t4 "24" $t5 "25"),
+            row_products!("{wb} + {ws}", $w, $op, $t6 "24" $t7 "25"),
         )
     };
 }
 
-/// The end of a chunk of a four-row tile in `asm!` text: per row its multiplier broadcast (zmm27) and, per pair,
-/// `acc = fma(te + to, multiplier, acc)` (zmm28 holds the sum); then the pointers move two chunks on (the next chunk
-/// of the same parity) and the loop repeats `{n}` times.
+/// One row's end of a chunk in `asm!` text: its multiplier broadcast into zmm27 (from `$s`), then per pair `acc =
+/// fma(te + to, multiplier, acc)` into accumulator `zmm$a` (`te` in `zmm$e`, `to` in `zmm$o`, the sum in zmm28).
+#[rustfmt::skip]
+macro_rules! row_scaled {
+    ($s:literal, $($a:literal $e:literal $o:literal)+) => {
+        concat!(
+            "vbroadcastss zmm27, dword ptr [", $s, "]\n",
+            $("vaddps zmm28, zmm", $e, ", zmm", $o, "\n", "vfmadd231ps zmm", $a, ", zmm28, zmm27\n",)+
+        )
+    };
+}
+
+/// The end of a chunk of a four-row tile in `asm!` text: every row's scaled accumulate ([`row_scaled`]), then the
+/// pointers move two chunks on (the next chunk of the same parity) and the loop repeats `{n}` times.
+#[rustfmt::skip]
 macro_rules! finish_rows4 {
     (1) => {
         concat!(
-            "vbroadcastss zmm27, dword ptr [{sa}]\n",
-            "vaddps zmm28, zmm8, zmm16\n",
-            "vfmadd231ps zmm0, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sa} + {ss}]\n",
-            "vaddps zmm28, zmm9, zmm17\n",
-            "vfmadd231ps zmm1, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sb}]\n",
-            "vaddps zmm28, zmm10, zmm18\n",
-            "vfmadd231ps zmm2, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sb} + {ss}]\n",
-            "vaddps zmm28, zmm11, zmm19\n",
-            "vfmadd231ps zmm3, zmm28, zmm27\n",
+            row_scaled!("{sa}", "0" "8" "16"),
+            row_scaled!("{sa} + {ss}", "1" "9" "17"),
+            row_scaled!("{sb}", "2" "10" "18"),
+            row_scaled!("{sb} + {ss}", "3" "11" "19"),
             finish_rows4!(next),
         )
     };
     (2) => {
         concat!(
-            "vbroadcastss zmm27, dword ptr [{sa}]\n",
-            "vaddps zmm28, zmm8, zmm16\n",
-            "vfmadd231ps zmm0, zmm28, zmm27\n",
-            "vaddps zmm28, zmm9, zmm17\n",
-            "vfmadd231ps zmm1, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sa} + {ss}]\n",
-            "vaddps zmm28, zmm10, zmm18\n",
-            "vfmadd231ps zmm2, zmm28, zmm27\n",
-            "vaddps zmm28, zmm11, zmm19\n",
-            "vfmadd231ps zmm3, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sb}]\n",
-            "vaddps zmm28, zmm12, zmm20\n",
-            "vfmadd231ps zmm4, zmm28, zmm27\n",
-            "vaddps zmm28, zmm13, zmm21\n",
-            "vfmadd231ps zmm5, zmm28, zmm27\n",
-            "vbroadcastss zmm27, dword ptr [{sb} + {ss}]\n",
-            "vaddps zmm28, zmm14, zmm22\n",
-            "vfmadd231ps zmm6, zmm28, zmm27\n",
-            "vaddps zmm28, zmm15, zmm23\n",
-            "vfmadd231ps zmm7, zmm28, zmm27\n",
+            row_scaled!("{sa}", "0" "8" "16" "1" "9" "17"),
+            row_scaled!("{sa} + {ss}", "2" "10" "18" "3" "11" "19"),
+            row_scaled!("{sb}", "4" "12" "20" "5" "13" "21"),
+            row_scaled!("{sb} + {ss}", "6" "14" "22" "7" "15" "23"),
             finish_rows4!(next),
         )
     };
     (next) => {
         concat!(
-            "add {xa}, 1024\n",
-            "add {wa}, 64\n",
-            "add {wb}, 64\n",
-            "add {sa}, 32\n",
-            "add {sb}, 32\n",
-            "dec {n}\n",
-            "jnz 2b\n",
+            "add {xa}, 1024\n", "add {wa}, 64\n", "add {wb}, 64\n", "add {sa}, 32\n", "add {sb}, 32\n",
+            "dec {n}\n", "jnz 2b\n",
         )
     };
 }
