@@ -9,6 +9,8 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use candle_core::Tensor;
 use deltafin_quant::mxfp4::{Mxfp4Product, gemm_batch_with};
 use deltafin_quant::mxfp4_bf16_contract::bf16_rounded;
@@ -19,7 +21,9 @@ use crate::config::{Activation, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use crate::layer::Pass;
 use crate::mlp::Mlp;
-use crate::ops::{glu_values, linear, linear_many, rms_norm, sigmoid, tensor, values};
+use crate::ops::{
+    glu_in_place, glu_values, linear, linear_many, rms_norm, sigmoid, tensor, values,
+};
 use crate::profile::Phase;
 use crate::weights::{ExpertWeights, Loader};
 
@@ -197,12 +201,18 @@ impl Moe {
         }
         let (routes, z) = self.route_and_project(x)?;
         let t_len = routes.len();
-        // expert -> rows that chose it, with the weight.
-        let mut users: BTreeMap<usize, Vec<(usize, f32)>> = BTreeMap::new();
+        // expert -> rows that chose it.
+        let mut users: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        // Row t's experts in the router's order: (expert, weight, the row's place among the expert's rows).
+        let mut slots: Vec<Vec<(usize, f32, usize)>> = Vec::with_capacity(t_len);
         for (t, r) in routes.iter().enumerate() {
+            let mut row = Vec::with_capacity(r.experts.len());
             for (&e, &w) in r.experts.iter().zip(&r.weights) {
-                users.entry(e).or_default().push((t, w));
+                let rows = users.entry(e).or_default();
+                row.push((e, w, rows.len()));
+                rows.push(t);
             }
+            slots.push(row);
         }
         let ids: Vec<usize> = users.keys().copied().collect();
         // The reads go out now; the shared experts are computed while they run.
@@ -219,9 +229,9 @@ impl Moe {
             self.shared.as_ref().map(|s| s.forward(x)).transpose()
         })?;
 
-        // Each row's expert outputs, kept per (row, slot) so the combine order is the router's order whatever
-        // order the experts arrive in.
-        let mut outs: Vec<Vec<(usize, f32, Vec<f32>)>> = vec![Vec::new(); t_len];
+        // Each expert's outputs, `[rows that chose it, width]` in `users` order, whatever order the experts arrive in;
+        // the combine below walks each row's experts in the router's order.
+        let mut outs: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         let mut waited_from = Instant::now();
         fetch.finish(&mut |ready| {
             profile.add(Phase::ExpertWait, waited_from.elapsed());
@@ -230,32 +240,42 @@ impl Moe {
                 .iter()
                 .map(|(i, w)| {
                     let e = ids[*i];
-                    (e, users[&e].iter().map(|&(t, _)| z_rows[t]).collect(), &**w)
+                    (e, users[&e].iter().map(|&t| z_rows[t]).collect(), &**w)
                 })
                 .collect();
-            for ((e, _, _), ys) in batch
+            for ((e, _, _), y) in batch
                 .iter()
                 .zip(self.experts_forward(&batch, pass.expert_input)?)
             {
-                for (&(t, w), y) in users[e].iter().zip(ys) {
-                    outs[t].push((*e, w, y));
-                }
+                outs.insert(*e, y);
             }
             profile.add(Phase::ExpertCompute, started.elapsed());
             waited_from = Instant::now();
             Ok(())
         })?;
         let trunk_from = Instant::now();
-        let mut combined = vec![0.0f32; t_len * self.width];
-        for (t, r) in routes.iter().enumerate() {
-            let dst = &mut combined[t * self.width..(t + 1) * self.width];
-            for &e in &r.experts {
-                if let Some((_, w, y)) = outs[t].iter().find(|(id, _, _)| *id == e) {
+        let width = self.width;
+        let mut combined = vec![0.0f32; t_len * width];
+        let add_row = |(dst, row_slots): (&mut [f32], &Vec<(usize, f32, usize)>)| {
+            for &(e, w, j) in row_slots {
+                if let Some(y) = outs.get(&e).and_then(|y| y.get(j * width..(j + 1) * width)) {
                     for (d, v) in dst.iter_mut().zip(y) {
                         *d += w * v;
                     }
                 }
             }
+        };
+        if t_len > 1 {
+            use rayon::prelude::*;
+            combined
+                .par_chunks_mut(width.max(1))
+                .zip(slots.par_iter())
+                .for_each(add_row);
+        } else {
+            combined
+                .chunks_mut(width.max(1))
+                .zip(&slots)
+                .for_each(add_row);
         }
         let y = self.tail(combined, t_len, shared)?;
         profile.add(Phase::MoeTrunk, trunk_from.elapsed() + routing);
@@ -302,13 +322,15 @@ impl Moe {
     }
 
     /// Applies each expert `(e, rows, weights)` of `batch` to its rows (each `width` long):
-    /// `w2 · act(w1·x, w3·x)`, one output per row. MXFP4 experts are multiplied together, the gate and up
-    /// projections of all of them in one threaded pass and the down projections in a second.
+    /// `w2 · act(w1·x, w3·x)`, the outputs `[rows, width]` in one vector per expert. MXFP4 experts are multiplied
+    /// together, the gate and up projections of all of them in one threaded pass and the down projections in a
+    /// second; the copies and the activation between run on every thread too (for a long prompt they move
+    /// hundreds of megabytes per layer).
     fn experts_forward(
         &self,
         batch: &[(usize, Vec<&[f32]>, &ExpertWeights)],
         input: Mxfp4Input,
-    ) -> Result<Vec<Vec<Vec<f32>>>> {
+    ) -> Result<Vec<Vec<f32>>> {
         let (inter, width) = (self.cfg.inter, self.width);
         let quant_err = |e: usize| {
             move |source| ModelError::Expert {
@@ -317,10 +339,7 @@ impl Moe {
                 source,
             }
         };
-        let inputs: Vec<Vec<f32>> = batch
-            .iter()
-            .map(|(_, rows, _)| rows.iter().flat_map(|r| r.iter().copied()).collect())
-            .collect();
+        let inputs: Vec<Vec<f32>> = batch.par_iter().map(|(_, rows, _)| rows.concat()).collect();
         // (position in `batch`, [w1, w2, w3]) of each MXFP4 expert.
         let mut mxfp4 = Vec::with_capacity(batch.len());
         for (k, &(e, _, weights)) in batch.iter().enumerate() {
@@ -338,11 +357,13 @@ impl Moe {
         // A shape error names the first expert of the pass (shapes were checked above, so it cannot happen).
         let pass_err = quant_err(mxfp4.first().map_or(0, |&(k, _)| batch[k].0));
         // Gate and up of every MXFP4 expert in one pass.
-        let mut gates: Vec<Vec<f32>> = mxfp4
-            .iter()
-            .map(|&(k, _)| vec![0.0; t_of(k) * inter])
-            .collect();
-        let mut ups = gates.clone();
+        let zeros = || -> Vec<Vec<f32>> {
+            mxfp4
+                .iter()
+                .map(|&(k, _)| vec![0.0; t_of(k) * inter])
+                .collect()
+        };
+        let (mut gates, mut ups) = (zeros(), zeros());
         let mut products = Vec::with_capacity(2 * mxfp4.len());
         for ((&(k, [w1, _, w3]), gate), up) in
             mxfp4.iter().zip(gates.iter_mut()).zip(ups.iter_mut())
@@ -359,20 +380,17 @@ impl Moe {
         gemm_batch_with(&mut products, input).map_err(pass_err)?;
         drop(products);
         // Then every down projection in one pass.
-        // Every expert's activation in one threaded job (a K3 expert's 3072 SiTU values cost about 0.1 ms each).
-        let acts: Vec<Vec<f32>> = {
-            let (gate_all, up_all): (Vec<f32>, Vec<f32>) = (gates.concat(), ups.concat());
-            let all = self.glu_rows(&gate_all, &up_all);
-            let mut at = 0;
+        // Every expert's activation in one threaded job (a K3 expert's 3072 SiTU values cost about 0.1 ms each),
+        // into its gate outputs.
+        glu_in_place(
+            self.act,
             gates
-                .iter()
-                .map(|g| {
-                    let a = all[at..at + g.len()].to_vec();
-                    at += g.len();
-                    a
-                })
-                .collect()
-        };
+                .iter_mut()
+                .map(Vec::as_mut_slice)
+                .zip(ups.iter().map(Vec::as_slice)),
+        );
+        drop(ups);
+        let acts = gates;
         let mut downs: Vec<Vec<f32>> = mxfp4
             .iter()
             .map(|&(k, _)| vec![0.0; t_of(k) * width])
@@ -399,7 +417,7 @@ impl Moe {
                     self.dense_expert(e, [w1, w2, w3], &inputs[k], t_of(k), input)?
                 }
             };
-            out.push(y.chunks_exact(width).map(<[f32]>::to_vec).collect());
+            out.push(y);
         }
         Ok(out)
     }

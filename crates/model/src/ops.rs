@@ -62,8 +62,14 @@ pub fn linear_many(x: &Tensor, ws: &[&DenseMatrix]) -> Result<Vec<Tensor>> {
 pub fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
     let (t, n) = x.dims2()?;
     let mut v = values(x)?;
-    for row in v.chunks_exact_mut(n) {
-        rms_norm_row(row, w, eps);
+    // Rows apart on every thread for a long prompt (each row's arithmetic is the same either way).
+    if t > 1 {
+        v.par_chunks_exact_mut(n.max(1))
+            .for_each(|row| rms_norm_row(row, w, eps));
+    } else {
+        for row in v.chunks_exact_mut(n.max(1)) {
+            rms_norm_row(row, w, eps);
+        }
     }
     tensor(v, t, n)
 }
@@ -128,6 +134,23 @@ pub fn glu_values(act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
     out
 }
 
+/// [`glu`] of each `(gate, up)` pair, written over `gate`, on every thread: the pairs' values are cut into pieces of
+/// [`ELEMENTWISE_CHUNK`] and all pieces of all pairs share one threaded job. Each value is computed alone, as in
+/// [`glu_values`].
+pub fn glu_in_place<'a>(act: Activation, pairs: impl Iterator<Item = (&'a mut [f32], &'a [f32])>) {
+    let pieces: Vec<(&mut [f32], &[f32])> = pairs
+        .flat_map(|(g, u)| {
+            g.chunks_mut(ELEMENTWISE_CHUNK)
+                .zip(u.chunks(ELEMENTWISE_CHUNK))
+        })
+        .collect();
+    pieces.into_par_iter().for_each(|(g, u)| {
+        for (g, &u) in g.iter_mut().zip(u) {
+            *g = glu(act, *g, u);
+        }
+    });
+}
+
 /// Applies [`glu`] elementwise to two equal-shape tensors.
 pub fn glu_tensor(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     let g = gate.flatten_all()?.to_vec1::<f32>()?;
@@ -150,6 +173,34 @@ mod tests {
         let expect = 4.0 * (g / 4.0).tanh() * sigmoid(g) * 25.0 * (u / 25.0).tanh();
         assert!((glu(act, g, u) - expect).abs() <= 1e-6 * expect.abs());
         assert!((glu(Activation::Silu, 2.0, 3.0) - 2.0 * sigmoid(2.0) * 3.0).abs() < 1e-7);
+    }
+
+    #[test]
+    fn glu_in_place_equals_glu_values() {
+        let act = Activation::Situ {
+            beta: 4.0,
+            linear_beta: 25.0,
+        };
+        // Pairs longer and shorter than a piece (`ELEMENTWISE_CHUNK`).
+        let lens = [3 * ELEMENTWISE_CHUNK + 5, 7, ELEMENTWISE_CHUNK];
+        let make =
+            |n: usize, k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin() * 9.0).collect() };
+        let gates: Vec<Vec<f32>> = lens.iter().map(|&n| make(n, 0.37)).collect();
+        let ups: Vec<Vec<f32>> = lens.iter().map(|&n| make(n, 0.11)).collect();
+        let mut out = gates.clone();
+        glu_in_place(
+            act,
+            out.iter_mut()
+                .map(Vec::as_mut_slice)
+                .zip(ups.iter().map(Vec::as_slice)),
+        );
+        for ((o, g), u) in out.iter().zip(&gates).zip(&ups) {
+            let want = glu_values(act, g, u);
+            assert_eq!(
+                o.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
     }
 
     #[test]

@@ -223,37 +223,14 @@ impl DenseMatrix {
     /// `y = x · wᵀ` for `x [t_rows, cols]`, giving `y [t_rows, rows]`: fastest path, threaded over output rows.
     pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
         self.check(x, t_rows)?;
-        let mut y = vec![0.0f32; t_rows * self.rows];
         if t_rows == 1 {
+            let mut y = vec![0.0f32; self.rows];
             let x = self.prepare(x);
             par_row_blocks(&mut y, |r0, out| self.rows_with(r0, &x, out));
             return Ok(y);
         }
-        let xs: Vec<Prepared<'_>> = x
-            .chunks_exact(self.cols.max(1))
-            .take(t_rows)
-            .map(|x| self.prepare(x))
-            .collect();
-        if let DenseData::Bf16(v) = &self.data {
-            // Tiles of rows by inputs: each weight row is widened once for every input.
-            let xps: Vec<&[f32]> = xs
-                .iter()
-                .filter_map(|p| match p {
-                    Prepared::Bf16(xp) => Some(&**xp),
-                    _ => None,
-                })
-                .collect();
-            let c = self.cols;
-            par_row_tiles(self.rows, t_rows, &mut y, |r0, tokens, out| {
-                let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
-                    .map(|r| row(v, r, c))
-                    .collect();
-                bf16_contract::dot_tiles(&rows, &xps[tokens], out);
-            });
-            return Ok(y);
-        }
-        par_rows(self.rows, t_rows, &mut y, |r, t| self.row_with(r, &xs[t]));
-        Ok(y)
+        let mut ys = gemm_tokens(&[self], x, t_rows);
+        Ok(ys.pop().unwrap_or_default())
     }
 
     /// Scalar, single-threaded twin of [`Self::gemm`].
@@ -320,7 +297,7 @@ pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<
         m.check(x, t_rows)?;
     }
     if t_rows != 1 {
-        return mats.iter().map(|m| m.gemm(x, t_rows)).collect();
+        return Ok(gemm_tokens(mats, x, t_rows));
     }
     // The input prepared once per kind of matrix that reads it.
     let mut prepared: Vec<Prepared<'_>> = Vec::new();
@@ -352,6 +329,78 @@ pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<
         tasks.into_par_iter().for_each(run);
     }
     Ok(ys)
+}
+
+/// [`gemm_many`] for more than one activation row (shapes checked): each input row is prepared once per kind of
+/// matrix, in parallel, and the bf16 matrices' tiles all run in one threaded job ([`par_row_tiles`]), so the
+/// projections that read one input (KDA's six, a GLU's gate and up) share its permuted copy and one barrier.
+fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>> {
+    let Some(first) = mats.first() else {
+        return Vec::new();
+    };
+    let cols = first.cols.max(1);
+    let prepare_all = |m: &DenseMatrix| -> Vec<Prepared<'_>> {
+        x.par_chunks_exact(cols)
+            .take(t_rows)
+            .map(|x| m.prepare(x))
+            .collect()
+    };
+    // One prepared set per kind of matrix (`DenseData` variant), built for the first matrix of that kind.
+    let mut kinds: Vec<(std::mem::Discriminant<DenseData>, Vec<Prepared<'_>>)> = Vec::new();
+    let mut input_of = Vec::with_capacity(mats.len());
+    for m in mats {
+        let kind = std::mem::discriminant(&m.data);
+        let at = match kinds.iter().position(|(k, _)| *k == kind) {
+            Some(at) => at,
+            None => {
+                kinds.push((kind, prepare_all(m)));
+                kinds.len() - 1
+            }
+        };
+        input_of.push(at);
+    }
+    let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t_rows * m.rows]).collect();
+    // The bf16 matrices in tiles of rows by inputs (each weight row widened once for every input), together.
+    let bf16: Vec<usize> = (0..mats.len())
+        .filter(|&i| matches!(mats[i].data, DenseData::Bf16(_)))
+        .collect();
+    let permuted: Vec<Vec<&[f32]>> = bf16
+        .iter()
+        .map(|&i| {
+            kinds[input_of[i]]
+                .1
+                .iter()
+                .filter_map(|p| match p {
+                    Prepared::Bf16(xp) => Some(&**xp),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    {
+        let mut outs: Vec<(usize, &mut [f32])> = Vec::new();
+        for (i, y) in ys.iter_mut().enumerate() {
+            if bf16.contains(&i) {
+                outs.push((mats[i].rows, y.as_mut_slice()));
+            }
+        }
+        par_row_tiles(t_rows, &mut outs, |k, r0, tokens, out| {
+            let m = mats[bf16[k]];
+            if let DenseData::Bf16(v) = &m.data {
+                let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
+                    .map(|r| row(v, r, m.cols))
+                    .collect();
+                bf16_contract::dot_tiles(&rows, &permuted[k][tokens], out);
+            }
+        });
+    }
+    for (i, y) in ys.iter_mut().enumerate() {
+        if !bf16.contains(&i) {
+            let xs = &kinds[input_of[i]].1;
+            par_rows(mats[i].rows, t_rows, y, |r, t| mats[i].row_with(r, &xs[t]));
+        }
+    }
+    ys
 }
 
 /// Row `r` of a row-major matrix with `c` columns.
@@ -444,46 +493,68 @@ const TILE_ROWS_PER_TASK: usize = 32;
 /// memory instead, and got slower per token as prompts grew.
 pub const TOKEN_BLOCK: usize = 64;
 
-/// Fills `y [t_rows, rows]` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at most [`TOKEN_BLOCK`]
-/// inputs: `f(r0, tokens, out)` fills `out [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` and the inputs
-/// `tokens`. One threaded job for every task.
+/// One output row of a [`par_row_tiles`] product (the outputs of one input), its product's buffers by token
+/// block, and the input's index.
+type OutputRow<'a> = (&'a mut [f32], &'a [Vec<f32>], usize);
+
+/// Fills each `(rows, y [t_rows, rows])` of `outs` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
+/// most [`TOKEN_BLOCK`] inputs, the tasks of every product in one threaded job: `f(k, r0, tokens, out)` fills `out
+/// [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` of product `k` and the inputs `tokens`.
 fn par_row_tiles(
-    rows: usize,
     t_rows: usize,
-    y: &mut [f32],
-    f: impl Fn(usize, std::ops::Range<usize>, &mut [f32]) + Sync,
+    outs: &mut [(usize, &mut [f32])],
+    f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
     let blocks: Vec<std::ops::Range<usize>> = (0..t_rows)
         .step_by(TOKEN_BLOCK)
         .map(|t0| t0..(t0 + TOKEN_BLOCK).min(t_rows))
         .collect();
-    let mut by_block: Vec<Vec<f32>> = blocks
+    // by_block[k][b]: product k's outputs for token block b, by weight row.
+    let mut by_block: Vec<Vec<Vec<f32>>> = outs
         .iter()
-        .map(|b| vec![0.0f32; rows * b.len()])
+        .map(|&(rows, _)| {
+            blocks
+                .iter()
+                .map(|b| vec![0.0f32; rows * b.len()])
+                .collect()
+        })
         .collect();
-    let mut tasks: Vec<(usize, std::ops::Range<usize>, &mut [f32])> = Vec::new();
-    for (b, buf) in blocks.iter().zip(by_block.iter_mut()) {
-        for (k, out) in buf.chunks_mut(TILE_ROWS_PER_TASK * b.len()).enumerate() {
-            tasks.push((k * TILE_ROWS_PER_TASK, b.clone(), out));
+    let mut tasks: Vec<(usize, usize, std::ops::Range<usize>, &mut [f32])> = Vec::new();
+    for (k, bufs) in by_block.iter_mut().enumerate() {
+        for (b, buf) in blocks.iter().zip(bufs.iter_mut()) {
+            for (j, out) in buf.chunks_mut(TILE_ROWS_PER_TASK * b.len()).enumerate() {
+                tasks.push((k, j * TILE_ROWS_PER_TASK, b.clone(), out));
+            }
         }
     }
     if tasks.len() < 2 {
-        tasks.into_iter().for_each(|(r0, b, out)| f(r0, b, out));
+        tasks
+            .into_iter()
+            .for_each(|(k, r0, b, out)| f(k, r0, b, out));
     } else {
-        tasks.into_par_iter().for_each(|(r0, b, out)| f(r0, b, out));
+        tasks
+            .into_par_iter()
+            .for_each(|(k, r0, b, out)| f(k, r0, b, out));
     }
-    // Into `y` by output row (one input each), in parallel: for a long prompt, millions of values.
-    let out_row = |(t, y_t): (usize, &mut [f32])| {
+    // Into each `y` by output row (one input each), in parallel: for a long prompt, millions of values.
+    let total: usize = outs.iter().map(|(rows, _)| rows * t_rows).sum();
+    let mut rows_out: Vec<OutputRow<'_>> = Vec::new();
+    for ((rows, y), bufs) in outs.iter_mut().zip(&by_block) {
+        for (t, y_t) in y.chunks_mut((*rows).max(1)).enumerate() {
+            rows_out.push((y_t, bufs, t));
+        }
+    }
+    let fill = |(y_t, bufs, t): OutputRow<'_>| {
         let b = t / TOKEN_BLOCK;
-        let (buf, width, at) = (&by_block[b], blocks[b].len(), t - blocks[b].start);
+        let (buf, width, at) = (&bufs[b], blocks[b].len(), t - blocks[b].start);
         for (r, o) in y_t.iter_mut().enumerate() {
             *o = buf[r * width + at];
         }
     };
-    if rows * t_rows < 1 << 16 {
-        y.chunks_mut(rows.max(1)).enumerate().for_each(out_row);
+    if total < 1 << 16 {
+        rows_out.into_iter().for_each(fill);
     } else {
-        y.par_chunks_mut(rows.max(1)).enumerate().for_each(out_row);
+        rows_out.into_par_iter().for_each(fill);
     }
 }
 

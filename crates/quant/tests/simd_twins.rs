@@ -167,9 +167,9 @@ fn gemm_many_equals_each_gemm() {
     );
     let mut r = rng();
     let cols = 288;
-    let x = randn(&mut r, cols);
-    // Matrices of every kind, and row counts that are not multiples of a task (64) or a pair.
-    let mats: Vec<DenseMatrix> = [(300, 0), (65, 1), (7, 2), (129, 0)]
+    // Matrices of every kind (two bf16 ones, which share a permuted input), and row counts that are not multiples
+    // of a task (64 rows at one input, 32 at several) or a pair.
+    let mats: Vec<DenseMatrix> = [(300, 0), (65, 1), (7, 2), (129, 0), (70, 2)]
         .iter()
         .map(|&(rows, kind)| {
             let w = randn(&mut r, rows * cols);
@@ -185,13 +185,20 @@ fn gemm_many_equals_each_gemm() {
         })
         .collect();
     let refs: Vec<&DenseMatrix> = mats.iter().collect();
-    let many = deltafin_quant::gemm_many(&refs, &x, 1).expect("shapes");
-    for (m, y) in mats.iter().zip(&many) {
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(y), bits(&m.gemm_ref(&x, 1).expect("gemm_ref")));
+    // One input, a few, and more than two token blocks (`dense::TOKEN_BLOCK`) with a partial last one.
+    const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
+    for t_rows in [1, 3, 150] {
+        let x = randn(&mut r, t_rows * cols);
+        let many = deltafin_quant::gemm_many(&refs, &x, t_rows).expect("shapes");
+        assert_eq!(many.len(), mats.len());
+        for (m, y) in mats.iter().zip(&many) {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let want = m.gemm_ref(&x, t_rows).expect("gemm_ref");
+            assert_eq!(bits(y), bits(&want), "{t_rows} inputs, {} rows", m.rows());
+        }
+        // A wrong input length is an error, not a panic.
+        assert!(deltafin_quant::gemm_many(&refs, &x[1..], t_rows).is_err());
     }
-    // A wrong input length is an error, not a panic.
-    assert!(deltafin_quant::gemm_many(&refs, &x[1..], 1).is_err());
 }
 
 #[test]
