@@ -5,6 +5,7 @@
 //! `load` that names its tensors and a `forward`.
 #![deny(missing_docs)]
 
+pub mod activation;
 pub mod attn_res;
 pub mod config;
 pub mod device;
