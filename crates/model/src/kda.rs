@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::ops::{inv_rms, linear, linear_many, sigmoid, silu, softplus, tensor, values};
+use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, silu, softplus, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
@@ -143,7 +143,7 @@ impl Kda {
             OutGate::LowRank { down, .. } => down,
         };
         let p = profile.time(Phase::KdaProj, || -> Result<Projected> {
-            let outs = linear_many(
+            let outs = linear_many_values(
                 x,
                 &[
                     &self.q_proj,
@@ -154,26 +154,23 @@ impl Kda {
                     gate_in,
                 ],
             )?;
-            let [q_raw, k_raw, v_raw, f_a, b_raw, gate_raw]: [Tensor; 6] = outs
+            let [q_raw, k_raw, v_raw, f_a, b, gate_raw]: [Vec<f32>; 6] = outs
                 .try_into()
                 .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
             Ok(Projected {
-                raw: [values(&q_raw)?, values(&k_raw)?, values(&v_raw)?],
-                f_a: values(&f_a)?,
-                b: values(&b_raw)?,
-                og: values(&match &self.gate {
+                raw: [q_raw, k_raw, v_raw],
+                f_a,
+                b,
+                og: match &self.gate {
                     OutGate::Full(_) => gate_raw,
-                    OutGate::LowRank { up, .. } => linear(&gate_raw, up)?,
-                })?,
+                    OutGate::LowRank { down, up } => {
+                        values(&linear(&tensor(gate_raw, t_len, down.rows())?, up)?)?
+                    }
+                },
                 t_len,
             })
         })?;
-        // The conv windows advance by the new rows: the last K-1 rows of (window ++ raw), C values each.
-        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| {
-            let mut ext = old.conv[i].clone();
-            ext.extend_from_slice(&p.raw[i]);
-            ext.split_off(ext.len() - old.conv[i].len())
-        });
+        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| advance_window(&old.conv[i], &p.raw[i]));
 
         #[cfg(feature = "cuda")]
         if let Some(done) = self.forward_on_device(old, &p)? {
@@ -197,14 +194,15 @@ impl Kda {
             })
             .collect();
         *state = Arc::new(KdaState::new(conv, s_new));
-        // [H, T, D] -> [T, H·D]
+        // [H, T, D] -> [T, H·D], a token row per task.
         let mut out = vec![0.0f32; t_len * c];
-        for (head, o) in per_head.iter().enumerate() {
-            for t in 0..t_len {
-                out[t * c + head * d..t * c + (head + 1) * d]
-                    .copy_from_slice(&o[t * d..(t + 1) * d]);
-            }
-        }
+        out.par_chunks_mut(c.max(1))
+            .enumerate()
+            .for_each(|(t, row)| {
+                for (head, o) in per_head.iter().enumerate() {
+                    row[head * d..(head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
+                }
+            });
         let out = tensor(out, t_len, c)?;
         profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }
@@ -475,6 +473,17 @@ fn recurrence_loop(
     out
 }
 
+/// The conv window after the new rows `raw`: the last `window.len()` values (K-1 rows) of `window ++ raw`, taken from
+/// the two tails alone (a long prompt's raw rows are tens of megabytes).
+fn advance_window(window: &[f32], raw: &[f32]) -> Vec<f32> {
+    let keep = window.len();
+    let from_raw = raw.len().min(keep);
+    let mut next = Vec::with_capacity(keep);
+    next.extend_from_slice(&window[from_raw..]);
+    next.extend_from_slice(&raw[raw.len() - from_raw..]);
+    next
+}
+
 /// `row ← prev · decay` (the first token's decay, read from the old state).
 #[inline(always)]
 fn decay_row_from(row: &mut [f32], prev: &[f32], decay: f32) {
@@ -494,6 +503,22 @@ fn accumulate(acc: &mut [f32], row: &[f32], c: f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The window is the tail of `window ++ raw` for new row counts below, at and above its length.
+    #[test]
+    fn conv_window_advances_by_the_new_rows() {
+        let c = 3;
+        let window: Vec<f32> = (0..3 * c).map(|i| -(i as f32) - 1.0).collect();
+        for rows in [0, 1, 2, 3, 5] {
+            let raw: Vec<f32> = (0..rows * c).map(|i| i as f32 + 1.0).collect();
+            let all: Vec<f32> = window.iter().chain(&raw).copied().collect();
+            assert_eq!(
+                advance_window(&window, &raw),
+                all[all.len() - window.len()..],
+                "{rows} rows"
+            );
+        }
+    }
 
     /// The dispatched recurrence (AVX-512 where the CPU has it) and the portable build give the same bits.
     #[test]

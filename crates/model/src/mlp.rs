@@ -5,7 +5,7 @@ use deltafin_quant::DenseMatrix;
 
 use crate::config::Activation;
 use crate::error::Result;
-use crate::ops::{glu_tensor, linear, linear_many};
+use crate::ops::{glu_in_place, linear, linear_many_values, tensor};
 use crate::weights::Loader;
 
 /// A dense gated MLP.
@@ -36,12 +36,15 @@ impl Mlp {
 
     /// `[T, hidden] -> [T, hidden]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up]: [Tensor; 2] = linear_many(x, &[&self.gate, &self.up])?
+        let [mut gate, up]: [Vec<f32>; 2] = linear_many_values(x, &[&self.gate, &self.up])?
             .try_into()
             .map_err(|_| {
                 crate::error::ModelError::Device("two linears gave another count".into())
             })?;
-        let a = glu_tensor(self.act, &gate, &up)?;
-        linear(&a, &self.down)
+        glu_in_place(
+            self.act,
+            std::iter::once((gate.as_mut_slice(), up.as_slice())),
+        );
+        linear(&tensor(gate, x.dim(0)?, self.gate.rows())?, &self.down)
     }
 }

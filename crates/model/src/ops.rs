@@ -44,18 +44,26 @@ pub fn linear(x: &Tensor, w: &DenseMatrix) -> Result<Tensor> {
 /// that weight's [`linear`].
 pub fn linear_many(x: &Tensor, ws: &[&DenseMatrix]) -> Result<Vec<Tensor>> {
     let t = x.dim(0)?;
-    #[cfg(feature = "cuda")]
-    if ws.iter().any(|w| w.cuda().is_some()) {
-        return ws.iter().map(|w| linear(x, w)).collect();
-    }
-    let ys = deltafin_quant::gemm_many(ws, &values(x)?, t).map_err(|e| ModelError::BadWeight {
-        name: format!("{} linears of one input", ws.len()),
-        msg: e.to_string(),
-    })?;
-    ys.into_iter()
+    linear_many_values(x, ws)?
+        .into_iter()
         .zip(ws)
         .map(|(y, w)| tensor(y, t, w.rows()))
         .collect()
+}
+
+/// [`linear_many`] giving each output's values (`[T, out]` row-major) as they come from the kernels, for callers
+/// that work on the values: a long prompt's projections are tens of megabytes each, and a tensor made only to be
+/// read back out is two copies on one thread.
+pub fn linear_many_values(x: &Tensor, ws: &[&DenseMatrix]) -> Result<Vec<Vec<f32>>> {
+    let t = x.dim(0)?;
+    #[cfg(feature = "cuda")]
+    if ws.iter().any(|w| w.cuda().is_some()) {
+        return ws.iter().map(|w| values(&linear(x, w)?)).collect();
+    }
+    deltafin_quant::gemm_many(ws, &values(x)?, t).map_err(|e| ModelError::BadWeight {
+        name: format!("{} linears of one input", ws.len()),
+        msg: e.to_string(),
+    })
 }
 
 /// RMSNorm over the last axis, row by row: `w ⊙ x / sqrt(mean(x²) + eps)`.
@@ -142,14 +150,6 @@ pub fn glu_in_place<'a>(act: Activation, pairs: impl Iterator<Item = (&'a mut [f
     pieces
         .into_par_iter()
         .for_each(|(g, u)| crate::activation::glu_in_place(act, g, u));
-}
-
-/// Applies [`glu`] elementwise to two equal-shape tensors.
-pub fn glu_tensor(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    let g = gate.flatten_all()?.to_vec1::<f32>()?;
-    let u = up.flatten_all()?.to_vec1::<f32>()?;
-    let out = glu_values(act, &g, &u);
-    Ok(Tensor::from_vec(out, gate.shape(), gate.device())?)
 }
 
 #[cfg(test)]
