@@ -493,10 +493,6 @@ const TILE_ROWS_PER_TASK: usize = 32;
 /// memory instead, and got slower per token as prompts grew.
 pub const TOKEN_BLOCK: usize = 64;
 
-/// One output row of a [`par_row_tiles`] product (the outputs of one input), its product's buffers by token
-/// block, and the input's index.
-type OutputRow<'a> = (&'a mut [f32], &'a [Vec<f32>], usize);
-
 /// Fills each `(rows, y [t_rows, rows])` of `outs` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
 /// most [`TOKEN_BLOCK`] inputs, the tasks of every product in one threaded job: `f(k, r0, tokens, out)` fills `out
 /// [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` of product `k` and the inputs `tokens`.
@@ -536,25 +532,87 @@ fn par_row_tiles(
             .into_par_iter()
             .for_each(|(k, r0, b, out)| f(k, r0, b, out));
     }
-    // Into each `y` by output row (one input each), in parallel: for a long prompt, millions of values.
-    let total: usize = outs.iter().map(|(rows, _)| rows * t_rows).sum();
-    let mut rows_out: Vec<OutputRow<'_>> = Vec::new();
-    for ((rows, y), bufs) in outs.iter_mut().zip(&by_block) {
-        for (t, y_t) in y.chunks_mut((*rows).max(1)).enumerate() {
-            rows_out.push((y_t, bufs, t));
+    scatter_rows(
+        outs.iter_mut()
+            .zip(&by_block)
+            .map(|((rows, y), bufs)| ByRow {
+                y,
+                rows: *rows,
+                blocks: blocks
+                    .iter()
+                    .cloned()
+                    .zip(bufs.iter().map(Vec::as_slice))
+                    .collect(),
+            })
+            .collect(),
+    );
+}
+
+/// One product's outputs for [`scatter_rows`]: `y [t_rows, rows]` (by input) and the blocks its kernels wrote by
+/// weight row, each `(inputs, values [rows, inputs.len()])`, the blocks' inputs covering `0 .. t_rows`.
+pub(crate) struct ByRow<'a> {
+    pub(crate) y: &'a mut [f32],
+    pub(crate) rows: usize,
+    pub(crate) blocks: Vec<(std::ops::Range<usize>, &'a [f32])>,
+}
+
+/// Weight rows per task of [`scatter_rows`]: the task's part of every input's output row stays in L1 while its
+/// blocks are read in order.
+const SCATTER_ROWS: usize = 256;
+
+/// Copies every product's blocks into its `y`, transposing `[rows, inputs]` to `[inputs, rows]`, in parallel over
+/// ranges of [`SCATTER_ROWS`] weight rows of every product. Each task reads its blocks' rows in address order and
+/// writes one element of each input's row at a time, moving along all of them together, so both sides stay in
+/// cache; writing input by input instead read each block with a stride of a whole row (a cache line per value),
+/// a few per cent of a long prompt's time.
+pub(crate) fn scatter_rows(outs: Vec<ByRow<'_>>) {
+    let total: usize = outs.iter().map(|o| o.y.len()).sum();
+    let mut ys = Vec::with_capacity(outs.len());
+    let mut blocks = Vec::with_capacity(outs.len());
+    for o in outs {
+        ys.push((o.y, o.rows));
+        blocks.push(o.blocks);
+    }
+    // (the product's blocks, its first weight row here, this range's part of every input's output row)
+    type Task<'t, 'b> = (
+        &'b [(std::ops::Range<usize>, &'b [f32])],
+        usize,
+        Vec<&'t mut [f32]>,
+    );
+    let mut tasks: Vec<Task<'_, '_>> = Vec::new();
+    for ((y, rows), bl) in ys.into_iter().zip(&blocks) {
+        let first = tasks.len();
+        let ranges = rows.div_ceil(SCATTER_ROWS);
+        for k in 0..ranges {
+            tasks.push((bl.as_slice(), k * SCATTER_ROWS, Vec::new()));
+        }
+        for y_t in y.chunks_mut(rows.max(1)) {
+            for (k, part) in y_t.chunks_mut(SCATTER_ROWS).enumerate() {
+                tasks[first + k].2.push(part);
+            }
         }
     }
-    let fill = |(y_t, bufs, t): OutputRow<'_>| {
-        let b = t / TOKEN_BLOCK;
-        let (buf, width, at) = (&bufs[b], blocks[b].len(), t - blocks[b].start);
-        for (r, o) in y_t.iter_mut().enumerate() {
-            *o = buf[r * width + at];
+    let fill = |(blocks, r0, mut parts): Task<'_, '_>| {
+        let Some(n) = parts.first().map(|p| p.len()) else {
+            return;
+        };
+        for (inputs, values) in blocks {
+            let w = inputs.len();
+            if w == 0 {
+                continue;
+            }
+            // Weight row r0 + i of the block: its value for each of the block's inputs.
+            for (i, row) in values[r0 * w..(r0 + n) * w].chunks_exact(w).enumerate() {
+                for (part, &v) in parts[inputs.clone()].iter_mut().zip(row) {
+                    part[i] = v;
+                }
+            }
         }
     };
     if total < 1 << 16 {
-        rows_out.into_iter().for_each(fill);
+        tasks.into_iter().for_each(fill);
     } else {
-        rows_out.into_par_iter().for_each(fill);
+        tasks.into_par_iter().for_each(fill);
     }
 }
 

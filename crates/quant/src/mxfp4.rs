@@ -822,24 +822,17 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
         tasks.into_par_iter().for_each(run);
     }
     // Into each `y` by output row (one input each), in parallel: for a long prompt, millions of values.
-    let mut rows_out: Vec<(&mut [f32], &[f32], usize, usize)> = Vec::new();
-    for (p, out) in products.iter_mut().zip(&by_row) {
-        let (rows, t_rows) = (p.matrix.rows, p.t_rows);
-        for (t, y_t) in p.y.chunks_mut(rows.max(1)).enumerate() {
-            rows_out.push((y_t, out, t, t_rows));
-        }
-    }
-    let fill = |(y_t, out, t, t_rows): (&mut [f32], &[f32], usize, usize)| {
-        for (r, o) in y_t.iter_mut().enumerate() {
-            *o = out[r * t_rows + t];
-        }
-    };
-    if by_row.iter().map(Vec::len).sum::<usize>() < 1 << 16 {
-        rows_out.into_iter().for_each(fill);
-    } else {
-        use rayon::prelude::*;
-        rows_out.into_par_iter().for_each(fill);
-    }
+    crate::dense::scatter_rows(
+        products
+            .iter_mut()
+            .zip(&by_row)
+            .map(|(p, out)| crate::dense::ByRow {
+                rows: p.matrix.rows,
+                blocks: vec![(0..p.t_rows, out.as_slice())],
+                y: &mut *p.y,
+            })
+            .collect(),
+    );
     Ok(())
 }
 
