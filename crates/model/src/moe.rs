@@ -266,7 +266,6 @@ impl Moe {
             }
         };
         if t_len > 1 {
-            use rayon::prelude::*;
             combined
                 .par_chunks_mut(width.max(1))
                 .zip(slots.par_iter())
