@@ -1,4 +1,94 @@
-// Attention on the GPU: the KDA delta-rule recurrence and absorbed NoPE MLA over the latent cache.
+// Attention on the GPU: KDA (its inputs, the delta-rule recurrence, the gated norm) and absorbed NoPE MLA over the
+// latent cache.
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result. `scratch` is 32
+// floats of shared memory, free again when the call returns.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & (WARP - 1), w = threadIdx.x / WARP, nw = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[w] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; i++) s += scratch[i];
+    __syncthreads();
+    return s;
+}
+
+// log(1 + e^x), linear above 20 (the CPU's `ops::softplus`).
+__device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// KDA's inputs to the recurrence, the CPU's `Kda::head_inputs` (up to summation order): one block per (token t =
+// blockIdx.x, head h = blockIdx.y), a thread per channel of the head (blockDim.x = d rounded up to a warp).
+// q, k, v: the short causal conv over (old window ++ raw rows), then SiLU; q and k L2-normalised over the head
+// (q also scaled by d^-1/2). g: the decay gate from g_raw = f_b . f_a plus dt_bias, K3's bounded form
+// `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's `-a softplus(z)`. beta = sigma(b_raw).
+// Blocks of token 0 also write the next windows: the last K-1 rows of (old window ++ raw).
+// raw_*: [T, C]; win, new_win: [3, K-1, C] (q, k, v); taps: [3, C, K] (oldest tap first); g_raw: [T, C];
+// dt_bias: [C]; a_exp: [H]; b_raw, beta: [T, H]; q, k, v, g: [T, C].
+#define KDA_L2_EPS 1e-6f
+extern "C" __global__ void kda_prepare(const float* raw_q, const float* raw_k, const float* raw_v, const float* win,
+                                       const float* taps, const float* g_raw, const float* dt_bias,
+                                       const float* a_exp, const float* b_raw, float* q, float* k, float* v,
+                                       float* g, float* beta, float* new_win, int n_tok, int heads, int d, int kern,
+                                       int bounded, float lower_bound) {
+    __shared__ float scratch[32];
+    int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    int c = heads * d, hist = kern - 1;
+    bool live = j < d;
+    int ch = h * d + j;
+    const float* raws[3] = {raw_q, raw_k, raw_v};
+    float vals[3] = {0.f, 0.f, 0.f};
+    if (live) {
+        for (int i = 0; i < 3; i++) {
+            const float* w = win + (size_t)i * hist * c;
+            const float* tp = taps + ((size_t)i * c + ch) * kern;
+            float acc = 0.f;
+            for (int kk = 0; kk < kern; kk++) {
+                int r = t + kk;
+                float x = r < hist ? w[(size_t)r * c + ch] : raws[i][(size_t)(r - hist) * c + ch];
+                acc += tp[kk] * x;
+            }
+            vals[i] = acc * sigmoidf_(acc);
+        }
+    }
+    float qq = block_sum(vals[0] * vals[0], scratch);
+    float kk2 = block_sum(vals[1] * vals[1], scratch);
+    if (live) {
+        size_t off = (size_t)t * c + ch;
+        float q_scale = powf((float)d, -0.5f);
+        q[off] = vals[0] * (1.0f / sqrtf(qq + KDA_L2_EPS)) * q_scale;
+        k[off] = vals[1] * (1.0f / sqrtf(kk2 + KDA_L2_EPS));
+        v[off] = vals[2];
+        float a = a_exp[h];
+        float z = g_raw[off] + dt_bias[ch];
+        g[off] = bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
+        if (t == 0) {
+            for (int i = 0; i < 3; i++) {
+                const float* w = win + (size_t)i * hist * c;
+                for (int r = 0; r < hist; r++) {
+                    int src = r + n_tok;
+                    new_win[((size_t)i * hist + r) * c + ch] =
+                        src < hist ? w[(size_t)src * c + ch] : raws[i][(size_t)(src - hist) * c + ch];
+                }
+            }
+        }
+    }
+    if (j == 0) beta[(size_t)t * heads + h] = sigmoidf_(b_raw[(size_t)t * heads + h]);
+}
+
+// KDA's gated RMSNorm per head, in place (the CPU's `Kda::gated_norm_row`): o <- (o * inv_rms(o over the head)) *
+// w * sigma(gate). One block per (token, head), a thread per channel (blockDim.x = d rounded up to a warp).
+// o, gate: [T, H * d]; w: [d].
+extern "C" __global__ void kda_gated_norm(float* o, const float* gate, const float* w, int heads, int d, float eps) {
+    __shared__ float scratch[32];
+    int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    size_t off = (size_t)t * heads * d + (size_t)h * d + j;
+    float x = j < d ? o[off] : 0.f;
+    float ss = block_sum(x * x, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)d + eps);
+    if (j < d) o[off] = (x * inv) * w[j] * sigmoidf_(gate[off]);
+}
 
 // KDA recurrence, one block per head, the head's state S [D_k, D_v] in shared memory. Per token:
 //   S <- diag(exp g) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q.

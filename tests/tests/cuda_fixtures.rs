@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use deltafin_model::state::LayerState;
 use deltafin_runtime::{DevicePref, Engine, EngineOptions, GreedyOptions};
 use deltafin_tests::{Golden, fixture, max_abs_diff};
 
@@ -40,7 +41,22 @@ fn check_with(name: &str, gpu_layers: Option<usize>) {
 
     // Whole sequence (prefill in chunks of 64).
     let a = cpu.session().prefill(&ids).expect("cpu prefill").data;
-    let b = gpu.session().prefill(&ids).expect("cuda prefill").data;
+    let mut gs = gpu.session();
+    let b = gs.prefill(&ids).expect("cuda prefill").data;
+    // Every KDA layer ran whole on the GPU (its state stayed there), not on the CPU fallback.
+    let kda: Vec<bool> = gs
+        .state()
+        .layers
+        .iter()
+        .filter_map(|l| match l {
+            LayerState::Kda(k) => Some(k.is_on_device()),
+            LayerState::Mla(_) => None,
+        })
+        .collect();
+    assert!(
+        !kda.is_empty() && kda.iter().all(|&d| d),
+        "{name}: KDA states on the device: {kda:?}"
+    );
     let d = max_abs_diff(&a, &b);
     eprintln!(
         "{name}: prefill {} tokens, max |Δlogit| cuda vs cpu = {d:.3e}",

@@ -465,7 +465,13 @@ fn state_bits(state: &deltafin_model::SessionState) -> Vec<u32> {
     for layer in &state.layers {
         match layer {
             LayerState::Kda(k) => {
-                for v in k.conv.iter().flatten().chain(k.s().expect("kda state")) {
+                for v in k
+                    .conv()
+                    .expect("kda windows")
+                    .iter()
+                    .flatten()
+                    .chain(k.s().expect("kda state"))
+                {
                     bits.push(v.to_bits());
                 }
             }

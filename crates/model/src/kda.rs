@@ -46,9 +46,10 @@ pub struct Kda {
     o_norm: Vec<f32>,
     o_proj: DenseMatrix,
     eps: f32,
-    /// The device the recurrence runs on, when the model runs on CUDA.
+    /// The conv taps, gate vectors and norm weight on the device, when the model runs on CUDA (the layer then runs
+    /// there whole, see `crate::gpu::kda`).
     #[cfg(feature = "cuda")]
-    gpu: Option<std::sync::Arc<deltafin_quant::cuda::Gpu>>,
+    gpu: Option<crate::gpu::kda::KdaParams>,
 }
 
 impl Kda {
@@ -66,7 +67,7 @@ impl Kda {
         let conv = |s: &str| ld.vec(&name(s), &[c, 1, k]);
         let a_name = name("A_log");
         let a_log = ld.host(&a_name)?;
-        let a_exp = a_log_heads(&a_name, &a_log.shape, &a_log.to_f32(), h)?
+        let a_exp: Vec<f32> = a_log_heads(&a_name, &a_log.shape, &a_log.to_f32(), h)?
             .into_iter()
             .map(f32::exp)
             .collect();
@@ -85,35 +86,55 @@ impl Kda {
                 up: ld.matrix(&name("g_b_proj.weight"), c, rank)?,
             }
         };
+        let conv = [
+            conv("q_conv1d.weight")?,
+            conv("k_conv1d.weight")?,
+            conv("v_conv1d.weight")?,
+        ];
+        let dt_bias = {
+            // Kimi Linear stores dt_bias as [C] too; some exports use [H, D]. One read either way.
+            let dt_name = name("dt_bias");
+            let dt = ld.host(&dt_name)?;
+            if dt.shape != [h, d] {
+                crate::weights::check_shape(&dt_name, &dt.shape, &[c])?;
+            }
+            dt.to_f32()
+        };
+        let o_norm = ld.vec(&name("o_norm.weight"), &[d])?;
+        // The layer runs whole on the GPU when the model does and its head fits the kernels.
+        #[cfg(feature = "cuda")]
+        let gpu = match &ld.gpu {
+            Some(g) if crate::gpu::kda::fits(&g.gpu, d, k) => Some(
+                crate::gpu::kda::KdaParams::upload(&g.gpu, &conv, &dt_bias, &a_exp, &o_norm)?,
+            ),
+            _ => None,
+        };
+        #[cfg(feature = "cuda")]
+        let on_device = gpu.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let on_device = false;
         Ok(Self {
             cfg: cfg.clone(),
             q_proj: ld.matrix(&name("q_proj.weight"), c, hidden)?,
             k_proj: ld.matrix(&name("k_proj.weight"), c, hidden)?,
             v_proj: ld.matrix(&name("v_proj.weight"), c, hidden)?,
-            conv: [
-                conv("q_conv1d.weight")?,
-                conv("k_conv1d.weight")?,
-                conv("v_conv1d.weight")?,
-            ],
+            conv,
             f_a: ld.matrix(&name("f_a_proj.weight"), f_rank, hidden)?,
-            f_b: ld.matrix(&name("f_b_proj.weight"), c, f_rank)?,
+            f_b: if on_device {
+                ld.matrix(&name("f_b_proj.weight"), c, f_rank)?
+            } else {
+                // The CPU's head inputs read it by rows.
+                ld.host_matrix(&name("f_b_proj.weight"), c, f_rank)?
+            },
             b_proj: ld.matrix(&name("b_proj.weight"), h, hidden)?,
             a_exp,
-            dt_bias: {
-                // Kimi Linear stores dt_bias as [C] too; some exports use [H, D]. One read either way.
-                let dt_name = name("dt_bias");
-                let dt = ld.host(&dt_name)?;
-                if dt.shape != [h, d] {
-                    crate::weights::check_shape(&dt_name, &dt.shape, &[c])?;
-                }
-                dt.to_f32()
-            },
+            dt_bias,
             gate,
-            o_norm: ld.vec(&name("o_norm.weight"), &[d])?,
+            o_norm,
             o_proj: ld.matrix(&name("o_proj.weight"), hidden, c)?,
             eps,
             #[cfg(feature = "cuda")]
-            gpu: ld.gpu.as_ref().map(|g| g.gpu.clone()),
+            gpu,
         })
     }
 
@@ -137,6 +158,12 @@ impl Kda {
         let c = h * d;
         let t_len = x.dim(0)?;
         let old: &KdaState = state;
+
+        #[cfg(feature = "cuda")]
+        if let Some((s, y)) = self.forward_on_device(x, old, t_len)? {
+            *state = Arc::new(KdaState::on_device(s));
+            return tensor(y, t_len, self.o_proj.rows());
+        }
 
         let gate_in = match &self.gate {
             OutGate::Full(w) => w,
@@ -170,15 +197,8 @@ impl Kda {
                 t_len,
             })
         })?;
-        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| advance_window(&old.conv[i], &p.raw[i]));
-
-        #[cfg(feature = "cuda")]
-        if let Some(done) = self.forward_on_device(old, &p)? {
-            let (s, out) = done;
-            *state = Arc::new(KdaState::on_device(conv, s));
-            let out = tensor(out, t_len, c)?;
-            return profile.time(Phase::KdaProj, || linear(&out, &self.o_proj));
-        }
+        let windows = old.conv()?;
+        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| advance_window(&windows[i], &p.raw[i]));
 
         let old_s = old.s()?;
         let mut s_new = crate::state::state_buffer(old_s.len());
@@ -187,7 +207,7 @@ impl Kda {
             .zip(old_s.par_chunks(d * d))
             .enumerate()
             .map(|(head, (s, s_prev))| {
-                let inp = self.head_inputs(old, &p, head);
+                let inp = self.head_inputs(windows, &p, head);
                 let mut out = recurrence_head(s, s_prev, &inp, t_len, d);
                 self.gated_norm_head(&mut out, &p.og, head);
                 out
@@ -209,7 +229,7 @@ impl Kda {
 
     /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
     /// conv and SiLU (q and k L2-normalised, q scaled by `D^-1/2`), and its decay gate.
-    fn head_inputs(&self, old: &KdaState, p: &Projected, head: usize) -> HeadInputs {
+    fn head_inputs(&self, windows: &[Vec<f32>; 3], p: &Projected, head: usize) -> HeadInputs {
         let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
         let c = h * d;
         let t_len = p.t_len;
@@ -217,7 +237,7 @@ impl Kda {
         let ch0 = head * d;
         let mut qkv: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0f32; t_len * d]);
         for (i, dst) in qkv.iter_mut().enumerate() {
-            let (window, raw, taps) = (&old.conv[i], &p.raw[i], &self.conv[i]);
+            let (window, raw, taps) = (&windows[i], &p.raw[i], &self.conv[i]);
             // Row `r` of (window ++ raw).
             let ext = |r: usize, ch: usize| {
                 if r < hist {
@@ -308,56 +328,64 @@ struct HeadInputs {
 
 #[cfg(feature = "cuda")]
 impl Kda {
-    /// The recurrence on the GPU when the model runs there (`None`: run it on the CPU): every head's inputs on the
-    /// CPU threads, the recurrence on the device, the gated norm back on the CPU. Returns the new state (on the
-    /// device) and the normed outputs `[T, C]`.
+    /// The whole layer on the GPU when the model runs there and every projection has a device copy (`None`: run
+    /// it on the CPU). Returns the new state (on the device) and the output rows `[T, hidden]`. The work is queued
+    /// on the device and waited for once, at the output's download, so the projections are not timed apart from
+    /// the rest of the block ([`Phase::KdaProj`] stays at zero on this path).
     fn forward_on_device(
         &self,
+        x: &Tensor,
         old: &KdaState,
-        p: &Projected,
+        t_len: usize,
     ) -> Result<Option<(crate::gpu::DeviceKdaState, Vec<f32>)>> {
-        let Some(gpu) = &self.gpu else {
+        use crate::gpu::kda::{DeviceGate, KdaDims, KdaMatrices, kda_forward};
+        let Some(params) = &self.gpu else {
             return Ok(None);
         };
-        let (h, d, t_len) = (self.cfg.n_heads, self.cfg.head_dim, p.t_len);
-        let c = h * d;
-        let heads: Vec<HeadInputs> = (0..h)
-            .into_par_iter()
-            .map(|hd| self.head_inputs(old, p, hd))
-            .collect();
-        // [H, T, D] -> [T, H·D] (β: [T, H]).
-        let gather = |pick: fn(&HeadInputs) -> &Vec<f32>| {
-            let mut all = vec![0.0f32; t_len * c];
-            for (hd, inp) in heads.iter().enumerate() {
-                for t in 0..t_len {
-                    all[t * c + hd * d..t * c + (hd + 1) * d]
-                        .copy_from_slice(&pick(inp)[t * d..(t + 1) * d]);
-                }
-            }
-            all
-        };
-        let (q, k, v, g) = (
-            gather(|i| &i.q),
-            gather(|i| &i.k),
-            gather(|i| &i.v),
-            gather(|i| &i.g),
-        );
-        let mut beta = vec![0.0f32; t_len * h];
-        for (hd, inp) in heads.iter().enumerate() {
-            for t in 0..t_len {
-                beta[t * h + hd] = inp.beta[t];
-            }
+        fn dev<'m>(
+            m: &'m DenseMatrix,
+            gpu: &Arc<deltafin_quant::cuda::Gpu>,
+        ) -> Option<&'m deltafin_quant::cuda::dense::DeviceMatrix> {
+            m.cuda().filter(|d| Arc::ptr_eq(d.gpu(), gpu)).map(|d| &**d)
         }
-        let Some((s, mut out)) =
-            crate::gpu::kda_recurrent(gpu, old, &q, &k, &v, &g, &beta, (t_len, h, d))?
-        else {
+        let g = params.gpu();
+        let gate = match &self.gate {
+            OutGate::Full(w) => dev(w, g).map(DeviceGate::Full),
+            OutGate::LowRank { down, up } => match (dev(down, g), dev(up, g)) {
+                (Some(down), Some(up)) => Some(DeviceGate::LowRank { down, up }),
+                _ => None,
+            },
+        };
+        let (Some(q), Some(k), Some(v), Some(f_a), Some(f_b), Some(b), Some(gate), Some(o)) = (
+            dev(&self.q_proj, g),
+            dev(&self.k_proj, g),
+            dev(&self.v_proj, g),
+            dev(&self.f_a, g),
+            dev(&self.f_b, g),
+            dev(&self.b_proj, g),
+            gate,
+            dev(&self.o_proj, g),
+        ) else {
             return Ok(None);
         };
-        // The gated norm per head, on [T, C] rows.
-        for (o_h, g_h) in out.chunks_exact_mut(d).zip(p.og.chunks_exact(d)) {
-            self.gated_norm_row(o_h, g_h);
-        }
-        Ok(Some((s, out)))
+        let mats = KdaMatrices {
+            q,
+            k,
+            v,
+            f_a,
+            f_b,
+            b,
+            gate,
+            o,
+        };
+        let dims = KdaDims {
+            heads: self.cfg.n_heads,
+            head_dim: self.cfg.head_dim,
+            kern: self.cfg.conv_kernel,
+            lower_bound: self.cfg.gate_lower_bound,
+            eps: self.eps,
+        };
+        kda_forward(params, &mats, &dims, old, &values(x)?, t_len)
     }
 }
 

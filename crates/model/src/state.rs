@@ -27,45 +27,56 @@ pub(crate) fn state_buffer(len: usize) -> Vec<f32> {
 
 /// The state of one KDA layer.
 ///
-/// The recurrent matrices live on the host, or, when the model runs on CUDA, on the GPU only: a forward pass there
-/// leaves the new matrices on the device (no transfer per token) and [`Self::s`] brings them to the host the first
-/// time someone reads them (a snapshot file, a CPU pass, a test). Either way a state never changes once built.
+/// The recurrent matrices and conv windows live on the host, or, when the model runs on CUDA, on the GPU only: a
+/// forward pass there leaves the new state on the device (no transfer per token) and [`Self::s`] and [`Self::conv`]
+/// bring it to the host the first time someone reads it (a snapshot file, a CPU pass, a test). Either way a state
+/// never changes once built.
 #[derive(Clone, Debug)]
 pub struct KdaState {
-    /// The last `kernel - 1` pre-conv projection rows of q, k and v, oldest first (`[(K-1) * C]` each).
-    pub conv: [Vec<f32>; 3],
+    /// The last `kernel - 1` pre-conv projection rows of q, k and v, oldest first (`[(K-1) * C]` each; unset while
+    /// only the device has them).
+    conv: OnceLock<[Vec<f32>; 3]>,
     /// Recurrent states on the host, `[heads, head_dim (k), head_dim (v)]` (unset while only the device has them).
     s: OnceLock<Vec<f32>>,
-    /// The same states on the GPU, when a CUDA pass made them.
+    /// The same state on the GPU, when a CUDA pass made it.
     #[cfg(feature = "cuda")]
     device: Option<crate::gpu::DeviceKdaState>,
 }
 
 impl KdaState {
-    /// A state with host matrices `s`.
+    /// A state with host windows `conv` and matrices `s`.
     pub fn new(conv: [Vec<f32>; 3], s: Vec<f32>) -> Self {
         Self {
-            conv,
+            conv: OnceLock::from(conv),
             s: OnceLock::from(s),
             #[cfg(feature = "cuda")]
             device: None,
         }
     }
 
-    /// A state whose matrices are on the GPU only.
+    /// A state on the GPU only.
     #[cfg(feature = "cuda")]
-    pub(crate) fn on_device(conv: [Vec<f32>; 3], device: crate::gpu::DeviceKdaState) -> Self {
+    pub(crate) fn on_device(device: crate::gpu::DeviceKdaState) -> Self {
         Self {
-            conv,
+            conv: OnceLock::new(),
             s: OnceLock::new(),
             device: Some(device),
         }
     }
 
-    /// The matrices on the GPU, when they are there.
+    /// The state on the GPU, when it is there.
     #[cfg(feature = "cuda")]
     pub(crate) fn device(&self) -> Option<&crate::gpu::DeviceKdaState> {
         self.device.as_ref()
+    }
+
+    /// Whether a CUDA pass made this state (it is on the GPU, and on the host only once read there).
+    pub fn is_on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.is_some() {
+            return true;
+        }
+        false
     }
 
     /// The recurrent states `[heads, head_dim (k), head_dim (v)]`, copied from the GPU on first use when only it
@@ -83,16 +94,30 @@ impl KdaState {
             "a KDA state without matrices".to_string(),
         ))
     }
+
+    /// The conv windows of q, k and v (`[(K-1) * C]` each), copied from the GPU on first use when only it has them.
+    pub fn conv(&self) -> crate::Result<&[Vec<f32>; 3]> {
+        if let Some(c) = self.conv.get() {
+            return Ok(c);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let host = d.download_conv()?;
+            return Ok(self.conv.get_or_init(|| host));
+        }
+        Err(crate::ModelError::Device(
+            "a KDA state without conv windows".to_string(),
+        ))
+    }
 }
 
 impl PartialEq for KdaState {
-    /// Equal values (the matrices compared on the host; a state that cannot be read equals nothing).
+    /// Equal values (compared on the host; a state that cannot be read equals nothing).
     fn eq(&self, other: &Self) -> bool {
-        self.conv == other.conv
-            && match (self.s(), other.s()) {
-                (Ok(a), Ok(b)) => a == b,
-                _ => false,
-            }
+        match (self.conv(), other.conv(), self.s(), other.s()) {
+            (Ok(ca), Ok(cb), Ok(a), Ok(b)) => ca == cb && a == b,
+            _ => false,
+        }
     }
 }
 

@@ -268,7 +268,7 @@ pub trait ExpertSource: Send + Sync {
 /// Matrices only the host reads (by rows) even when the model runs on CUDA: the embedding and KDA's low-rank decay
 /// projection. They are not uploaded and keep their host values.
 #[cfg(feature = "cuda")]
-const HOST_READ_BY_ROWS: [&str; 2] = ["embed_tokens.weight", "f_b_proj.weight"];
+const HOST_READ_BY_ROWS: [&str; 1] = ["embed_tokens.weight"];
 
 /// Loads weights with shape checks, naming the tensor in every error.
 pub(crate) struct Loader<'a> {
@@ -323,18 +323,23 @@ impl<'a> Loader<'a> {
         Ok(t.to_f32())
     }
 
-    /// A 2-D weight `[rows, cols]` in its stored precision.
-    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
+    /// A 2-D weight `[rows, cols]` in its stored precision, on the host only (for a block that runs on the CPU
+    /// even when the model runs on CUDA).
+    pub fn host_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
         let t = self.host(name)?;
         check_shape(name, &t.shape, &[rows, cols])?;
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-        let mut m = DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
+        DenseMatrix::new(rows, cols, t.data).map_err(|e| ModelError::BadWeight {
             name: name.to_string(),
             msg: e.to_string(),
-        })?;
+        })
+    }
+
+    /// A 2-D weight `[rows, cols]` in its stored precision.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut m = self.host_matrix(name, rows, cols)?;
         // On CUDA every matrix multiplies on the device and its host values are freed once uploaded (no second
-        // copy of the spine in host RAM), except those only the host reads by rows: the embedding and KDA's decay
-        // projection `f_b` (a few rows per head per token, on the CPU).
+        // copy of the spine in host RAM), except the embedding, which the host reads by rows.
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
             && !HOST_READ_BY_ROWS.iter().any(|s| name.ends_with(s))

@@ -47,7 +47,7 @@ pub fn save(path: &Path, snap: &Snapshot, fingerprint: u32) -> Result<()> {
         match layer {
             LayerState::Kda(k) => {
                 body.push(0);
-                for c in &k.conv {
+                for c in k.conv()? {
                     put_f32s(&mut body, c);
                 }
                 put_f32s(&mut body, k.s()?);

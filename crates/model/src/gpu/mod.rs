@@ -2,8 +2,9 @@
 //!
 //! - Dense (spine) weights are uploaded once at load (`Loader::matrix` attaches a device copy) and every
 //!   `ops::linear` with such a weight runs `dense_gemm_*` on the GPU.
-//! - KDA: the delta-rule recurrence runs on the GPU ([`kda_recurrent`]); the projections are linears. The new
-//!   state stays on the device ([`DeviceKdaState`]); the host copies it only when something reads it there.
+//! - KDA: the whole layer runs on the GPU ([`kda::kda_forward`]: projections, conv, gates, recurrence, gated norm),
+//!   one row up and one down per call. The new state stays on the device ([`DeviceKdaState`]); the host copies it
+//!   only when something reads it there.
 //! - MLA: the absorbed attention over the latent cache runs on the GPU ([`MlaGpu`]), with a device mirror of the
 //!   cache that uploads only rows it has not seen.
 //! - Routed experts: a GPU-memory expert cache in front of host RAM, uploads from pinned buffers on a second
@@ -16,6 +17,7 @@
 //! are immutable values either way, so snapshots and speculation rollbacks keep the old one, wherever it lives.
 
 pub mod experts;
+pub(crate) mod kda;
 mod vram;
 
 use std::sync::{Arc, Mutex};
@@ -29,6 +31,7 @@ use crate::error::{ModelError, Result};
 use crate::state::MlaCache;
 
 pub use experts::{ExpertCacheStats, GpuExperts};
+pub use kda::DeviceKdaState;
 pub(crate) use vram::VramPlan;
 
 /// Maps a CUDA failure into the model's error.
@@ -65,108 +68,6 @@ impl std::fmt::Debug for GpuHandles {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "GpuHandles({})", self.gpu.name())
     }
-}
-
-/// KDA per-head shared memory: the state, q, k, exp(g) and the partial sums of 4 key parts.
-fn kda_smem_bytes(d: usize) -> usize {
-    (d * d + 3 * d + 4 * d) * 4
-}
-
-/// A KDA layer's recurrent matrices on the GPU (immutable once made; clones share them).
-#[derive(Clone)]
-pub struct DeviceKdaState {
-    gpu: Arc<Gpu>,
-    buf: Arc<CudaSlice<f32>>,
-    len: usize,
-}
-
-impl std::fmt::Debug for DeviceKdaState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceKdaState({} values on the GPU)", self.len)
-    }
-}
-
-impl DeviceKdaState {
-    /// The matrices copied to the host.
-    pub(crate) fn download(&self) -> Result<Vec<f32>> {
-        let mut v = self.gpu.download(&self.buf).map_err(cuda_err)?;
-        v.truncate(self.len);
-        Ok(v)
-    }
-}
-
-/// Runs the delta-rule recurrence for `t_len` tokens of every head on the GPU from `old`'s matrices (`[H, D, D]`,
-/// used where they are when a CUDA pass left them on the device, else uploaded) and returns the new matrices, left
-/// on the device, with the outputs `[T, H·D]`. `None` when the head width does not fit the kernel (the caller
-/// runs it on the CPU).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn kda_recurrent(
-    gpu: &Arc<Gpu>,
-    old: &crate::state::KdaState,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    (t_len, heads, d): (usize, usize, usize),
-) -> Result<Option<(DeviceKdaState, Vec<f32>)>> {
-    let smem = kda_smem_bytes(d);
-    if d == 0 || d > 256 || smem > gpu.smem_limit() || t_len == 0 {
-        return Ok(None);
-    }
-    let c = heads * d;
-    let n_state = heads * d * d;
-    let up = |v: &[f32]| gpu.upload(v).map_err(cuda_err);
-    // The new matrices start as a copy of the old ones (the old state may still be used: a snapshot, a rollback).
-    let mut s = match old.device() {
-        Some(dev) if Arc::ptr_eq(&dev.gpu, gpu) && dev.len == n_state => gpu
-            .stream()
-            .clone_dtod(&*dev.buf)
-            .map_err(|e| ModelError::Device(format!("cuda: copying a KDA state: {e}")))?,
-        _ => {
-            let host = old.s()?;
-            if host.len() != n_state {
-                return Err(ModelError::Device(format!(
-                    "a KDA state of {} values, the layer has {n_state}",
-                    host.len()
-                )));
-            }
-            up(host)?
-        }
-    };
-    let (qd, kd, vd, gd, bd) = (up(q)?, up(k)?, up(v)?, up(g)?, up(beta)?);
-    let mut out = gpu.zeros::<f32>(t_len * c).map_err(cuda_err)?;
-    let f = gpu.function("kda_recurrent").map_err(cuda_err)?;
-    let cfg = LaunchConfig {
-        grid_dim: (heads as u32, 1, 1),
-        block_dim: (d as u32, 4, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    let (t_i, h_i, d_i) = (t_len as i32, heads as i32, d as i32);
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(&mut s)
-        .arg(&qd)
-        .arg(&kd)
-        .arg(&vd)
-        .arg(&gd)
-        .arg(&bd)
-        .arg(&mut out)
-        .arg(&t_i)
-        .arg(&h_i)
-        .arg(&d_i);
-    // SAFETY: state is [heads, d, d] (checked above); q, k, v, g and out are [t_len, heads*d]; beta is
-    // [t_len, heads] (the caller's shapes, uploaded above with exactly those lengths); the block has d*4 threads and
-    // `smem` bytes.
-    unsafe { b.launch(cfg) }
-        .map_err(|e| ModelError::Device(format!("cuda: kda_recurrent: {e}")))?;
-    let mut o = gpu.download(&out).map_err(cuda_err)?;
-    o.truncate(t_len * c);
-    let state = DeviceKdaState {
-        gpu: gpu.clone(),
-        buf: Arc::new(s),
-        len: n_state,
-    };
-    Ok(Some((state, o)))
 }
 
 /// The rows of the latent cache already on the device, and the host blocks they came from.

@@ -81,6 +81,11 @@ impl DeviceMatrix {
         }))
     }
 
+    /// The device holding the matrix.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Rows (outputs).
     pub fn rows(&self) -> usize {
         self.rows
