@@ -1,76 +1,95 @@
 // Dense linear layers with weights resident on the GPU: y[t, r] = W[r, :] . x[t, :] for W [rows, cols] in f32 or
-// bf16 (raw bits) and x [T, cols] in f32. A warp owns DENSE_ROWS_PER_WARP rows; lanes read 16 bytes of a row at a
-// time, coalesced, and the matching activations straight from global memory (small and L1-resident). Tokens are
-// processed in tiles of DENSE_TT, so a weight row is read once per tile. Requires cols % 4 == 0 (f32) or
-// cols % 8 == 0 (bf16); the Rust side keeps other shapes on the CPU.
+// bf16 (raw bits) and x [T, cols] in f32. A warp owns DENSE_RPW rows at once: per step each lane loads
+// DENSE_UNROLL 16-byte words of every row (coalesced across the warp, streamed past L1) before it uses any, so
+// enough bytes are in flight per SM for the HBM rate at one token, and each activation word it loads (from global
+// memory, small and L1-resident) serves all the warp's rows. Tokens go in tiles of DENSE_TT, so a weight row is
+// read once per tile. Requires cols % 4 == 0 (f32) or cols % 8 == 0 (bf16); the Rust side keeps other shapes on
+// the CPU.
 
 #define DENSE_WARPS 8
-#define DENSE_ROWS_PER_WARP 2
+#define DENSE_RPW 4
 #define DENSE_TT 8
+#define DENSE_UNROLL 2
 
 __device__ __forceinline__ float bf16_lo(u32 v) { return __int_as_float((int)(v << 16)); }
 __device__ __forceinline__ float bf16_hi(u32 v) { return __int_as_float((int)(v & 0xffff0000u)); }
 
+// The weights of one 16-byte word: 8 bf16 or 4 f32.
+template <bool BF16>
+__device__ __forceinline__ void dense_widen(uint4 p, float* wv) {
+    if (BF16) {
+        wv[0] = bf16_lo(p.x); wv[1] = bf16_hi(p.x); wv[2] = bf16_lo(p.y); wv[3] = bf16_hi(p.y);
+        wv[4] = bf16_lo(p.z); wv[5] = bf16_hi(p.z); wv[6] = bf16_lo(p.w); wv[7] = bf16_hi(p.w);
+    } else {
+        wv[0] = __uint_as_float(p.x); wv[1] = __uint_as_float(p.y);
+        wv[2] = __uint_as_float(p.z); wv[3] = __uint_as_float(p.w);
+    }
+}
+
 template <bool BF16>
 __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int rows, int cols, int n_tok) {
+    constexpr int PER = BF16 ? 8 : 4;  // weights per 16-byte word
     int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    int row0 = (blockIdx.x * DENSE_WARPS + warp) * DENSE_ROWS_PER_WARP;
-    for (int r = 0; r < DENSE_ROWS_PER_WARP; r++) {
-        int row = row0 + r;
-        if (row >= rows) return;
-        for (int t0 = 0; t0 < n_tok; t0 += DENSE_TT) {
-            int count = min(DENSE_TT, n_tok - t0);
-            float acc[DENSE_TT];
+    int row0 = (blockIdx.x * DENSE_WARPS + warp) * DENSE_RPW;
+    if (row0 >= rows) return;
+    int words = cols / PER;
+    // Rows past the end read the last row (their sums are not written).
+    const uint4* wr[DENSE_RPW];
 #pragma unroll
-            for (int t = 0; t < DENSE_TT; t++) acc[t] = 0.f;
-            if (BF16) {
-                const uint4* wr = (const uint4*)((const u16*)w + (size_t)row * cols);
-                int n8 = cols / 8;
-                for (int i = lane; i < n8; i += WARP) {
-                    uint4 p = __ldg(wr + i);
-                    float wv[8] = {bf16_lo(p.x), bf16_hi(p.x), bf16_lo(p.y), bf16_hi(p.y),
-                                   bf16_lo(p.z), bf16_hi(p.z), bf16_lo(p.w), bf16_hi(p.w)};
+    for (int r = 0; r < DENSE_RPW; r++)
+        wr[r] = (const uint4*)w + (size_t)min(row0 + r, rows - 1) * words;
+    for (int t0 = 0; t0 < n_tok; t0 += DENSE_TT) {
+        int count = min(DENSE_TT, n_tok - t0);
+        float acc[DENSE_RPW][DENSE_TT];
 #pragma unroll
-                    for (int t = 0; t < DENSE_TT; t++) {
-                        if (t < count) {
-                            const float4* xr = (const float4*)(x + (size_t)(t0 + t) * cols) + 2 * i;
-                            float4 a = __ldg(xr), b = __ldg(xr + 1);
-                            float s = acc[t];
-                            s = fmaf(wv[0], a.x, s);
-                            s = fmaf(wv[1], a.y, s);
-                            s = fmaf(wv[2], a.z, s);
-                            s = fmaf(wv[3], a.w, s);
-                            s = fmaf(wv[4], b.x, s);
-                            s = fmaf(wv[5], b.y, s);
-                            s = fmaf(wv[6], b.z, s);
-                            s = fmaf(wv[7], b.w, s);
-                            acc[t] = s;
+        for (int r = 0; r < DENSE_RPW; r++)
+#pragma unroll
+            for (int t = 0; t < DENSE_TT; t++) acc[r][t] = 0.f;
+        for (int i0 = lane; i0 < words; i0 += WARP * DENSE_UNROLL) {
+            uint4 p[DENSE_UNROLL][DENSE_RPW];
+#pragma unroll
+            for (int u = 0; u < DENSE_UNROLL; u++) {
+                int i = i0 + u * WARP;
+#pragma unroll
+                for (int r = 0; r < DENSE_RPW; r++)
+                    p[u][r] = i < words ? __ldcs(wr[r] + i) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < DENSE_UNROLL; u++) {
+                int i = i0 + u * WARP;
+                if (i >= words) break;
+                float wv[DENSE_RPW][PER];
+#pragma unroll
+                for (int r = 0; r < DENSE_RPW; r++) dense_widen<BF16>(p[u][r], wv[r]);
+#pragma unroll
+                for (int t = 0; t < DENSE_TT; t++) {
+                    if (t < count) {
+                        const float4* xr = (const float4*)(x + (size_t)(t0 + t) * cols) + (PER / 4) * i;
+                        float xv[PER];
+#pragma unroll
+                        for (int q = 0; q < PER / 4; q++) {
+                            float4 a = __ldg(xr + q);
+                            xv[4 * q] = a.x; xv[4 * q + 1] = a.y; xv[4 * q + 2] = a.z; xv[4 * q + 3] = a.w;
                         }
-                    }
-                }
-            } else {
-                const float4* wr = (const float4*)((const float*)w + (size_t)row * cols);
-                int n4 = cols / 4;
-                for (int i = lane; i < n4; i += WARP) {
-                    float4 p = __ldg(wr + i);
 #pragma unroll
-                    for (int t = 0; t < DENSE_TT; t++) {
-                        if (t < count) {
-                            float4 a = __ldg((const float4*)(x + (size_t)(t0 + t) * cols) + i);
-                            float s = acc[t];
-                            s = fmaf(p.x, a.x, s);
-                            s = fmaf(p.y, a.y, s);
-                            s = fmaf(p.z, a.z, s);
-                            s = fmaf(p.w, a.w, s);
-                            acc[t] = s;
+                        for (int r = 0; r < DENSE_RPW; r++) {
+                            float s = acc[r][t];
+#pragma unroll
+                            for (int e = 0; e < PER; e++) s = fmaf(wv[r][e], xv[e], s);
+                            acc[r][t] = s;
                         }
                     }
                 }
             }
+        }
 #pragma unroll
-            for (int t = 0; t < DENSE_TT; t++) {
-                float v = warp_sum(acc[t]);
-                if (lane == 0 && t < count) y[(size_t)(t0 + t) * rows + row] = v;
+        for (int t = 0; t < DENSE_TT; t++) {
+            if (t < count) {
+#pragma unroll
+                for (int r = 0; r < DENSE_RPW; r++) {
+                    float v = warp_sum(acc[r][t]);
+                    if (lane == 0 && row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
+                }
             }
         }
     }

@@ -2,6 +2,7 @@
 //!
 //! - `moe-bw`: the MXFP4 MoE kernels on 16 experts of K3's real shape against a device-to-device copy in the
 //!   same process, for several token counts.
+//! - `dense-bw`: the dense (spine) GEMM at K3's attention shapes against a device copy, for several token counts.
 //! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
 //! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
 //!
@@ -51,6 +52,15 @@ enum Cmd {
         mib: usize,
         /// Timed repetitions per kind (median reported).
         #[arg(long, default_value_t = 5)]
+        reps: usize,
+    },
+    /// The dense (spine) GEMM at K3's attention shapes (bf16) against a device copy.
+    DenseBw {
+        /// Token counts.
+        #[arg(long, default_value = "1,3,8", value_delimiter = ',')]
+        tokens: Vec<usize>,
+        /// Timed repetitions per size (median reported).
+        #[arg(long, default_value_t = 50)]
         reps: usize,
     },
     /// Write a synthetic model.
@@ -118,6 +128,7 @@ fn main() -> anyhow::Result<()> {
                 gpu_cache_gb,
             } => bench::decode(&model, &devs, prompt_len, tokens, runs, gpu_cache_gb),
             Cmd::UploadBw { mib, reps } => bench::upload_bw(mib, reps),
+            Cmd::DenseBw { tokens, reps } => bench::dense_bw(&tokens, reps),
             Cmd::Synth { .. } => Ok(()),
         }
     }

@@ -11,7 +11,7 @@ use crate::error::{QuantError, Result};
 
 /// Warps per block and rows per warp of `dense_gemm_*` (must match `kernels/dense.cu`).
 const DENSE_WARPS: usize = 8;
-const DENSE_ROWS_PER_WARP: usize = 2;
+const DENSE_RPW: usize = 4;
 
 /// The bytes of `v` as they lie in memory (little-endian on every target this crate builds for with CUDA).
 fn le_bytes<T: Copy>(v: &[T]) -> &[u8] {
@@ -127,7 +127,7 @@ impl DeviceMatrix {
         }
         let (rows, cols, t) = (self.rows as i32, self.cols as i32, t_rows as i32);
         let cfg = LaunchConfig {
-            grid_dim: (div_ceil(self.rows, DENSE_WARPS * DENSE_ROWS_PER_WARP), 1, 1),
+            grid_dim: (div_ceil(self.rows, DENSE_WARPS * DENSE_RPW), 1, 1),
             block_dim: ((DENSE_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
