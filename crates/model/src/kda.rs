@@ -104,9 +104,11 @@ impl Kda {
         // The layer runs whole on the GPU when the model does and its head fits the kernels.
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
-            Some(g) if crate::gpu::kda::fits(&g.gpu, d, k) => Some(
-                crate::gpu::kda::KdaParams::upload(&g.gpu, &conv, &dt_bias, &a_exp, &o_norm)?,
-            ),
+            Some(g) if crate::gpu::kda::fits(&g.gpu, d, k) => {
+                Some(crate::gpu::kda::KdaParams::upload(
+                    &g.gpu, &g.kda, &conv, &dt_bias, &a_exp, &o_norm,
+                )?)
+            }
             _ => None,
         };
         #[cfg(feature = "cuda")]

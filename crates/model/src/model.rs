@@ -148,6 +148,7 @@ impl Model {
                     ld.gpu = Some(crate::gpu::GpuHandles {
                         gpu,
                         experts: std::sync::Arc::new(experts),
+                        kda: std::sync::Arc::default(),
                     });
                     name
                 }

@@ -41,6 +41,8 @@ pub struct KdaState {
     /// The same state on the GPU, when a CUDA pass made it.
     #[cfg(feature = "cuda")]
     device: Option<crate::gpu::DeviceKdaState>,
+    /// Known to be all zeros (a new conversation's): the GPU clears its buffers instead of uploading these.
+    zero: bool,
 }
 
 impl KdaState {
@@ -51,7 +53,24 @@ impl KdaState {
             s: OnceLock::from(s),
             #[cfg(feature = "cuda")]
             device: None,
+            zero: false,
         }
+    }
+
+    /// The state before any token: three windows of `window` zeros and `s_len` zero matrix values.
+    pub fn zeroed(window: usize, s_len: usize) -> Self {
+        let mut state = Self::new(
+            [vec![0.0; window], vec![0.0; window], vec![0.0; window]],
+            vec![0.0; s_len],
+        );
+        state.zero = true;
+        state
+    }
+
+    /// Whether the state is known to be all zeros (a new conversation's).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_zero(&self) -> bool {
+        self.zero
     }
 
     /// A state on the GPU only.
@@ -61,6 +80,7 @@ impl KdaState {
             conv: OnceLock::new(),
             s: OnceLock::new(),
             device: Some(device),
+            zero: false,
         }
     }
 
@@ -212,9 +232,9 @@ impl SessionState {
             .layer_kinds
             .iter()
             .map(|kind| match kind {
-                AttnKind::Kda => LayerState::Kda(Arc::new(KdaState::new(
-                    [vec![0.0; window], vec![0.0; window], vec![0.0; window]],
-                    vec![0.0; cfg.kda.n_heads * cfg.kda.head_dim * cfg.kda.head_dim],
+                AttnKind::Kda => LayerState::Kda(Arc::new(KdaState::zeroed(
+                    window,
+                    cfg.kda.n_heads * cfg.kda.head_dim * cfg.kda.head_dim,
                 ))),
                 AttnKind::Mla => LayerState::Mla(MlaCache::default()),
             })

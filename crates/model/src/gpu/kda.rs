@@ -5,8 +5,12 @@
 //! (`kda_prepare`), the delta-rule recurrence (`kda_recurrent`), the gated RMSNorm (`kda_gated_norm`) and the
 //! output projection all run on the compute stream. The recurrent matrices and the conv windows of the new state
 //! stay on the device ([`DeviceKdaState`]); the host copies them only when something reads them there.
+//!
+//! Device allocations cost 5–20 µs each on the H200 (more than a layer's small kernels), so the intermediates live
+//! in one model-wide [`KdaScratch`] reused by every layer and call, and the buffers of dropped states go back to
+//! its idle list for the next new state.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_quant::cuda::Gpu;
@@ -33,9 +37,9 @@ pub(crate) fn fits(gpu: &Gpu, d: usize, kern: usize) -> bool {
 #[derive(Clone)]
 pub struct DeviceKdaState {
     gpu: Arc<Gpu>,
-    s: Arc<CudaSlice<f32>>,
+    s: Arc<Pooled>,
     s_len: usize,
-    conv: Arc<CudaSlice<f32>>,
+    conv: Arc<Pooled>,
     /// Values of one window (`(K-1) · C`).
     window_len: usize,
 }
@@ -53,23 +57,125 @@ impl std::fmt::Debug for DeviceKdaState {
 impl DeviceKdaState {
     /// The recurrent matrices copied to the host.
     pub(crate) fn download(&self) -> Result<Vec<f32>> {
-        let mut v = self.gpu.download(&self.s).map_err(cuda_err)?;
+        let mut v = self.gpu.download(self.s.buf()?).map_err(cuda_err)?;
         v.truncate(self.s_len);
         Ok(v)
     }
 
     /// The q, k and v conv windows copied to the host.
     pub(crate) fn download_conv(&self) -> Result<[Vec<f32>; 3]> {
-        let all = self.gpu.download(&self.conv).map_err(cuda_err)?;
+        let all = self.gpu.download(self.conv.buf()?).map_err(cuda_err)?;
         let n = self.window_len;
         let part = |i: usize| all.get(i * n..(i + 1) * n).unwrap_or_default().to_vec();
         Ok([part(0), part(1), part(2)])
     }
 }
 
+/// Idle state buffers kept for reuse, at most this many (two per KDA layer of K3, with room for a snapshot).
+const MAX_IDLE_BUFFERS: usize = 160;
+
+/// A device buffer of a state that goes back to its scratch's idle list when the last state holding it drops.
+struct Pooled {
+    buf: Option<CudaSlice<f32>>,
+    scratch: Arc<KdaScratch>,
+}
+
+impl Pooled {
+    fn buf(&self) -> Result<&CudaSlice<f32>> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| ModelError::Device("a KDA state buffer already released".to_string()))
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            let mut idle = self.scratch.idle.lock().unwrap_or_else(|e| e.into_inner());
+            if idle.len() < MAX_IDLE_BUFFERS {
+                idle.push(b);
+            }
+        }
+    }
+}
+
+/// The intermediates of a KDA call on the device, grown to the largest call so far.
+#[derive(Default)]
+struct Buffers {
+    x: Option<CudaSlice<f32>>,
+    q_raw: Option<CudaSlice<f32>>,
+    k_raw: Option<CudaSlice<f32>>,
+    v_raw: Option<CudaSlice<f32>>,
+    f_a: Option<CudaSlice<f32>>,
+    g_raw: Option<CudaSlice<f32>>,
+    b_raw: Option<CudaSlice<f32>>,
+    og: Option<CudaSlice<f32>>,
+    og_low: Option<CudaSlice<f32>>,
+    q: Option<CudaSlice<f32>>,
+    k: Option<CudaSlice<f32>>,
+    v: Option<CudaSlice<f32>>,
+    g: Option<CudaSlice<f32>>,
+    beta: Option<CudaSlice<f32>>,
+    out: Option<CudaSlice<f32>>,
+    y: Option<CudaSlice<f32>>,
+}
+
+/// Device memory shared by a model's KDA layers: the intermediates of one call (layers run one at a time on the
+/// compute stream, so one set serves them all; the lock also orders two sessions' calls) and idle state buffers.
+#[derive(Default)]
+pub struct KdaScratch {
+    bufs: Mutex<Buffers>,
+    idle: Mutex<Vec<CudaSlice<f32>>>,
+}
+
+impl std::fmt::Debug for KdaScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KdaScratch")
+    }
+}
+
+/// `slot`, reallocated when it holds fewer than `len` values (contents unspecified: every use writes before it
+/// reads).
+fn sized<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(gpu.zeros::<f32>(len).map_err(cuda_err)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| ModelError::Device("KDA scratch buffer missing".to_string()))
+}
+
+impl KdaScratch {
+    /// A state buffer of exactly `len` values: an idle one, or a new one (contents unspecified).
+    fn take(self: &Arc<Self>, gpu: &Gpu, len: usize) -> Result<CudaSlice<f32>> {
+        let reused = {
+            let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+            idle.iter()
+                .position(|b| b.len() == len.max(1))
+                .map(|i| idle.swap_remove(i))
+        };
+        match reused {
+            Some(b) => Ok(b),
+            None => gpu.zeros::<f32>(len).map_err(cuda_err),
+        }
+    }
+
+    fn pooled(self: &Arc<Self>, buf: CudaSlice<f32>) -> Arc<Pooled> {
+        Arc::new(Pooled {
+            buf: Some(buf),
+            scratch: self.clone(),
+        })
+    }
+}
+
 /// The small per-layer vectors `kda_prepare` and `kda_gated_norm` read, on the device.
 pub(crate) struct KdaParams {
     gpu: Arc<Gpu>,
+    scratch: Arc<KdaScratch>,
     /// Conv taps `[3, C, K]`.
     taps: CudaSlice<f32>,
     dt_bias: CudaSlice<f32>,
@@ -88,6 +194,7 @@ impl KdaParams {
     /// norm's weight `[D]`.
     pub(crate) fn upload(
         gpu: &Arc<Gpu>,
+        scratch: &Arc<KdaScratch>,
         taps: &[Vec<f32>; 3],
         dt_bias: &[f32],
         a_exp: &[f32],
@@ -96,6 +203,7 @@ impl KdaParams {
         let up = |v: &[f32]| gpu.upload(v).map_err(cuda_err);
         Ok(Self {
             gpu: gpu.clone(),
+            scratch: scratch.clone(),
             taps: up(&taps.concat())?,
             dt_bias: up(dt_bias)?,
             a_exp: up(a_exp)?,
@@ -160,38 +268,77 @@ pub(crate) fn kda_forward(
     let smem = recurrence_smem_bytes(d);
     let c = h * d;
     let (s_len, window_len) = (h * d * d, (kern - 1) * c);
-    let dev_err = |what: &str, e: deltafin_quant::QuantError| {
-        ModelError::Device(format!("cuda: KDA {what}: {e}"))
+    let n_out = t_len * m.o.rows();
+    let scratch = &params.scratch;
+    let mut guard = scratch.bufs.lock().unwrap_or_else(|e| e.into_inner());
+    let Buffers {
+        x: x_buf,
+        q_raw,
+        k_raw,
+        v_raw,
+        f_a,
+        g_raw,
+        b_raw,
+        og,
+        og_low,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        y,
+    } = &mut *guard;
+    let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>, dst: &mut CudaSlice<f32>| -> Result<()> {
+        w.gemm_device(input, t_len, dst)
+            .map_err(|e| ModelError::Device(format!("cuda: KDA projection: {e}")))
     };
-    let zeros = |n: usize| gpu.zeros::<f32>(n).map_err(cuda_err);
-    let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>| -> Result<CudaSlice<f32>> {
-        let mut y = zeros(t_len * w.rows())?;
-        w.gemm_device(input, t_len, &mut y)
-            .map_err(|e| dev_err("projection", e))?;
-        Ok(y)
-    };
+    let stream = gpu.stream();
+    let copy_err =
+        |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: KDA copy: {e}"));
 
-    let xd = gpu.upload(x).map_err(cuda_err)?;
-    let (q_raw, k_raw, v_raw) = (gemm(m.q, &xd)?, gemm(m.k, &xd)?, gemm(m.v, &xd)?);
-    let f_a = gemm(m.f_a, &xd)?;
-    let g_raw = gemm(m.f_b, &f_a)?;
-    let b_raw = gemm(m.b, &xd)?;
-    let og = match &m.gate {
-        DeviceGate::Full(w) => gemm(w, &xd)?,
-        DeviceGate::LowRank { down, up } => gemm(up, &gemm(down, &xd)?)?,
-    };
+    let xd = sized(gpu, x_buf, x.len())?;
+    stream
+        .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
+        .map_err(copy_err)?;
+    let xd: &CudaSlice<f32> = xd;
+    let q_raw = sized(gpu, q_raw, t_len * c)?;
+    gemm(m.q, xd, q_raw)?;
+    let k_raw = sized(gpu, k_raw, t_len * c)?;
+    gemm(m.k, xd, k_raw)?;
+    let v_raw = sized(gpu, v_raw, t_len * c)?;
+    gemm(m.v, xd, v_raw)?;
+    let f_a = sized(gpu, f_a, t_len * m.f_a.rows())?;
+    gemm(m.f_a, xd, f_a)?;
+    let g_raw = sized(gpu, g_raw, t_len * c)?;
+    gemm(m.f_b, f_a, g_raw)?;
+    let b_raw = sized(gpu, b_raw, t_len * h)?;
+    gemm(m.b, xd, b_raw)?;
+    let og = sized(gpu, og, t_len * c)?;
+    match &m.gate {
+        DeviceGate::Full(w) => gemm(w, xd, og)?,
+        DeviceGate::LowRank { down, up } => {
+            let low = sized(gpu, og_low, t_len * down.rows())?;
+            gemm(down, xd, low)?;
+            gemm(up, low, og)?;
+        }
+    }
 
-    // The old state where it is: on this device, or uploaded from the host. The new matrices start as a copy (the
-    // old state may still be used: a snapshot, a rollback).
-    let (mut s, win) = match old.device() {
+    // The old state where it is: on this device, or uploaded from the host (cleared here when it is known to be
+    // zeros). The new matrices start as a copy (the old state may still be used: a snapshot, a rollback).
+    let mut s = scratch.take(gpu, s_len)?;
+    let win = match old.device() {
         Some(dev)
             if Arc::ptr_eq(&dev.gpu, gpu) && dev.s_len == s_len && dev.window_len == window_len =>
         {
-            let s = gpu
-                .stream()
-                .clone_dtod(&*dev.s)
-                .map_err(|e| ModelError::Device(format!("cuda: copying a KDA state: {e}")))?;
-            (s, dev.conv.clone())
+            stream.memcpy_dtod(dev.s.buf()?, &mut s).map_err(copy_err)?;
+            dev.conv.clone()
+        }
+        _ if old.is_zero() => {
+            stream.memset_zeros(&mut s).map_err(copy_err)?;
+            let mut w = scratch.take(gpu, 3 * window_len)?;
+            stream.memset_zeros(&mut w).map_err(copy_err)?;
+            scratch.pooled(w)
         }
         _ => {
             let (host_s, host_conv) = (old.s()?, old.conv()?);
@@ -202,23 +349,23 @@ pub(crate) fn kda_forward(
                     host_conv[0].len()
                 )));
             }
-            (
-                gpu.upload(host_s).map_err(cuda_err)?,
-                Arc::new(gpu.upload(&host_conv.concat()).map_err(cuda_err)?),
-            )
+            stream.memcpy_htod(host_s, &mut s).map_err(copy_err)?;
+            let mut w = scratch.take(gpu, 3 * window_len)?;
+            stream
+                .memcpy_htod(&host_conv.concat(), &mut w)
+                .map_err(copy_err)?;
+            scratch.pooled(w)
         }
     };
 
-    let (mut q, mut k, mut v, mut g) = (
-        zeros(t_len * c)?,
-        zeros(t_len * c)?,
-        zeros(t_len * c)?,
-        zeros(t_len * c)?,
-    );
-    let mut beta = zeros(t_len * h)?;
-    let mut new_win = zeros(3 * window_len)?;
+    let q = sized(gpu, q, t_len * c)?;
+    let k = sized(gpu, k, t_len * c)?;
+    let v = sized(gpu, v, t_len * c)?;
+    let g = sized(gpu, g, t_len * c)?;
+    let beta = sized(gpu, beta, t_len * h)?;
+    let mut new_win = scratch.take(gpu, 3 * window_len)?;
     let block_x = d.div_ceil(32) as u32 * 32;
-    let per_head_token = LaunchConfig {
+    let per_token_head = LaunchConfig {
         grid_dim: (t_len as u32, h as u32, 1),
         block_dim: (block_x, 1, 1),
         shared_mem_bytes: 0,
@@ -229,21 +376,22 @@ pub(crate) fn kda_forward(
         None => (0i32, 0.0f32),
     };
     let f = gpu.function("kda_prepare").map_err(cuda_err)?;
-    let mut lb_ = gpu.stream().launch_builder(f);
-    lb_.arg(&q_raw)
-        .arg(&k_raw)
-        .arg(&v_raw)
-        .arg(&*win)
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&*q_raw)
+        .arg(&*k_raw)
+        .arg(&*v_raw)
+        .arg(win.buf()?)
         .arg(&params.taps)
-        .arg(&g_raw)
+        .arg(&*g_raw)
         .arg(&params.dt_bias)
         .arg(&params.a_exp)
-        .arg(&b_raw)
-        .arg(&mut q)
-        .arg(&mut k)
-        .arg(&mut v)
-        .arg(&mut g)
-        .arg(&mut beta)
+        .arg(&*b_raw)
+        .arg(&mut *q)
+        .arg(&mut *k)
+        .arg(&mut *v)
+        .arg(&mut *g)
+        .arg(&mut *beta)
         .arg(&mut new_win)
         .arg(&t_i)
         .arg(&h_i)
@@ -251,56 +399,68 @@ pub(crate) fn kda_forward(
         .arg(&k_i)
         .arg(&bounded)
         .arg(&lb);
-    // SAFETY: the raw projections, g_raw, q, k, v and g are [t_len, c]; b_raw and beta [t_len, h]; win and new_win
-    // [3, kern-1, c]; taps [3, c, kern]; dt_bias [c]; a_exp [h] (uploaded from the layer's checked shapes); the grid
-    // is (t_len, h) with at least d threads a block, and every index the kernel forms stays inside those shapes.
-    unsafe { lb_.launch(per_head_token) }
+    // SAFETY: the raw projections, g_raw, q, k, v and g hold at least [t_len, c]; b_raw and beta [t_len, h]; win
+    // and new_win are [3, kern-1, c]; taps [3, c, kern]; dt_bias [c]; a_exp [h] (uploaded from the layer's checked
+    // shapes); the grid is (t_len, h) with at least d threads a block, and every index the kernel forms stays inside
+    // those shapes.
+    unsafe { launch.launch(per_token_head) }
         .map_err(|e| ModelError::Device(format!("cuda: kda_prepare: {e}")))?;
 
-    let mut out = zeros(t_len * c)?;
+    let out = sized(gpu, out, t_len * c)?;
     let f = gpu.function("kda_recurrent").map_err(cuda_err)?;
     let cfg = LaunchConfig {
         grid_dim: (h as u32, 1, 1),
         block_dim: (d as u32, 4, 1),
         shared_mem_bytes: smem as u32,
     };
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(&mut s)
-        .arg(&q)
-        .arg(&k)
-        .arg(&v)
-        .arg(&g)
-        .arg(&beta)
-        .arg(&mut out)
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&mut s)
+        .arg(&*q)
+        .arg(&*k)
+        .arg(&*v)
+        .arg(&*g)
+        .arg(&*beta)
+        .arg(&mut *out)
         .arg(&t_i)
         .arg(&h_i)
         .arg(&d_i);
-    // SAFETY: s is [h, d, d]; q, k, v, g and out are [t_len, c]; beta is [t_len, h]; the block has d*4 threads and
-    // `smem` bytes (checked against the device's limit above).
-    unsafe { b.launch(cfg) }
+    // SAFETY: s is [h, d, d]; q, k, v, g and out hold at least [t_len, c]; beta [t_len, h]; the block has d*4
+    // threads and `smem` bytes (checked against the device's limit by `fits`).
+    unsafe { launch.launch(cfg) }
         .map_err(|e| ModelError::Device(format!("cuda: kda_recurrent: {e}")))?;
 
     let f = gpu.function("kda_gated_norm").map_err(cuda_err)?;
-    let mut b = gpu.stream().launch_builder(f);
-    b.arg(&mut out)
-        .arg(&og)
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&mut *out)
+        .arg(&*og)
         .arg(&params.o_norm)
         .arg(&h_i)
         .arg(&d_i)
         .arg(&dims.eps);
-    // SAFETY: out and og are [t_len, c], o_norm is [d]; the grid is (t_len, h) with at least d threads a block.
-    unsafe { b.launch(per_head_token) }
+    // SAFETY: out and og hold at least [t_len, c], o_norm is [d]; the grid is (t_len, h) with at least d threads a
+    // block.
+    unsafe { launch.launch(per_token_head) }
         .map_err(|e| ModelError::Device(format!("cuda: kda_gated_norm: {e}")))?;
 
-    let yd = gemm(m.o, &out)?;
-    let mut y = gpu.download(&yd).map_err(cuda_err)?;
-    y.truncate(t_len * m.o.rows());
+    let yd = sized(gpu, y, n_out)?;
+    gemm(m.o, out, yd)?;
+    let mut y_host = vec![0.0f32; n_out];
+    stream
+        .memcpy_dtoh(&yd.slice(0..n_out), &mut y_host)
+        .map_err(copy_err)?;
+    stream
+        .synchronize()
+        .map_err(|e| ModelError::Device(format!("cuda: KDA: {e}")))?;
+    drop(guard);
     let state = DeviceKdaState {
         gpu: gpu.clone(),
-        s: Arc::new(s),
+        s: scratch.pooled(s),
         s_len,
-        conv: Arc::new(new_win),
+        conv: scratch.pooled(new_win),
         window_len,
     };
+    let y = y_host;
     Ok(Some((state, y)))
 }

@@ -62,6 +62,8 @@ pub(crate) struct GpuHandles {
     pub gpu: Arc<Gpu>,
     /// The routed-expert cache (one per model, shared by its MoE layers).
     pub experts: Arc<GpuExperts>,
+    /// The KDA layers' reused device buffers (one per model).
+    pub kda: Arc<kda::KdaScratch>,
 }
 
 impl std::fmt::Debug for GpuHandles {
