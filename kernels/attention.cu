@@ -94,11 +94,12 @@ extern "C" __global__ void kda_gated_norm(float* o, const float* gate, const flo
 //   S <- diag(exp g) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q.
 // Thread (j, p) owns column j (a value index) for the key rows k = p, p + P, ...; the sums over k are reduced
 // across the P parts through shared memory. q, k are already L2-normalised (q scaled), g is the log decay.
-// state: [H, D, D] (in/out); q, k, v, g: [T, H*D]; beta: [T, H]; out: [T, H*D].
+// state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the same buffer); q, k, v, g:
+// [T, H*D]; beta: [T, H]; out: [T, H*D].
 #define KDA_PARTS 4
-extern "C" __global__ void kda_recurrent(float* state, const float* q, const float* k, const float* v,
-                                         const float* g, const float* beta, float* out, int n_tok, int heads,
-                                         int d) {
+extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out, const float* q, const float* k,
+                                         const float* v, const float* g, const float* beta, float* out, int n_tok,
+                                         int heads, int d) {
     extern __shared__ float sm[];
     float* s = sm;                    // [d, d]
     float* kv = s + d * d;            // k [d]
@@ -110,8 +111,9 @@ extern "C" __global__ void kda_recurrent(float* state, const float* q, const flo
     int p = threadIdx.y;              // key part
     int tid = p * blockDim.x + j;
     int nthreads = blockDim.x * blockDim.y;
-    float* sh = state + (size_t)h * d * d;
-    for (int i = tid; i < d * d; i += nthreads) s[i] = sh[i];
+    const float* sh_in = state_in + (size_t)h * d * d;
+    float* sh = state_out + (size_t)h * d * d;
+    for (int i = tid; i < d * d; i += nthreads) s[i] = sh_in[i];
     int c = heads * d;
     for (int t = 0; t < n_tok; t++) {
         size_t off = (size_t)t * c + (size_t)h * d;

@@ -325,13 +325,16 @@ pub(crate) fn kda_forward(
     }
 
     // The old state where it is: on this device, or uploaded from the host (cleared here when it is known to be
-    // zeros). The new matrices start as a copy (the old state may still be used: a snapshot, a rollback).
+    // zeros). The old state is never written (it may still be used: a snapshot, a rollback).
+    // The kernel reads the old matrices from `s_old` and writes the new ones to `s` (the same buffer when the old
+    // ones were not on this device).
     let mut s = scratch.take(gpu, s_len)?;
+    let mut s_old: Option<Arc<Pooled>> = None;
     let win = match old.device() {
         Some(dev)
             if Arc::ptr_eq(&dev.gpu, gpu) && dev.s_len == s_len && dev.window_len == window_len =>
         {
-            stream.memcpy_dtod(dev.s.buf()?, &mut s).map_err(copy_err)?;
+            s_old = Some(dev.s.clone());
             dev.conv.clone()
         }
         _ if old.is_zero() => {
@@ -413,8 +416,13 @@ pub(crate) fn kda_forward(
         block_dim: (d as u32, 4, 1),
         shared_mem_bytes: smem as u32,
     };
+    let s_in = match &s_old {
+        Some(p) => deltafin_quant::cuda::device_address(stream, p.buf()?),
+        None => deltafin_quant::cuda::device_address(stream, &s),
+    };
     let mut launch = stream.launch_builder(f);
     launch
+        .arg(&s_in)
         .arg(&mut s)
         .arg(&*q)
         .arg(&*k)
@@ -425,7 +433,8 @@ pub(crate) fn kda_forward(
         .arg(&t_i)
         .arg(&h_i)
         .arg(&d_i);
-    // SAFETY: s is [h, d, d]; q, k, v, g and out hold at least [t_len, c]; beta [t_len, h]; the block has d*4
+    // SAFETY: s and s_old are [h, d, d] (the kernel reads a head's old block whole before it writes the new one, so
+    // passing `s` twice is sound); q, k, v, g and out hold at least [t_len, c]; beta [t_len, h]; the block has d*4
     // threads and `smem` bytes (checked against the device's limit by `fits`).
     unsafe { launch.launch(cfg) }
         .map_err(|e| ModelError::Device(format!("cuda: kda_recurrent: {e}")))?;

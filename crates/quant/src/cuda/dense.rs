@@ -139,7 +139,8 @@ impl DeviceMatrix {
         Ok(())
     }
 
-    /// `y = x · wᵀ` for host rows `x [t_rows, cols]`, giving `[t_rows, rows]`.
+    /// `y = x · wᵀ` for host rows `x [t_rows, cols]`, giving `[t_rows, rows]`. The device buffers are the
+    /// device's reused pair ([`HostGemmBuffers`]); the call returns once `y` is on the host.
     pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
         if x.len() != t_rows * self.cols {
             return Err(QuantError::BadInput {
@@ -150,13 +151,45 @@ impl DeviceMatrix {
         if t_rows == 0 {
             return Ok(Vec::new());
         }
-        let xd = self.gpu.upload(x)?;
-        let mut yd = self.gpu.zeros::<f32>(t_rows * self.rows)?;
-        self.gemm_device(&xd, t_rows, &mut yd)?;
-        let mut y = self.gpu.download(&yd)?;
-        y.truncate(t_rows * self.rows);
+        let n_out = t_rows * self.rows;
+        let gpu = &self.gpu;
+        let stream = gpu.stream();
+        let mut bufs = gpu.host_gemm.lock().unwrap_or_else(|e| e.into_inner());
+        let HostGemmBuffers { x: xs, y: ys } = &mut *bufs;
+        let xd = sized(gpu, xs, x.len())?;
+        stream
+            .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
+            .map_err(|e| driver_err("host-to-device copy", e))?;
+        let yd = sized(gpu, ys, n_out)?;
+        self.gemm_device(xd, t_rows, yd)?;
+        let mut y = vec![0.0f32; n_out];
+        stream
+            .memcpy_dtoh(&yd.slice(0..n_out), &mut y)
+            .map_err(|e| driver_err("device-to-host copy", e))?;
+        gpu.synchronize()?;
         Ok(y)
     }
+}
+
+/// The device buffers of [`DeviceMatrix::gemm`] (input rows, output rows), grown to the largest product so far.
+#[derive(Default)]
+pub(crate) struct HostGemmBuffers {
+    x: Option<CudaSlice<f32>>,
+    y: Option<CudaSlice<f32>>,
+}
+
+/// `slot`, reallocated when it holds fewer than `len` values (contents unspecified: every use writes first).
+fn sized<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(gpu.zeros::<f32>(len)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| QuantError::Cuda("product buffer missing".to_string()))
 }
 
 /// The optional device copy attached to a [`DenseMatrix`]. Clones share the device memory; equality ignores it.

@@ -140,6 +140,9 @@ pub struct Gpu {
     name: String,
     smem_optin: usize,
     staging: upload::Staging,
+    /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
+    /// call (a device allocation costs 5–20 µs, more than a small product).
+    pub(crate) host_gemm: std::sync::Mutex<dense::HostGemmBuffers>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -233,6 +236,7 @@ impl Gpu {
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
             staging: upload::Staging::default(),
+            host_gemm: std::sync::Mutex::default(),
         })
     }
 
