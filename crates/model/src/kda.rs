@@ -10,9 +10,10 @@ use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
 use rayon::prelude::*;
 
+use crate::activation::silu_in_place;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, silu, softplus, tensor, values};
+use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, softplus, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
@@ -240,23 +241,27 @@ impl Kda {
         let mut qkv: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0f32; t_len * d]);
         for (i, dst) in qkv.iter_mut().enumerate() {
             let (window, raw, taps) = (&windows[i], &p.raw[i], &self.conv[i]);
-            // Row `r` of (window ++ raw).
-            let ext = |r: usize, ch: usize| {
-                if r < hist {
-                    window[r * c + ch]
+            // This head's taps by tap, `[K][D]`, so each tap's products run along the head's channels.
+            let by_tap: Vec<f32> = (0..kern)
+                .flat_map(|k| (0..d).map(move |j| taps[(ch0 + j) * kern + k]))
+                .collect();
+            // The head's channels of row `r` of (window ++ raw).
+            let ext = |r: usize| -> &[f32] {
+                let (src, row) = if r < hist {
+                    (window, r)
                 } else {
-                    raw[(r - hist) * c + ch]
-                }
+                    (raw, r - hist)
+                };
+                &src[row * c + ch0..row * c + ch0 + d]
             };
-            for t in 0..t_len {
-                for j in 0..d {
-                    let ch = ch0 + j;
-                    let mut acc = 0.0f32;
-                    for k in 0..kern {
-                        acc += taps[ch * kern + k] * ext(t + k, ch);
+            for (t, out) in dst.chunks_exact_mut(d).enumerate() {
+                // Per channel: 0, then + tap k · row (t + k) for k = 0, 1, … (the order of the plain loop).
+                for (k, tap) in by_tap.chunks_exact(d).enumerate() {
+                    for ((o, &w), &x) in out.iter_mut().zip(tap).zip(ext(t + k)) {
+                        *o += w * x;
                     }
-                    dst[t * d + j] = silu(acc);
                 }
+                silu_in_place(out);
             }
         }
         let [mut q, mut k, v] = qkv;
