@@ -134,19 +134,13 @@ impl std::fmt::Debug for KdaScratch {
     }
 }
 
-/// `slot`, reallocated when it holds fewer than `len` values (contents unspecified: every use writes before it
-/// reads).
+/// [`deltafin_quant::cuda::sized`] with the model's error.
 fn sized<'a>(
     gpu: &Gpu,
     slot: &'a mut Option<CudaSlice<f32>>,
     len: usize,
 ) -> Result<&'a mut CudaSlice<f32>> {
-    if slot.as_ref().is_none_or(|b| b.len() < len) {
-        *slot = None;
-        *slot = Some(gpu.zeros::<f32>(len).map_err(cuda_err)?);
-    }
-    slot.as_mut()
-        .ok_or_else(|| ModelError::Device("KDA scratch buffer missing".to_string()))
+    deltafin_quant::cuda::sized(gpu, slot, len).map_err(cuda_err)
 }
 
 impl KdaScratch {

@@ -156,11 +156,11 @@ impl DeviceMatrix {
         let stream = gpu.stream();
         let mut bufs = gpu.host_gemm.lock().unwrap_or_else(|e| e.into_inner());
         let HostGemmBuffers { x: xs, y: ys } = &mut *bufs;
-        let xd = sized(gpu, xs, x.len())?;
+        let xd = super::sized(gpu, xs, x.len())?;
         stream
             .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
             .map_err(|e| driver_err("host-to-device copy", e))?;
-        let yd = sized(gpu, ys, n_out)?;
+        let yd = super::sized(gpu, ys, n_out)?;
         self.gemm_device(xd, t_rows, yd)?;
         let mut y = vec![0.0f32; n_out];
         stream
@@ -176,20 +176,6 @@ impl DeviceMatrix {
 pub(crate) struct HostGemmBuffers {
     x: Option<CudaSlice<f32>>,
     y: Option<CudaSlice<f32>>,
-}
-
-/// `slot`, reallocated when it holds fewer than `len` values (contents unspecified: every use writes first).
-fn sized<'a>(
-    gpu: &Gpu,
-    slot: &'a mut Option<CudaSlice<f32>>,
-    len: usize,
-) -> Result<&'a mut CudaSlice<f32>> {
-    if slot.as_ref().is_none_or(|b| b.len() < len) {
-        *slot = None;
-        *slot = Some(gpu.zeros::<f32>(len)?);
-    }
-    slot.as_mut()
-        .ok_or_else(|| QuantError::Cuda("product buffer missing".to_string()))
 }
 
 /// The optional device copy attached to a [`DenseMatrix`]. Clones share the device memory; equality ignores it.

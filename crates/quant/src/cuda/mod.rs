@@ -325,6 +325,21 @@ pub fn device_address<T>(stream: &CudaStream, buf: &CudaSlice<T>) -> u64 {
     ptr
 }
 
+/// The buffer in `slot`, reallocated first when it holds fewer than `len` values (scratch reused from call to call:
+/// a device allocation costs 5–20 µs; the contents are unspecified, every use writes before it reads).
+pub fn sized<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        *slot = None;
+        *slot = Some(gpu.zeros::<f32>(len)?);
+    }
+    slot.as_mut()
+        .ok_or_else(|| QuantError::Cuda("scratch buffer missing".to_string()))
+}
+
 /// Ceiling division for launch sizes.
 pub(crate) fn div_ceil(a: usize, b: usize) -> u32 {
     a.div_ceil(b.max(1)) as u32
