@@ -318,10 +318,9 @@ pub(crate) fn kda_forward(
         }
     }
 
-    // The old state where it is: on this device, or uploaded from the host (cleared here when it is known to be
-    // zeros). The old state is never written (it may still be used: a snapshot, a rollback).
-    // The kernel reads the old matrices from `s_old` and writes the new ones to `s` (the same buffer when the old
-    // ones were not on this device).
+    // The old state where it is: on this device (the recurrence reads its matrices through `s_old` and writes the
+    // new ones to `s`; the old state is never written, it may still be used by a snapshot or a rollback), or
+    // uploaded from the host into `s`, or cleared there when it is known to be zeros.
     let mut s = scratch.take(gpu, s_len)?;
     let mut s_old: Option<Arc<Pooled>> = None;
     let win = match old.device() {
@@ -464,6 +463,5 @@ pub(crate) fn kda_forward(
         conv: scratch.pooled(new_win),
         window_len,
     };
-    let y = y_host;
-    Ok(Some((state, y)))
+    Ok(Some((state, y_host)))
 }
