@@ -159,16 +159,34 @@ extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out
     for (int i = tid; i < d * d; i += nthreads) sh[i] = s[i];
 }
 
+// MLA's RMSNorms on rows (the CPU's `ops::rms_norm_row`): one block per row t; the row's first `normed` values
+// become x * inv_rms(those values) * w, the next `copied` values are copied unchanged. src: rows of `src_stride`
+// floats; dst: rows of `dst_stride` (it may be src itself: every value is read before the reduction and written
+// after it by the same thread). Used in place on the query's low-rank rows (`copied` = 0) and to write the compressed
+// KV (c normalised, k_pe raw) straight into the device cache.
+extern "C" __global__ void mla_norm_rows(const float* src, int src_stride, float* dst, int dst_stride,
+                                         const float* w, int normed, int copied, float eps) {
+    __shared__ float scratch[32];
+    const float* x = src + (size_t)blockIdx.x * src_stride;
+    float* y = dst + (size_t)blockIdx.x * dst_stride;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < normed; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(ss / (float)normed + eps);
+    for (int i = threadIdx.x; i < normed; i += blockDim.x) y[i] = x[i] * inv * w[i];
+    for (int i = threadIdx.x; i < copied; i += blockDim.x) y[normed + i] = x[normed + i];
+}
+
 // Absorbed MLA for one (head, query token) per block:
 //   q_abs = W_UK,h^T q_nope;  score_s = (q_abs . c_s + q_pe . kpe_s) * scale for s < past + t + 1;
-//   p = softmax(score);  ctx = sum_s p_s c_s;  out = W_UV,h ctx.
+//   p = softmax(score);  ctx = sum_s p_s c_s;  out = (W_UV,h ctx) * sigma(gate) (no factor when !gated).
 // q: [T, H, nope + rope]; cache: [N, kvl + rope] (c normalised, k_pe raw), rows past.. are this call's tokens;
-// w_uk_t: [H, kvl, nope]; w_uv: [H, vd, kvl]; scores: scratch [H, T, N]; out: [T, H, vd].
+// w_uk_t: [H, kvl, nope]; w_uv: [H, vd, kvl]; scores: scratch [H, T, N]; gate, out: [T, H, vd].
 #define MLA_THREADS 256
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     mla_attend(const float* q, const float* cache, const float* w_uk_t, const float* w_uv, float* scores,
-               float* out, int n_tok, int past, int n_cache, int heads, int nope, int rope, int kvl, int vd,
-               float scale) {
+               const float* gate, int gated, float* out, int n_tok, int past, int n_cache, int heads, int nope,
+               int rope, int kvl, int vd, float scale) {
     extern __shared__ float sm[];
     int h = blockIdx.x, t = blockIdx.y;
     int qk = nope + rope, row = kvl + rope;
@@ -181,11 +199,14 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     const float* qsrc = q + ((size_t)t * heads + h) * qk;
     for (int i = threadIdx.x; i < qk; i += blockDim.x) qh[i] = qsrc[i];
     __syncthreads();
+    // One warp per row of W_UK,h^T, the lanes along it (coalesced reads of the weights).
     const float* uk = w_uk_t + (size_t)h * kvl * nope;
-    for (int l = threadIdx.x; l < kvl; l += blockDim.x) {
+    for (int l = warp; l < kvl; l += nwarps) {
+        const float* r = uk + (size_t)l * nope;
         float a = 0.f;
-        for (int n = 0; n < nope; n++) a += uk[(size_t)l * nope + n] * qh[n];
-        q_abs[l] = a;
+        for (int n = lane; n < nope; n += WARP) a += r[n] * qh[n];
+        a = warp_sum(a);
+        if (lane == 0) q_abs[l] = a;
     }
     __syncthreads();
     int visible = past + t + 1;
@@ -244,6 +265,6 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
         float a = 0.f;
         for (int l = lane; l < kvl; l += WARP) a += uv[(size_t)i * kvl + l] * ctx[l];
         a = warp_sum(a);
-        if (lane == 0) dst[i] = a;
+        if (lane == 0) dst[i] = gated ? a * sigmoidf_(gate[((size_t)t * heads + h) * vd + i]) : a;
     }
 }

@@ -57,6 +57,15 @@ fn check_with(name: &str, gpu_layers: Option<usize>) {
         !kda.is_empty() && kda.iter().all(|&d| d),
         "{name}: KDA states on the device: {kda:?}"
     );
+    // Every MLA layer ran whole on the GPU too: its projections were never timed on the host (the device path
+    // queues them with the attention and waits once), while the MLA blocks did run.
+    let prof = gpu.profile();
+    assert!(
+        prof.mla > std::time::Duration::ZERO && prof.mla_proj == std::time::Duration::ZERO,
+        "{name}: MLA {:?}, of it projections on the host {:?}",
+        prof.mla,
+        prof.mla_proj
+    );
     let d = max_abs_diff(&a, &b);
     eprintln!(
         "{name}: prefill {} tokens, max |Δlogit| cuda vs cpu = {d:.3e}",

@@ -86,6 +86,8 @@ struct Report {
     mla_s: f64,
     /// Of `mla_s`, the dense projections.
     mla_proj_s: f64,
+    /// Of `attention_s`, the GPU's own time (device events; zero on the CPU).
+    attn_device_s: f64,
     spine_compute_s: f64,
     dense_ffn_s: f64,
     moe_trunk_s: f64,
@@ -315,6 +317,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         kda_proj_s: p.kda_proj.as_secs_f64(),
         mla_s: p.mla.as_secs_f64(),
         mla_proj_s: p.mla_proj.as_secs_f64(),
+        attn_device_s: p.attn_device.as_secs_f64(),
         spine_compute_s: p.spine_compute().as_secs_f64(),
         dense_ffn_s: p.dense_ffn.as_secs_f64(),
         moe_trunk_s: p.moe_trunk.as_secs_f64(),

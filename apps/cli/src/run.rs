@@ -225,12 +225,13 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     );
     eprintln!(
         "attention            {:.4} s (KDA {:.4}, of which projections {:.4}; MLA {:.4}, of which projections \
-         {:.4})",
+         {:.4}; device time on the GPU {:.4})",
         per_token(p.attention()),
         per_token(p.kda),
         per_token(p.kda_proj),
         per_token(p.mla),
-        per_token(p.mla_proj)
+        per_token(p.mla_proj),
+        per_token(p.attn_device)
     );
     eprintln!(
         "MoE compute          {:.4} s (expert inputs {})",

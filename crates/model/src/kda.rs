@@ -163,7 +163,7 @@ impl Kda {
         let old: &KdaState = state;
 
         #[cfg(feature = "cuda")]
-        if let Some((s, y)) = self.forward_on_device(x, old, t_len)? {
+        if let Some((s, y)) = self.forward_on_device(x, old, t_len, profile)? {
             *state = Arc::new(KdaState::on_device(s));
             return tensor(y, t_len, self.o_proj.rows());
         }
@@ -344,6 +344,7 @@ impl Kda {
         x: &Tensor,
         old: &KdaState,
         t_len: usize,
+        profile: &Profile,
     ) -> Result<Option<(crate::gpu::DeviceKdaState, Vec<f32>)>> {
         use crate::gpu::kda::{DeviceGate, KdaDims, KdaMatrices, kda_forward};
         let Some(params) = &self.gpu else {
@@ -392,7 +393,7 @@ impl Kda {
             lower_bound: self.cfg.gate_lower_bound,
             eps: self.eps,
         };
-        kda_forward(params, &mats, &dims, old, &values(x)?, t_len)
+        kda_forward(params, &mats, &dims, old, (&values(x)?, t_len), profile)
     }
 }
 

@@ -98,12 +98,20 @@ impl Mla {
         } else {
             None
         };
+        let kv_a_norm = ld.vec(&name("kv_a_layernorm.weight"), &[kvl])?;
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
             Some(g) => Some(crate::gpu::MlaGpu::new(
                 &g.gpu,
-                &w_uk_t,
-                &w_uv,
+                &g.mla,
+                (&w_uk_t, &w_uv),
+                (
+                    &kv_a_norm,
+                    match &q {
+                        QueryProj::LowRank { norm, .. } => Some(norm.as_slice()),
+                        QueryProj::Plain(_) => None,
+                    },
+                ),
                 (cfg.nope_dim, cfg.rope_dim, kvl, cfg.v_dim),
             )?),
             None => None,
@@ -124,7 +132,7 @@ impl Mla {
                 kvl + cfg.rope_dim,
                 hidden,
             )?,
-            kv_a_norm: ld.vec(&name("kv_a_layernorm.weight"), &[kvl])?,
+            kv_a_norm,
             w_uk_t,
             w_uv,
             gate,
@@ -145,6 +153,12 @@ impl Mla {
         );
         let qk = nope + rope;
         let t_len = x.dim(0)?;
+        let scale = (qk as f32).powf(-0.5);
+
+        #[cfg(feature = "cuda")]
+        if let Some(y) = self.forward_on_device(x, cache, (t_len, scale), profile)? {
+            return tensor(y, t_len, self.o_proj.rows());
+        }
 
         // Every projection of the input in one threaded job: the query's first projection, the compressed KV and
         // the output gate.
@@ -178,7 +192,6 @@ impl Mla {
         }
         let past = cache.len();
         cache.push_block(ckv, kvl + rope);
-        let scale = (qk as f32).powf(-0.5);
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             let mut out = g.attend(&q, cache, past, t_len, scale)?;
@@ -271,5 +284,64 @@ impl Mla {
         let width = self.cfg.n_heads * self.cfg.v_dim;
         let out = tensor(out.to_vec(), t_len, width)?;
         profile.time(Phase::MlaProj, || linear(&out, &self.o_proj))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Mla {
+    /// The whole layer on the GPU when the model runs there and every projection has a device copy (`None`: run
+    /// the projections on the CPU). Returns the output rows `[T, hidden]` and appends the new rows to `cache`. The
+    /// work is queued and waited for once, so [`Phase::MlaProj`] stays at zero on this path.
+    fn forward_on_device(
+        &self,
+        x: &Tensor,
+        cache: &mut MlaCache,
+        (t_len, scale): (usize, f32),
+        profile: &Profile,
+    ) -> Result<Option<Vec<f32>>> {
+        use crate::gpu::mla::MlaMatrices;
+        use deltafin_quant::cuda::dense::DeviceMatrix;
+        let Some(g) = &self.gpu else {
+            return Ok(None);
+        };
+        if t_len == 0 {
+            return Ok(None);
+        }
+        let gpu = g.gpu();
+        fn on<'m>(
+            m: &'m DenseMatrix,
+            gpu: &std::sync::Arc<deltafin_quant::cuda::Gpu>,
+        ) -> Option<&'m DeviceMatrix> {
+            m.cuda()
+                .filter(|d| std::sync::Arc::ptr_eq(d.gpu(), gpu))
+                .map(|d| &**d)
+        }
+        let dev = |m| on(m, gpu);
+        let (q_in, q_b) = match &self.q {
+            QueryProj::LowRank { a, b, .. } => match dev(b) {
+                Some(b) => (dev(a), Some(b)),
+                None => return Ok(None),
+            },
+            QueryProj::Plain(w) => (dev(w), None),
+        };
+        let gate = match &self.gate {
+            Some(w) => match dev(w) {
+                Some(d) => Some(d),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        let (Some(q_in), Some(kv_a), Some(o)) = (q_in, dev(&self.kv_a), dev(&self.o_proj)) else {
+            return Ok(None);
+        };
+        let mats = MlaMatrices {
+            q_in,
+            q_b,
+            kv_a,
+            gate,
+            o,
+        };
+        g.forward(&mats, (&values(x)?, t_len), cache, scale, profile)
+            .map(Some)
     }
 }

@@ -149,6 +149,7 @@ impl Model {
                         gpu,
                         experts: std::sync::Arc::new(experts),
                         kda: std::sync::Arc::default(),
+                        mla: std::sync::Arc::default(),
                     });
                     name
                 }

@@ -12,6 +12,7 @@ pub struct Profile {
     kda_proj: AtomicU64,
     mla: AtomicU64,
     mla_proj: AtomicU64,
+    attn_device: AtomicU64,
     shared_experts: AtomicU64,
     dense_ffn: AtomicU64,
     moe_trunk: AtomicU64,
@@ -33,6 +34,10 @@ pub struct ProfileSnapshot {
     /// Of [`Self::mla`], the dense projections (query, compressed KV, gate, output); the rest is attention over
     /// the latent cache with the absorbed per-head matrices.
     pub mla_proj: Duration,
+    /// Of [`Self::attention`], the device's time for the attention work queued on the GPU: from the first copy or
+    /// launch of a block to its last, by device events (zero on the CPU). What is left of the block's time is the
+    /// host's: launching, waiting for the result, the CPU-side glue.
+    pub attn_device: Duration,
     /// The MoE layers' shared experts (a dense MLP each).
     pub shared_experts: Duration,
     /// Dense MLP layers.
@@ -67,6 +72,7 @@ impl ProfileSnapshot {
             kda_proj: self.kda_proj.saturating_sub(earlier.kda_proj),
             mla: self.mla.saturating_sub(earlier.mla),
             mla_proj: self.mla_proj.saturating_sub(earlier.mla_proj),
+            attn_device: self.attn_device.saturating_sub(earlier.attn_device),
             shared_experts: self.shared_experts.saturating_sub(earlier.shared_experts),
             dense_ffn: self.dense_ffn.saturating_sub(earlier.dense_ffn),
             moe_trunk: self.moe_trunk.saturating_sub(earlier.moe_trunk),
@@ -89,6 +95,8 @@ pub enum Phase {
     Mla,
     /// The dense projections inside MLA blocks (also counted in [`Phase::Mla`]).
     MlaProj,
+    /// The device's time for attention blocks run on the GPU (also counted in [`Phase::Kda`] or [`Phase::Mla`]).
+    AttnDevice,
     /// Shared experts.
     SharedExperts,
     /// Dense MLP.
@@ -106,11 +114,12 @@ pub enum Phase {
 }
 
 /// Every phase, in report order.
-const PHASES: [Phase; 11] = [
+const PHASES: [Phase; 12] = [
     Phase::Kda,
     Phase::KdaProj,
     Phase::Mla,
     Phase::MlaProj,
+    Phase::AttnDevice,
     Phase::SharedExperts,
     Phase::DenseFfn,
     Phase::MoeTrunk,
@@ -127,6 +136,7 @@ impl Profile {
             Phase::KdaProj => &self.kda_proj,
             Phase::Mla => &self.mla,
             Phase::MlaProj => &self.mla_proj,
+            Phase::AttnDevice => &self.attn_device,
             Phase::SharedExperts => &self.shared_experts,
             Phase::DenseFfn => &self.dense_ffn,
             Phase::MoeTrunk => &self.moe_trunk,
@@ -159,6 +169,7 @@ impl Profile {
             kda_proj: d(Phase::KdaProj),
             mla: d(Phase::Mla),
             mla_proj: d(Phase::MlaProj),
+            attn_device: d(Phase::AttnDevice),
             shared_experts: d(Phase::SharedExperts),
             dense_ffn: d(Phase::DenseFfn),
             moe_trunk: d(Phase::MoeTrunk),

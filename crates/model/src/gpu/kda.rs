@@ -13,11 +13,12 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use deltafin_quant::cuda::Gpu;
 use deltafin_quant::cuda::dense::DeviceMatrix;
+use deltafin_quant::cuda::{Gpu, StreamTimer};
 
 use super::cuda_err;
 use crate::error::{ModelError, Result};
+use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 
 /// Widest head the recurrence kernel takes (a thread per value channel, four key parts).
@@ -118,6 +119,7 @@ struct Buffers {
     beta: Option<CudaSlice<f32>>,
     out: Option<CudaSlice<f32>>,
     y: Option<CudaSlice<f32>>,
+    timer: Option<StreamTimer>,
 }
 
 /// Device memory shared by a model's KDA layers: the intermediates of one call (layers run one at a time on the
@@ -245,14 +247,14 @@ pub(crate) struct KdaDims {
 /// Runs one KDA layer on the GPU for the rows `x [T, hidden]` from the state `old` (its device buffers when a CUDA
 /// pass made them, else its host values uploaded). Returns the new state, left on the device, and the output rows
 /// `[T, hidden]`; `None` for no tokens or a head that does not fit the kernels ([`fits`]): the caller runs the
-/// layer on the CPU.
+/// layer on the CPU. The device's time for the layer goes to `profile` ([`Phase::AttnDevice`]).
 pub(crate) fn kda_forward(
     params: &KdaParams,
     m: &KdaMatrices<'_>,
     dims: &KdaDims,
     old: &KdaState,
-    x: &[f32],
-    t_len: usize,
+    (x, t_len): (&[f32], usize),
+    profile: &Profile,
 ) -> Result<Option<(DeviceKdaState, Vec<f32>)>> {
     let gpu = &params.gpu;
     let (h, d, kern) = (dims.heads, dims.head_dim, dims.kern);
@@ -282,6 +284,7 @@ pub(crate) fn kda_forward(
         beta,
         out,
         y,
+        timer,
     } = &mut *guard;
     let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>, dst: &mut CudaSlice<f32>| -> Result<()> {
         w.gemm_device(input, t_len, dst)
@@ -291,6 +294,11 @@ pub(crate) fn kda_forward(
     let copy_err =
         |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: KDA copy: {e}"));
 
+    let timer = match timer {
+        Some(t) => t,
+        None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
+    };
+    timer.start(gpu).map_err(cuda_err)?;
     let xd = sized(gpu, x_buf, x.len())?;
     stream
         .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
@@ -452,9 +460,11 @@ pub(crate) fn kda_forward(
     stream
         .memcpy_dtoh(&yd.slice(0..n_out), &mut y_host)
         .map_err(copy_err)?;
+    timer.stop(gpu).map_err(cuda_err)?;
     stream
         .synchronize()
         .map_err(|e| ModelError::Device(format!("cuda: KDA: {e}")))?;
+    profile.add(Phase::AttnDevice, timer.elapsed().map_err(cuda_err)?);
     drop(guard);
     let state = DeviceKdaState {
         gpu: gpu.clone(),

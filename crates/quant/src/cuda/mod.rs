@@ -36,7 +36,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 43] = [
+pub(crate) const KERNELS: [(&str, bool); 44] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -79,6 +79,7 @@ pub(crate) const KERNELS: [(&str, bool); 43] = [
     ("kda_prepare", false),
     ("kda_recurrent", true),
     ("kda_gated_norm", false),
+    ("mla_norm_rows", false),
     ("mla_attend", false),
 ];
 
@@ -338,6 +339,54 @@ pub fn sized<'a>(
     }
     slot.as_mut()
         .ok_or_else(|| QuantError::Cuda("scratch buffer missing".to_string()))
+}
+
+/// Two device events around work queued on the compute stream, for the device's time of that work (events cost a
+/// few microseconds; made once and recorded again for every span).
+pub struct StreamTimer {
+    start: cudarc::driver::CudaEvent,
+    end: cudarc::driver::CudaEvent,
+}
+
+impl StreamTimer {
+    /// A timer on `gpu`'s context.
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let ev = || {
+            gpu.ctx
+                .new_event(flags)
+                .map_err(|e| driver_err("creating an event", e))
+        };
+        Ok(Self {
+            start: ev()?,
+            end: ev()?,
+        })
+    }
+
+    /// Marks where the timed work starts on the compute stream.
+    pub fn start(&self, gpu: &Gpu) -> Result<()> {
+        self.start
+            .record(&gpu.stream)
+            .map_err(|e| driver_err("recording an event", e))
+    }
+
+    /// Marks where it ends.
+    pub fn stop(&self, gpu: &Gpu) -> Result<()> {
+        self.end
+            .record(&gpu.stream)
+            .map_err(|e| driver_err("recording an event", e))
+    }
+
+    /// The device time from [`Self::start`] to [`Self::stop`] (waits for the stream to pass the end).
+    pub fn elapsed(&self) -> Result<std::time::Duration> {
+        let ms = self
+            .start
+            .elapsed_ms(&self.end)
+            .map_err(|e| driver_err("reading an event's time", e))?;
+        Ok(std::time::Duration::from_secs_f64(
+            f64::from(ms.max(0.0)) / 1e3,
+        ))
+    }
 }
 
 /// Ceiling division for launch sizes.

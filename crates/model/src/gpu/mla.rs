@@ -1,0 +1,453 @@
+//! MLA on the GPU: a whole layer per call with the activations on the device from the input row to the output row,
+//! over a device mirror of the latent cache.
+//!
+//! One upload (the normed input `[T, hidden]`) and two downloads (the output `[T, hidden]` and the new compressed
+//! KV rows for the host cache) per layer: the query's projections and their RMSNorm, the compressed KV and its norm
+//! (written straight into the mirror, `mla_norm_rows`), the output gate, the absorbed attention with the gate
+//! applied (`mla_attend`) and the output projection all queue on the compute stream and are waited for once.
+//!
+//! The mirror holds the cache's rows on the device and the host blocks they came from; blocks are immutable, so
+//! pointer identity means equal contents and only rows the mirror has not seen are uploaded (a new conversation,
+//! a rollback, another session's cache). Rows this layer computes on the device go into the mirror and down to the
+//! host cache: both hold the same values.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use deltafin_quant::DenseMatrix;
+use deltafin_quant::cuda::dense::DeviceMatrix;
+use deltafin_quant::cuda::{Gpu, StreamTimer};
+
+use super::cuda_err;
+use crate::config::MLA_LORA_NORM_EPS;
+use crate::error::{ModelError, Result};
+use crate::profile::{Phase, Profile};
+use crate::state::MlaCache;
+
+/// Threads per block of `mla_attend` (as `MLA_THREADS` in `kernels/attention.cu`).
+const MLA_THREADS: usize = 256;
+/// Threads per block of `mla_norm_rows`.
+const NORM_THREADS: u32 = 256;
+
+/// The rows of the latent cache already on the device, and the host blocks they came from.
+#[derive(Default)]
+struct Mirror {
+    blocks: Vec<Arc<Vec<f32>>>,
+    buf: Option<CudaSlice<f32>>,
+    cap_rows: usize,
+}
+
+/// The intermediates of an MLA call on the device, grown to the largest call so far.
+#[derive(Default)]
+struct Buffers {
+    x: Option<CudaSlice<f32>>,
+    q_first: Option<CudaSlice<f32>>,
+    q: Option<CudaSlice<f32>>,
+    kv: Option<CudaSlice<f32>>,
+    gate: Option<CudaSlice<f32>>,
+    scores: Option<CudaSlice<f32>>,
+    out: Option<CudaSlice<f32>>,
+    y: Option<CudaSlice<f32>>,
+    timer: Option<StreamTimer>,
+}
+
+/// Device memory shared by a model's MLA layers (layers run one at a time on the compute stream, so one set serves
+/// them all; the lock also orders two sessions' calls).
+#[derive(Default)]
+pub struct MlaScratch {
+    bufs: Mutex<Buffers>,
+}
+
+impl std::fmt::Debug for MlaScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MlaScratch")
+    }
+}
+
+/// [`deltafin_quant::cuda::sized`] with the model's error.
+fn sized<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    deltafin_quant::cuda::sized(gpu, slot, len).map_err(cuda_err)
+}
+
+/// A layer's projections on the device.
+pub(crate) struct MlaMatrices<'a> {
+    /// The query's first projection: `q_a` (low rank) or `q_proj`.
+    pub q_in: &'a DeviceMatrix,
+    /// `q_b` for a low-rank query.
+    pub q_b: Option<&'a DeviceMatrix>,
+    pub kv_a: &'a DeviceMatrix,
+    pub gate: Option<&'a DeviceMatrix>,
+    pub o: &'a DeviceMatrix,
+}
+
+/// One MLA layer's absorbed-attention weights and norms on the GPU and its device mirror of the latent cache.
+pub(crate) struct MlaGpu {
+    gpu: Arc<Gpu>,
+    scratch: Arc<MlaScratch>,
+    /// `[heads, kv_lora, nope]`.
+    w_uk_t: CudaSlice<f32>,
+    /// `[heads, v, kv_lora]`.
+    w_uv: CudaSlice<f32>,
+    /// The compressed KV's norm `[kv_lora]`.
+    kv_norm: CudaSlice<f32>,
+    /// The low-rank query's norm `[q_lora]`.
+    q_norm: Option<CudaSlice<f32>>,
+    heads: usize,
+    nope: usize,
+    rope: usize,
+    kvl: usize,
+    vd: usize,
+    mirror: Mutex<Mirror>,
+}
+
+impl std::fmt::Debug for MlaGpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MlaGpu({} heads)", self.heads)
+    }
+}
+
+/// The sizes of an MLA layer: `(nope, rope, kv_lora, v)`.
+pub(crate) type MlaDims = (usize, usize, usize, usize);
+
+impl MlaGpu {
+    /// Stacks the per-head matrices and uploads them with the norms' weights.
+    pub(crate) fn new(
+        gpu: &Arc<Gpu>,
+        scratch: &Arc<MlaScratch>,
+        (w_uk_t, w_uv): (&[DenseMatrix], &[DenseMatrix]),
+        (kv_norm, q_norm): (&[f32], Option<&[f32]>),
+        (nope, rope, kvl, vd): MlaDims,
+    ) -> Result<Self> {
+        let stack = |ms: &[DenseMatrix]| -> Vec<f32> {
+            ms.iter()
+                .flat_map(|m| (0..m.rows()).flat_map(move |r| m.row_f32(r)))
+                .collect()
+        };
+        let up = |v: &[f32]| gpu.upload(v).map_err(cuda_err);
+        Ok(Self {
+            gpu: gpu.clone(),
+            scratch: scratch.clone(),
+            w_uk_t: up(&stack(w_uk_t))?,
+            w_uv: up(&stack(w_uv))?,
+            kv_norm: up(kv_norm)?,
+            q_norm: q_norm.map(up).transpose()?,
+            heads: w_uk_t.len(),
+            nope,
+            rope,
+            kvl,
+            vd,
+            mirror: Mutex::new(Mirror::default()),
+        })
+    }
+
+    /// The device.
+    pub(crate) fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The whole layer for the rows `x [T, hidden]` (already normed): appends their compressed KV to `cache` and
+    /// returns the output rows `[T, hidden]`. The device's time for the layer goes to `profile`
+    /// ([`Phase::AttnDevice`]).
+    pub(crate) fn forward(
+        &self,
+        m: &MlaMatrices<'_>,
+        (x, t_len): (&[f32], usize),
+        cache: &mut MlaCache,
+        scale: f32,
+        profile: &Profile,
+    ) -> Result<Vec<f32>> {
+        let gpu = &self.gpu;
+        let stream = gpu.stream();
+        let row = self.kvl + self.rope;
+        let width = self.heads * self.vd;
+        let copy_err =
+            |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: MLA copy: {e}"));
+        let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>, dst: &mut CudaSlice<f32>| {
+            w.gemm_device(input, t_len, dst)
+                .map_err(|e| ModelError::Device(format!("cuda: MLA projection: {e}")))
+        };
+        if m.kv_a.rows() != row || m.q_b.is_some() != self.q_norm.is_some() {
+            return Err(ModelError::Device(format!(
+                "MLA on the GPU: kv_a has {} rows for a cache row of {row}, or the query's norm does not match \
+                 its projections",
+                m.kv_a.rows()
+            )));
+        }
+        let mut guard = self.scratch.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let Buffers {
+            x: x_buf,
+            q_first,
+            q,
+            kv,
+            gate,
+            scores,
+            out,
+            y,
+            timer,
+        } = &mut *guard;
+        let timer = match timer {
+            Some(t) => t,
+            None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
+        };
+        timer.start(gpu).map_err(cuda_err)?;
+        let xd = sized(gpu, x_buf, x.len())?;
+        stream
+            .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
+            .map_err(copy_err)?;
+        let xd: &CudaSlice<f32> = xd;
+        let q_first = sized(gpu, q_first, t_len * m.q_in.rows())?;
+        gemm(m.q_in, xd, q_first)?;
+        let kv = sized(gpu, kv, t_len * row)?;
+        gemm(m.kv_a, xd, kv)?;
+        let gate = match m.gate {
+            Some(w) => {
+                let g = sized(gpu, gate, t_len * width)?;
+                gemm(w, xd, g)?;
+                Some(&*g)
+            }
+            None => None,
+        };
+        let q: &CudaSlice<f32> = match (m.q_b, &self.q_norm) {
+            (Some(q_b), Some(norm)) => {
+                let r = m.q_in.rows();
+                self.norm_in_place(q_first, r, norm, t_len)?;
+                let qd = sized(gpu, q, t_len * q_b.rows())?;
+                gemm(q_b, q_first, qd)?;
+                qd
+            }
+            _ => q_first,
+        };
+
+        let mut mirror = self
+            .mirror
+            .lock()
+            .map_err(|_| ModelError::Device("mla cache mirror lock poisoned".to_string()))?;
+        let past = cache.len();
+        sync_mirror(gpu, &mut mirror, cache, row, t_len)?;
+        let Some(cache_dev) = mirror.buf.as_mut() else {
+            return Err(ModelError::Device("mla cache mirror is empty".to_string()));
+        };
+        // The new rows' compressed KV, normalised into the mirror after the `past` rows it holds.
+        {
+            let mut dst = cache_dev.slice_mut(past * row..(past + t_len) * row);
+            let f = gpu.function("mla_norm_rows").map_err(cuda_err)?;
+            let (src_stride, dst_stride, normed, copied) =
+                (row as i32, row as i32, self.kvl as i32, self.rope as i32);
+            let mut b = stream.launch_builder(f);
+            b.arg(&*kv)
+                .arg(&src_stride)
+                .arg(&mut dst)
+                .arg(&dst_stride)
+                .arg(&self.kv_norm)
+                .arg(&normed)
+                .arg(&copied)
+                .arg(&MLA_LORA_NORM_EPS);
+            // SAFETY: kv holds t_len rows of `row` floats; dst is the mirror's rows past..past + t_len (its capacity
+            // was made at least past + t_len rows above); kv_norm has kvl values; one block per row.
+            unsafe { b.launch(rows_launch(t_len)) }
+                .map_err(|e| ModelError::Device(format!("cuda: mla_norm_rows: {e}")))?;
+        }
+        let n_cache = past + t_len;
+        let cache_dev: &CudaSlice<f32> = cache_dev;
+        let out = sized(gpu, out, t_len * width)?;
+        let scores = sized(gpu, scores, self.heads * t_len * n_cache)?;
+        self.launch_attend(q, cache_dev, scores, gate, out, (t_len, past), scale)?;
+        let yd = sized(gpu, y, t_len * m.o.rows())?;
+        gemm(m.o, out, yd)?;
+
+        let mut y_host = vec![0.0f32; t_len * m.o.rows()];
+        stream
+            .memcpy_dtoh(&yd.slice(0..y_host.len()), &mut y_host)
+            .map_err(copy_err)?;
+        let mut new_rows = vec![0.0f32; t_len * row];
+        stream
+            .memcpy_dtoh(&cache_dev.slice(past * row..n_cache * row), &mut new_rows)
+            .map_err(copy_err)?;
+        timer.stop(gpu).map_err(cuda_err)?;
+        stream
+            .synchronize()
+            .map_err(|e| ModelError::Device(format!("cuda: MLA: {e}")))?;
+        profile.add(Phase::AttnDevice, timer.elapsed().map_err(cuda_err)?);
+        cache.push_block(new_rows, row);
+        mirror.blocks = cache.blocks().to_vec();
+        Ok(y_host)
+    }
+
+    /// Attention of the `t_len` query rows `q [T, heads, nope + rope]` over `cache` (which already holds these
+    /// rows after its first `past`), returning `[T, heads · v]` (the projections ran on the host).
+    pub(crate) fn attend(
+        &self,
+        q: &[f32],
+        cache: &MlaCache,
+        past: usize,
+        t_len: usize,
+        scale: f32,
+    ) -> Result<Vec<f32>> {
+        let gpu = &self.gpu;
+        let row = self.kvl + self.rope;
+        let n_cache = cache.len();
+        let mut guard = self.scratch.bufs.lock().unwrap_or_else(|e| e.into_inner());
+        let Buffers {
+            q: q_buf,
+            scores,
+            out,
+            ..
+        } = &mut *guard;
+        let mut mirror = self
+            .mirror
+            .lock()
+            .map_err(|_| ModelError::Device("mla cache mirror lock poisoned".to_string()))?;
+        sync_mirror(gpu, &mut mirror, cache, row, 0)?;
+        let Some(cache_dev) = mirror.buf.as_ref() else {
+            return Err(ModelError::Device("mla cache mirror is empty".to_string()));
+        };
+        let qd = sized(gpu, q_buf, q.len())?;
+        gpu.stream()
+            .memcpy_htod(q, &mut qd.slice_mut(0..q.len()))
+            .map_err(|e| ModelError::Device(format!("cuda: MLA copy: {e}")))?;
+        let n_out = t_len * self.heads * self.vd;
+        let out = sized(gpu, out, n_out)?;
+        let scores = sized(gpu, scores, self.heads * t_len * n_cache)?;
+        self.launch_attend(qd, cache_dev, scores, None, out, (t_len, past), scale)?;
+        let mut o = vec![0.0f32; n_out];
+        gpu.stream()
+            .memcpy_dtoh(&out.slice(0..n_out), &mut o)
+            .map_err(|e| ModelError::Device(format!("cuda: MLA copy: {e}")))?;
+        gpu.synchronize().map_err(cuda_err)?;
+        Ok(o)
+    }
+
+    /// `mla_norm_rows` in place on the `t_len` rows of `width` values in `buf`, scaled by `w`.
+    fn norm_in_place(
+        &self,
+        buf: &CudaSlice<f32>,
+        width: usize,
+        w: &CudaSlice<f32>,
+        t_len: usize,
+    ) -> Result<()> {
+        let f = self.gpu.function("mla_norm_rows").map_err(cuda_err)?;
+        let (stride, normed, copied) = (width as i32, width as i32, 0i32);
+        // The kernel writes through the same address it reads (in place).
+        let addr = deltafin_quant::cuda::device_address(self.gpu.stream(), buf);
+        let mut b = self.gpu.stream().launch_builder(f);
+        b.arg(buf)
+            .arg(&stride)
+            .arg(&addr)
+            .arg(&stride)
+            .arg(w)
+            .arg(&normed)
+            .arg(&copied)
+            .arg(&MLA_LORA_NORM_EPS);
+        // SAFETY: buf holds t_len rows of `width` floats and w `width` values; each thread reads a value before
+        // the block's reduction and writes that value after it, so reading and writing one buffer is sound.
+        unsafe { b.launch(rows_launch(t_len)) }
+            .map_err(|e| ModelError::Device(format!("cuda: mla_norm_rows: {e}")))?;
+        Ok(())
+    }
+
+    /// Queues `mla_attend` over the mirror's first `past + t_len` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_attend(
+        &self,
+        q: &CudaSlice<f32>,
+        cache_dev: &CudaSlice<f32>,
+        scores: &mut CudaSlice<f32>,
+        gate: Option<&CudaSlice<f32>>,
+        out: &mut CudaSlice<f32>,
+        (t_len, past): (usize, usize),
+        scale: f32,
+    ) -> Result<()> {
+        let gpu = &self.gpu;
+        let n_cache = past + t_len;
+        let f = gpu.function("mla_attend").map_err(cuda_err)?;
+        let smem = (2 * self.kvl + self.nope + self.rope + MLA_THREADS / 32) * 4;
+        let cfg = LaunchConfig {
+            grid_dim: (self.heads as u32, t_len as u32, 1),
+            block_dim: (MLA_THREADS as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let gated = i32::from(gate.is_some());
+        let ints = [
+            t_len as i32,
+            past as i32,
+            n_cache as i32,
+            self.heads as i32,
+            self.nope as i32,
+            self.rope as i32,
+            self.kvl as i32,
+            self.vd as i32,
+        ];
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(q)
+            .arg(cache_dev)
+            .arg(&self.w_uk_t)
+            .arg(&self.w_uv)
+            .arg(&mut *scores)
+            // Without a gate the kernel never reads this argument; `q` stands in as a valid address.
+            .arg(gate.unwrap_or(q))
+            .arg(&gated)
+            .arg(&mut *out);
+        for i in &ints {
+            b.arg(i);
+        }
+        b.arg(&scale);
+        // SAFETY: q is [t_len, heads, nope+rope]; the mirror holds n_cache rows of kvl+rope floats (synced, the new
+        // rows written before this launch on the same stream); the weights are [heads, kvl, nope] and
+        // [heads, vd, kvl]; scores holds heads*t_len*n_cache floats and out (and the gate when there is one)
+        // t_len*heads*vd, as their callers sized them.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| ModelError::Device(format!("cuda: mla_attend: {e}")))?;
+        Ok(())
+    }
+}
+
+/// One block of [`NORM_THREADS`] per row.
+fn rows_launch(t_len: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (t_len as u32, 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Makes the device mirror hold exactly `cache`'s rows with room for `extra` more after them, uploading only blocks
+/// it does not share with the host cache (the mirror keeps them alive, so pointer identity means equal contents).
+fn sync_mirror(
+    gpu: &Gpu,
+    m: &mut Mirror,
+    cache: &MlaCache,
+    row: usize,
+    extra: usize,
+) -> Result<()> {
+    let blocks = cache.blocks();
+    let need = cache.len() + extra;
+    let mut common = m
+        .blocks
+        .iter()
+        .zip(blocks)
+        .take_while(|(a, b)| Arc::ptr_eq(a, b))
+        .count();
+    if need > m.cap_rows || m.buf.is_none() {
+        let cap = need.max(2 * m.cap_rows).max(256);
+        m.buf = Some(gpu.zeros::<f32>(cap * row).map_err(cuda_err)?);
+        m.cap_rows = cap;
+        common = 0;
+    }
+    let Some(buf) = m.buf.as_mut() else {
+        return Ok(());
+    };
+    let mut offset: usize = blocks[..common].iter().map(|b| b.len()).sum();
+    for b in &blocks[common..] {
+        let mut dst = buf.slice_mut(offset..offset + b.len());
+        gpu.stream()
+            .memcpy_htod(b.as_slice(), &mut dst)
+            .map_err(|e| ModelError::Device(format!("cuda: latent cache upload: {e}")))?;
+        offset += b.len();
+    }
+    m.blocks = blocks.to_vec();
+    Ok(())
+}
