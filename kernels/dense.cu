@@ -26,11 +26,13 @@ __device__ __forceinline__ void dense_widen(uint4 p, float* wv) {
     }
 }
 
+// The rows of block `block` of one matrix's product.
 template <bool BF16>
-__device__ void dense_gemm_impl(const void* w, const float* x, float* y, int rows, int cols, int n_tok) {
+__device__ void dense_gemm_impl(const void* w, const float* x, float* y, int rows, int cols, int n_tok,
+                                int block) {
     constexpr int PER = BF16 ? 8 : 4;  // weights per 16-byte word
     int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    int row0 = (blockIdx.x * DENSE_WARPS + warp) * DENSE_RPW;
+    int row0 = (block * DENSE_WARPS + warp) * DENSE_RPW;
     if (row0 >= rows) return;
     int words = cols / PER;
     // Rows past the end read the last row (their sums are not written).
@@ -97,12 +99,42 @@ __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int row
 
 extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
     dense_gemm_f32(const float* w, const float* x, float* y, int rows, int cols, int n_tok) {
-    dense_gemm_impl<false>(w, x, y, rows, cols, n_tok);
+    dense_gemm_impl<false>(w, x, y, rows, cols, n_tok, blockIdx.x);
 }
 
 extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
     dense_gemm_bf16(const u16* w, const float* x, float* y, int rows, int cols, int n_tok) {
-    dense_gemm_impl<true>(w, x, y, rows, cols, n_tok);
+    dense_gemm_impl<true>(w, x, y, rows, cols, n_tok, blockIdx.x);
+}
+
+// Several matrices of one kind and width that read the same input x, in one launch (passed by value; the layout
+// matches `DenseJobs` in crates/quant/src/cuda/dense.rs): matrix j owns blocks first[j] .. first[j + 1]. Each row's
+// sum is the one-matrix kernel's, so the results are the same bits; one launch instead of several saves the
+// launches and the tail of each.
+#define DENSE_MAX_JOBS 8
+struct DenseJobs {
+    const void* w[DENSE_MAX_JOBS];
+    float* y[DENSE_MAX_JOBS];
+    int rows[DENSE_MAX_JOBS];
+    int first[DENSE_MAX_JOBS + 1];
+    int n;
+};
+
+template <bool BF16>
+__device__ void dense_gemm_multi_impl(const DenseJobs& jobs, const float* x, int cols, int n_tok) {
+    int b = blockIdx.x, j = 0;
+    while (j + 1 < jobs.n && b >= jobs.first[j + 1]) j++;
+    dense_gemm_impl<BF16>(jobs.w[j], x, jobs.y[j], jobs.rows[j], cols, n_tok, b - jobs.first[j]);
+}
+
+extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
+    dense_gemm_multi_f32(const DenseJobs jobs, const float* x, int cols, int n_tok) {
+    dense_gemm_multi_impl<false>(jobs, x, cols, n_tok);
+}
+
+extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
+    dense_gemm_multi_bf16(const DenseJobs jobs, const float* x, int cols, int n_tok) {
+    dense_gemm_multi_impl<true>(jobs, x, cols, n_tok);
 }
 
 // Plain device-to-device copy of n 16-byte words (the bandwidth reference measured in the same run as the MoE

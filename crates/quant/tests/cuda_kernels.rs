@@ -359,6 +359,68 @@ fn dense_gemm_matches_cpu() {
     }
 }
 
+/// Several matrices in one launch (`gemm_many_device`) give the one-matrix kernel's bits, for row counts that do
+/// not fill a block and for token counts below, at and above the kernel's token tile; a mix of kinds falls back to
+/// one launch each.
+#[test]
+fn dense_gemm_many_matches_one_at_a_time() {
+    use deltafin_quant::cuda::dense::DeviceMatrix;
+    let gpu = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let cols = 512;
+    for t_len in [1, 3, 8, 11] {
+        for bf16 in [false, true] {
+            let ms: Vec<DenseMatrix> = [100usize, 33, 257, 1, 64]
+                .iter()
+                .enumerate()
+                .map(|(j, &rows)| {
+                    let vals: Vec<f32> = (0..rows * cols)
+                        .map(|_| rng.random_range(-1.0f32..1.0))
+                        .collect();
+                    // The last matrix is f32 in the mixed case, so that the call must fall back.
+                    let data = if bf16 && j < 4 {
+                        DenseData::Bf16(
+                            vals.iter()
+                                .map(|v| (v.to_bits() >> 16) as u16)
+                                .collect::<Vec<_>>()
+                                .into(),
+                        )
+                    } else {
+                        DenseData::F32(vals)
+                    };
+                    let m = DenseMatrix::new(rows, cols, data).expect("matrix");
+                    assert!(m.attach_cuda(&gpu).expect("upload"));
+                    m
+                })
+                .collect();
+            let x: Vec<f32> = (0..t_len * cols)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect();
+            let xd = gpu.upload(&x).expect("x");
+            let devs: Vec<&DeviceMatrix> =
+                ms.iter().map(|m| &**m.cuda().expect("device")).collect();
+            for group in [&devs[..4], &devs[..]] {
+                let mut ys: Vec<_> = group
+                    .iter()
+                    .map(|m| gpu.zeros::<f32>(t_len * m.rows()).expect("y"))
+                    .collect();
+                let mut refs: Vec<&mut _> = ys.iter_mut().collect();
+                DeviceMatrix::gemm_many_device(group, &xd, t_len, &mut refs).expect("many");
+                for (m, y) in group.iter().zip(&ys) {
+                    let mut one = gpu.zeros::<f32>(t_len * m.rows()).expect("y");
+                    m.gemm_device(&xd, t_len, &mut one).expect("one");
+                    let (a, b) = (gpu.download(y).expect("a"), gpu.download(&one).expect("b"));
+                    assert!(
+                        a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{}x{cols} T={t_len} bf16={bf16}: one launch differs from one a matrix",
+                        m.rows()
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The feature build reports a missing GPU clearly instead of failing obscurely; here a GPU must be usable.
 #[test]
 fn device_is_usable_or_clearly_unavailable() {

@@ -304,26 +304,38 @@ pub(crate) fn kda_forward(
         .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
         .map_err(copy_err)?;
     let xd: &CudaSlice<f32> = xd;
+    // Every product of the input row in one launch: q, k, v, f_a, b and the gate (or its low-rank down).
     let q_raw = sized(gpu, q_raw, t_len * c)?;
-    gemm(m.q, xd, q_raw)?;
     let k_raw = sized(gpu, k_raw, t_len * c)?;
-    gemm(m.k, xd, k_raw)?;
     let v_raw = sized(gpu, v_raw, t_len * c)?;
-    gemm(m.v, xd, v_raw)?;
     let f_a = sized(gpu, f_a, t_len * m.f_a.rows())?;
-    gemm(m.f_a, xd, f_a)?;
+    let b_raw = sized(gpu, b_raw, t_len * h)?;
+    let og = sized(gpu, og, t_len * c)?;
+    let gate_in = match &m.gate {
+        DeviceGate::Full(w) => w,
+        DeviceGate::LowRank { down, .. } => down,
+    };
+    let mut low = match &m.gate {
+        DeviceGate::Full(_) => None,
+        DeviceGate::LowRank { down, .. } => Some(sized(gpu, og_low, t_len * down.rows())?),
+    };
+    {
+        let gate_out: &mut CudaSlice<f32> = match low.as_deref_mut() {
+            Some(l) => l,
+            None => &mut *og,
+        };
+        DeviceMatrix::gemm_many_device(
+            &[m.q, m.k, m.v, m.f_a, m.b, gate_in],
+            xd,
+            t_len,
+            &mut [q_raw, k_raw, v_raw, f_a, b_raw, gate_out],
+        )
+        .map_err(|e| ModelError::Device(format!("cuda: KDA projections: {e}")))?;
+    }
     let g_raw = sized(gpu, g_raw, t_len * c)?;
     gemm(m.f_b, f_a, g_raw)?;
-    let b_raw = sized(gpu, b_raw, t_len * h)?;
-    gemm(m.b, xd, b_raw)?;
-    let og = sized(gpu, og, t_len * c)?;
-    match &m.gate {
-        DeviceGate::Full(w) => gemm(w, xd, og)?,
-        DeviceGate::LowRank { down, up } => {
-            let low = sized(gpu, og_low, t_len * down.rows())?;
-            gemm(down, xd, low)?;
-            gemm(up, low, og)?;
-        }
+    if let (DeviceGate::LowRank { up, .. }, Some(low)) = (&m.gate, low) {
+        gemm(up, low, og)?;
     }
 
     // The old state where it is: on this device (the recurrence reads its matrices through `s_old` and writes the

@@ -199,17 +199,32 @@ impl MlaGpu {
             .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
             .map_err(copy_err)?;
         let xd: &CudaSlice<f32> = xd;
+        // The products of the input row in one launch: the query's first projection, the compressed KV and the
+        // output gate.
         let q_first = sized(gpu, q_first, t_len * m.q_in.rows())?;
-        gemm(m.q_in, xd, q_first)?;
         let kv = sized(gpu, kv, t_len * row)?;
-        gemm(m.kv_a, xd, kv)?;
         let gate = match m.gate {
             Some(w) => {
                 let g = sized(gpu, gate, t_len * width)?;
-                gemm(w, xd, g)?;
+                DeviceMatrix::gemm_many_device(
+                    &[m.q_in, m.kv_a, w],
+                    xd,
+                    t_len,
+                    &mut [&mut *q_first, &mut *kv, &mut *g],
+                )
+                .map_err(|e| ModelError::Device(format!("cuda: MLA projections: {e}")))?;
                 Some(&*g)
             }
-            None => None,
+            None => {
+                DeviceMatrix::gemm_many_device(
+                    &[m.q_in, m.kv_a],
+                    xd,
+                    t_len,
+                    &mut [&mut *q_first, &mut *kv],
+                )
+                .map_err(|e| ModelError::Device(format!("cuda: MLA projections: {e}")))?;
+                None
+            }
         };
         let q: &CudaSlice<f32> = match (m.q_b, &self.q_norm) {
             (Some(q_b), Some(norm)) => {

@@ -13,6 +13,24 @@ use crate::error::{QuantError, Result};
 const DENSE_WARPS: usize = 8;
 const DENSE_RPW: usize = 4;
 
+/// The most matrices [`DeviceMatrix::gemm_many_device`] puts in one launch (`DENSE_MAX_JOBS` in the kernel).
+pub const MAX_JOBS: usize = 8;
+
+/// The jobs of `dense_gemm_multi_*`, passed by value: the layout of `DenseJobs` in `kernels/dense.cu` (device
+/// addresses of the weights and outputs, rows, first block of each job and the count).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DenseJobs {
+    w: [u64; MAX_JOBS],
+    y: [u64; MAX_JOBS],
+    rows: [i32; MAX_JOBS],
+    first: [i32; MAX_JOBS + 1],
+    n: i32,
+}
+
+// SAFETY: plain old data with the C layout of the kernel's parameter struct.
+unsafe impl cudarc::driver::DeviceRepr for DenseJobs {}
+
 /// The bytes of `v` as they lie in memory (little-endian on every target this crate builds for with CUDA).
 fn le_bytes<T: Copy>(v: &[T]) -> &[u8] {
     // SAFETY: `T` is a plain number type (f32, u16) with no padding; the byte view covers exactly the slice's
@@ -135,6 +153,91 @@ impl DeviceMatrix {
         b.arg(&self.buf).arg(x).arg(y).arg(&rows).arg(&cols).arg(&t);
         // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size), t_rows*cols
         // floats of x and writes t_rows*rows floats of y; both lengths were checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
+        Ok(())
+    }
+
+    /// `ys[j] = x · msⱼᵀ` for several matrices reading the same device rows `x [t_rows, cols]`, queued as one
+    /// launch when they share a device, kind and width (at most [`MAX_JOBS`]), else one launch each. The bits are
+    /// those of [`Self::gemm_device`] either way.
+    pub fn gemm_many_device(
+        ms: &[&DeviceMatrix],
+        x: &CudaSlice<f32>,
+        t_rows: usize,
+        ys: &mut [&mut CudaSlice<f32>],
+    ) -> Result<()> {
+        if ms.len() != ys.len() {
+            return Err(QuantError::BadInput {
+                expected: ms.len(),
+                actual: ys.len(),
+            });
+        }
+        let Some(first) = ms.first() else {
+            return Ok(());
+        };
+        let one_launch = ms.len() > 1
+            && ms.len() <= MAX_JOBS
+            && ms.iter().all(|m| {
+                Arc::ptr_eq(&m.gpu, &first.gpu) && m.kind == first.kind && m.cols == first.cols
+            });
+        if !one_launch {
+            for (m, y) in ms.iter().zip(ys.iter_mut()) {
+                m.gemm_device(x, t_rows, y)?;
+            }
+            return Ok(());
+        }
+        let cols = first.cols;
+        if x.len() < t_rows * cols {
+            return Err(QuantError::BadInput {
+                expected: t_rows * cols,
+                actual: x.len(),
+            });
+        }
+        let gpu = &first.gpu;
+        let stream = gpu.stream();
+        let mut jobs = DenseJobs {
+            w: [0; MAX_JOBS],
+            y: [0; MAX_JOBS],
+            rows: [0; MAX_JOBS],
+            first: [0; MAX_JOBS + 1],
+            n: ms.len() as i32,
+        };
+        let mut blocks = 0usize;
+        for (j, (m, y)) in ms.iter().zip(ys.iter()).enumerate() {
+            if y.len() < t_rows * m.rows {
+                return Err(QuantError::BadInput {
+                    expected: t_rows * m.rows,
+                    actual: y.len(),
+                });
+            }
+            if let Some(ev) = &m.ready {
+                stream
+                    .wait(ev)
+                    .map_err(|e| driver_err("waiting for a weight upload", e))?;
+            }
+            jobs.w[j] = super::device_address(stream, &m.buf);
+            jobs.y[j] = super::device_address(stream, &**y);
+            jobs.rows[j] = m.rows as i32;
+            jobs.first[j] = blocks as i32;
+            blocks += m.rows.div_ceil(DENSE_WARPS * DENSE_RPW);
+        }
+        jobs.first[ms.len()] = blocks as i32;
+        let name = match first.kind {
+            Kind::F32 => "dense_gemm_multi_f32",
+            Kind::Bf16 => "dense_gemm_multi_bf16",
+        };
+        let f = gpu.function(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: ((DENSE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols, t) = (cols as i32, t_rows as i32);
+        let mut b = stream.launch_builder(f);
+        b.arg(&jobs).arg(x).arg(&cols).arg(&t);
+        // SAFETY: every job's matrix is `rows * cols` values of the shared kind at `w`, and its `y` holds at least
+        // t_rows * rows floats (checked above); x holds t_rows * cols floats; job j owns the blocks first[j] ..
+        // first[j + 1], each covering DENSE_WARPS * DENSE_RPW of its rows as in the one-matrix kernel.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok(())
     }

@@ -36,7 +36,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 44] = [
+pub(crate) const KERNELS: [(&str, bool); 46] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -75,6 +75,8 @@ pub(crate) const KERNELS: [(&str, bool); 44] = [
     ("moe_combine", false),
     ("dense_gemm_f32", false),
     ("dense_gemm_bf16", false),
+    ("dense_gemm_multi_f32", false),
+    ("dense_gemm_multi_bf16", false),
     ("copy16", false),
     ("kda_prepare", false),
     ("kda_recurrent", true),
