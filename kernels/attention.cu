@@ -182,7 +182,46 @@ extern "C" __global__ void mla_norm_rows(const float* src, int src_stride, float
 //   p = softmax(score);  ctx = sum_s p_s c_s;  out = (W_UV,h ctx) * sigma(gate) (no factor when !gated).
 // q: [T, H, nope + rope]; cache: [N, kvl + rope] (c normalised, k_pe raw), rows past.. are this call's tokens;
 // w_uk_t: [H, kvl, nope]; w_uv: [H, vd, kvl]; scores: scratch [H, T, N]; gate, out: [T, H, vd].
-#define MLA_THREADS 256
+#define MLA_THREADS 512
+#define MLA_RPW 4
+
+// y[r] = W[r, :] . v for the `rows` rows of W [rows, n] (global, read once, streamed past L1) and v [n] (shared),
+// by every warp of the block: each warp takes MLA_RPW rows at a time and loads all of their 16-byte words before it
+// sums any, so a block keeps enough bytes in flight for one head's weights at the SM's share of HBM. Rows whose
+// start or whose v is not 16-byte aligned (n % 4 != 0) go one float at a time.
+__device__ void mla_rows_dot(const float* w, const float* v, float* y, int rows, int n) {
+    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1), nwarps = blockDim.x / WARP;
+    bool vec = (n & 3) == 0 && (((size_t)w | (size_t)v) & 15) == 0;
+    for (int r0 = warp * MLA_RPW; r0 < rows; r0 += nwarps * MLA_RPW) {
+        float a[MLA_RPW];
+#pragma unroll
+        for (int r = 0; r < MLA_RPW; r++) a[r] = 0.f;
+        if (vec) {
+            const float4* v4 = (const float4*)v;
+            for (int i = lane; i < n / 4; i += WARP) {
+                float4 p[MLA_RPW];
+#pragma unroll
+                for (int r = 0; r < MLA_RPW; r++)
+                    p[r] = r0 + r < rows ? __ldcs((const float4*)(w + (size_t)(r0 + r) * n) + i)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
+                float4 x = v4[i];
+#pragma unroll
+                for (int r = 0; r < MLA_RPW; r++) a[r] += p[r].x * x.x + p[r].y * x.y + p[r].z * x.z + p[r].w * x.w;
+            }
+        } else {
+            for (int i = lane; i < n; i += WARP)
+#pragma unroll
+                for (int r = 0; r < MLA_RPW; r++)
+                    if (r0 + r < rows) a[r] += w[(size_t)(r0 + r) * n + i] * v[i];
+        }
+#pragma unroll
+        for (int r = 0; r < MLA_RPW; r++) {
+            float sum = warp_sum(a[r]);
+            if (lane == 0 && r0 + r < rows) y[r0 + r] = sum;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     mla_attend(const float* q, const float* cache, const float* w_uk_t, const float* w_uv, float* scores,
                const float* gate, int gated, float* out, int n_tok, int past, int n_cache, int heads, int nope,
@@ -199,15 +238,8 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
     const float* qsrc = q + ((size_t)t * heads + h) * qk;
     for (int i = threadIdx.x; i < qk; i += blockDim.x) qh[i] = qsrc[i];
     __syncthreads();
-    // One warp per row of W_UK,h^T, the lanes along it (coalesced reads of the weights).
-    const float* uk = w_uk_t + (size_t)h * kvl * nope;
-    for (int l = warp; l < kvl; l += nwarps) {
-        const float* r = uk + (size_t)l * nope;
-        float a = 0.f;
-        for (int n = lane; n < nope; n += WARP) a += r[n] * qh[n];
-        a = warp_sum(a);
-        if (lane == 0) q_abs[l] = a;
-    }
+    // q_abs = W_UK,h^T q_nope: MLA_RPW rows a warp at once, the lanes along them.
+    mla_rows_dot(w_uk_t + (size_t)h * kvl * nope, qh, q_abs, kvl, nope);
     __syncthreads();
     int visible = past + t + 1;
     float* sc = scores + ((size_t)h * n_tok + t) * n_cache;
@@ -259,12 +291,12 @@ extern "C" __global__ void __launch_bounds__(MLA_THREADS)
         ctx[l] = a;
     }
     __syncthreads();
-    const float* uv = w_uv + (size_t)h * vd * kvl;
+    // out = W_UV,h ctx, gated.
     float* dst = out + ((size_t)t * heads + h) * vd;
-    for (int i = warp; i < vd; i += nwarps) {
-        float a = 0.f;
-        for (int l = lane; l < kvl; l += WARP) a += uv[(size_t)i * kvl + l] * ctx[l];
-        a = warp_sum(a);
-        if (lane == 0) dst[i] = gated ? a * sigmoidf_(gate[((size_t)t * heads + h) * vd + i]) : a;
+    mla_rows_dot(w_uv + (size_t)h * vd * kvl, ctx, dst, vd, kvl);
+    if (gated) {
+        __syncthreads();
+        const float* g = gate + ((size_t)t * heads + h) * vd;
+        for (int i = threadIdx.x; i < vd; i += blockDim.x) dst[i] *= sigmoidf_(g[i]);
     }
 }

@@ -421,6 +421,37 @@ fn dense_gemm_many_matches_one_at_a_time() {
     }
 }
 
+/// Row copies through the pinned buffers: several uploads and downloads queued before one wait, the buffers
+/// grown past their first size in the middle, every value back where it belongs; reading before the wait fails.
+#[test]
+fn row_copies_round_trip() {
+    let gpu = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let sizes = [7usize, 1000, 70_000, 3, 200_000];
+    let srcs: Vec<Vec<f32>> = sizes
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+        .collect();
+    let mut devs: Vec<_> = sizes
+        .iter()
+        .map(|&n| gpu.zeros::<f32>(n + 5).expect("buffer"))
+        .collect();
+    let mut rows = gpu.row_copies();
+    let mut ranges = Vec::new();
+    for (src, dev) in srcs.iter().zip(devs.iter_mut()) {
+        rows.upload(src, dev).expect("upload");
+        ranges.push(rows.download(&dev.slice(0..src.len())).expect("download"));
+    }
+    assert!(
+        rows.downloaded(ranges[0].clone()).is_err(),
+        "read before the wait"
+    );
+    rows.synchronize().expect("wait");
+    for (src, r) in srcs.iter().zip(ranges) {
+        assert_eq!(rows.downloaded(r).expect("values"), src.as_slice());
+    }
+}
+
 /// The feature build reports a missing GPU clearly instead of failing obscurely; here a GPU must be usable.
 #[test]
 fn device_is_usable_or_clearly_unavailable() {

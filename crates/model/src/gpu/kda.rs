@@ -299,10 +299,9 @@ pub(crate) fn kda_forward(
         None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
     };
     timer.start(gpu).map_err(cuda_err)?;
+    let mut rows = gpu.row_copies();
     let xd = sized(gpu, x_buf, x.len())?;
-    stream
-        .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
-        .map_err(copy_err)?;
+    rows.upload(x, xd).map_err(cuda_err)?;
     let xd: &CudaSlice<f32> = xd;
     // Every product of the input row in one launch: q, k, v, f_a, b and the gate (or its low-rank down).
     let q_raw = sized(gpu, q_raw, t_len * c)?;
@@ -468,14 +467,12 @@ pub(crate) fn kda_forward(
 
     let yd = sized(gpu, y, n_out)?;
     gemm(m.o, out, yd)?;
-    let mut y_host = vec![0.0f32; n_out];
-    stream
-        .memcpy_dtoh(&yd.slice(0..n_out), &mut y_host)
-        .map_err(copy_err)?;
+    let y_range = rows.download(&yd.slice(0..n_out)).map_err(cuda_err)?;
     timer.stop(gpu).map_err(cuda_err)?;
-    stream
-        .synchronize()
+    rows.synchronize()
         .map_err(|e| ModelError::Device(format!("cuda: KDA: {e}")))?;
+    let y_host = rows.downloaded(y_range).map_err(cuda_err)?.to_vec();
+    drop(rows);
     profile.add(Phase::AttnDevice, timer.elapsed().map_err(cuda_err)?);
     drop(guard);
     let state = DeviceKdaState {

@@ -25,7 +25,7 @@ use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
 
 /// Threads per block of `mla_attend` (as `MLA_THREADS` in `kernels/attention.cu`).
-const MLA_THREADS: usize = 256;
+const MLA_THREADS: usize = 512;
 /// Threads per block of `mla_norm_rows`.
 const NORM_THREADS: u32 = 256;
 
@@ -164,8 +164,6 @@ impl MlaGpu {
         let stream = gpu.stream();
         let row = self.kvl + self.rope;
         let width = self.heads * self.vd;
-        let copy_err =
-            |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: MLA copy: {e}"));
         let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>, dst: &mut CudaSlice<f32>| {
             w.gemm_device(input, t_len, dst)
                 .map_err(|e| ModelError::Device(format!("cuda: MLA projection: {e}")))
@@ -194,10 +192,9 @@ impl MlaGpu {
             None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
         };
         timer.start(gpu).map_err(cuda_err)?;
+        let mut rows = gpu.row_copies();
         let xd = sized(gpu, x_buf, x.len())?;
-        stream
-            .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
-            .map_err(copy_err)?;
+        rows.upload(x, xd).map_err(cuda_err)?;
         let xd: &CudaSlice<f32> = xd;
         // The products of the input row in one launch: the query's first projection, the compressed KV and the
         // output gate.
@@ -274,18 +271,18 @@ impl MlaGpu {
         let yd = sized(gpu, y, t_len * m.o.rows())?;
         gemm(m.o, out, yd)?;
 
-        let mut y_host = vec![0.0f32; t_len * m.o.rows()];
-        stream
-            .memcpy_dtoh(&yd.slice(0..y_host.len()), &mut y_host)
-            .map_err(copy_err)?;
-        let mut new_rows = vec![0.0f32; t_len * row];
-        stream
-            .memcpy_dtoh(&cache_dev.slice(past * row..n_cache * row), &mut new_rows)
-            .map_err(copy_err)?;
+        let y_range = rows
+            .download(&yd.slice(0..t_len * m.o.rows()))
+            .map_err(cuda_err)?;
+        let new_range = rows
+            .download(&cache_dev.slice(past * row..n_cache * row))
+            .map_err(cuda_err)?;
         timer.stop(gpu).map_err(cuda_err)?;
-        stream
-            .synchronize()
+        rows.synchronize()
             .map_err(|e| ModelError::Device(format!("cuda: MLA: {e}")))?;
+        let y_host = rows.downloaded(y_range).map_err(cuda_err)?.to_vec();
+        let new_rows = rows.downloaded(new_range).map_err(cuda_err)?.to_vec();
+        drop(rows);
         profile.add(Phase::AttnDevice, timer.elapsed().map_err(cuda_err)?);
         cache.push_block(new_rows, row);
         mirror.blocks = cache.blocks().to_vec();
@@ -312,6 +309,7 @@ impl MlaGpu {
             out,
             ..
         } = &mut *guard;
+        let mut rows = gpu.row_copies();
         let mut mirror = self
             .mirror
             .lock()
@@ -321,19 +319,14 @@ impl MlaGpu {
             return Err(ModelError::Device("mla cache mirror is empty".to_string()));
         };
         let qd = sized(gpu, q_buf, q.len())?;
-        gpu.stream()
-            .memcpy_htod(q, &mut qd.slice_mut(0..q.len()))
-            .map_err(|e| ModelError::Device(format!("cuda: MLA copy: {e}")))?;
+        rows.upload(q, qd).map_err(cuda_err)?;
         let n_out = t_len * self.heads * self.vd;
         let out = sized(gpu, out, n_out)?;
         let scores = sized(gpu, scores, self.heads * t_len * n_cache)?;
         self.launch_attend(qd, cache_dev, scores, None, out, (t_len, past), scale)?;
-        let mut o = vec![0.0f32; n_out];
-        gpu.stream()
-            .memcpy_dtoh(&out.slice(0..n_out), &mut o)
-            .map_err(|e| ModelError::Device(format!("cuda: MLA copy: {e}")))?;
-        gpu.synchronize().map_err(cuda_err)?;
-        Ok(o)
+        let r = rows.download(&out.slice(0..n_out)).map_err(cuda_err)?;
+        rows.synchronize().map_err(cuda_err)?;
+        Ok(rows.downloaded(r).map_err(cuda_err)?.to_vec())
     }
 
     /// `mla_norm_rows` in place on the `t_len` rows of `width` values in `buf`, scaled by `w`.

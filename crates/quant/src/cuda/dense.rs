@@ -256,21 +256,16 @@ impl DeviceMatrix {
         }
         let n_out = t_rows * self.rows;
         let gpu = &self.gpu;
-        let stream = gpu.stream();
         let mut bufs = gpu.host_gemm.lock().unwrap_or_else(|e| e.into_inner());
         let HostGemmBuffers { x: xs, y: ys } = &mut *bufs;
+        let mut rows = gpu.row_copies();
         let xd = super::sized(gpu, xs, x.len())?;
-        stream
-            .memcpy_htod(x, &mut xd.slice_mut(0..x.len()))
-            .map_err(|e| driver_err("host-to-device copy", e))?;
+        rows.upload(x, xd)?;
         let yd = super::sized(gpu, ys, n_out)?;
         self.gemm_device(xd, t_rows, yd)?;
-        let mut y = vec![0.0f32; n_out];
-        stream
-            .memcpy_dtoh(&yd.slice(0..n_out), &mut y)
-            .map_err(|e| driver_err("device-to-host copy", e))?;
-        gpu.synchronize()?;
-        Ok(y)
+        let r = rows.download(&yd.slice(0..n_out))?;
+        rows.synchronize()?;
+        Ok(rows.downloaded(r)?.to_vec())
     }
 }
 

@@ -6,10 +6,12 @@
 //! [`QuantError::CudaUnavailable`] with the reason when there is no driver, no NVRTC or no device.
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
-//! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream).
+//! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream),
+//! [`rows`] (a layer's activation rows up and down through reused pinned buffers).
 
 pub mod dense;
 pub mod moe;
+pub mod rows;
 mod upload;
 
 use std::collections::HashMap;
@@ -146,6 +148,8 @@ pub struct Gpu {
     /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
     /// call (a device allocation costs 5–20 µs, more than a small product).
     pub(crate) host_gemm: std::sync::Mutex<dense::HostGemmBuffers>,
+    /// The pinned buffers of activation-row copies ([`Gpu::row_copies`]).
+    rows: std::sync::Mutex<rows::RowStaging>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -240,6 +244,7 @@ impl Gpu {
             smem_optin,
             staging: upload::Staging::default(),
             host_gemm: std::sync::Mutex::default(),
+            rows: std::sync::Mutex::default(),
         })
     }
 

@@ -1,0 +1,207 @@
+//! A layer's activation rows to and from the device through reused pinned buffers.
+//!
+//! A layer on the GPU sends its input rows up and its output rows down (tens of KB a token). From pageable memory
+//! such a copy cost 16–40 µs on the H200, each waited for by the stream, where a pinned one is a few. The buffers
+//! belong to the device and are taken through [`Gpu::row_copies`], which holds them until the guard drops; uploads and
+//! downloads are queued on the compute stream at rising offsets, so nothing in flight is overwritten, and a
+//! download's values are read only after [`RowCopies::synchronize`]. Where pinned memory cannot be had, plain
+//! vectors serve (the driver then stages the copies itself).
+
+use std::ops::Range;
+use std::sync::MutexGuard;
+
+use cudarc::driver::{CudaSlice, CudaView, PinnedHostSlice};
+
+use super::{Gpu, driver_err};
+use crate::error::{QuantError, Result};
+
+/// Floats a buffer holds at least once allocated (the rows of a few hundred tokens at K3's width).
+const MIN_CAPACITY: usize = 1 << 16;
+
+/// Host memory for row copies: pinned when the driver gives it.
+enum HostBuf {
+    Pinned(PinnedHostSlice<f32>),
+    Plain(Vec<f32>),
+}
+
+impl HostBuf {
+    /// A buffer of `len` floats (page-locked, cached: the host reads downloads from it).
+    fn new(gpu: &Gpu, len: usize) -> Self {
+        // SAFETY: every range of the buffer is written (by the host or by a copy) before it is read.
+        match unsafe { gpu.ctx.alloc_pinned_with_flags::<f32>(len, 0) } {
+            Ok(p) => Self::Pinned(p),
+            Err(e) => {
+                tracing::warn!(
+                    "no pinned memory for row copies ({e}); they go from pageable memory"
+                );
+                Self::Plain(vec![0.0; len])
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::Pinned(p) => p.len(),
+            Self::Plain(v) => v.len(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> Result<&mut [f32]> {
+        match self {
+            Self::Pinned(p) => p
+                .as_mut_slice()
+                .map_err(|e| driver_err("row staging buffer", e)),
+            Self::Plain(v) => Ok(v),
+        }
+    }
+
+    fn as_slice(&self) -> Result<&[f32]> {
+        match self {
+            Self::Pinned(p) => p
+                .as_slice()
+                .map_err(|e| driver_err("row staging buffer", e)),
+            Self::Plain(v) => Ok(v),
+        }
+    }
+}
+
+/// The device's row buffers (allocated on first use, grown when a call needs more).
+#[derive(Default)]
+pub(crate) struct RowStaging {
+    up: Option<HostBuf>,
+    down: Option<HostBuf>,
+}
+
+/// The device's row buffers, held until dropped. Uploads and downloads go at rising offsets for the guard's life,
+/// so a queued copy never shares memory with a later one and every download stays readable.
+pub struct RowCopies<'a> {
+    gpu: &'a Gpu,
+    bufs: MutexGuard<'a, RowStaging>,
+    up_used: usize,
+    down_used: usize,
+    /// Copies queued since the stream was last waited for.
+    pending: bool,
+}
+
+impl Gpu {
+    /// The device's row buffers (waits for another caller holding them).
+    pub fn row_copies(&self) -> RowCopies<'_> {
+        RowCopies {
+            gpu: self,
+            bufs: self.rows.lock().unwrap_or_else(|e| e.into_inner()),
+            up_used: 0,
+            down_used: 0,
+            pending: false,
+        }
+    }
+}
+
+impl RowCopies<'_> {
+    /// Makes the up (or down) buffer hold at least `need` floats. A replaced buffer's used values move to the new
+    /// one after the queued copies are waited for (one in flight may still use the old buffer).
+    fn room(&mut self, up: bool, need: usize) -> Result<()> {
+        let gpu = self.gpu;
+        let used = if up { self.up_used } else { self.down_used };
+        let cur = if up { &self.bufs.up } else { &self.bufs.down };
+        if cur.as_ref().is_some_and(|b| b.len() >= need) {
+            return Ok(());
+        }
+        if self.pending {
+            self.wait()?;
+        }
+        let slot = if up {
+            &mut self.bufs.up
+        } else {
+            &mut self.bufs.down
+        };
+        let cap = need
+            .max(MIN_CAPACITY)
+            .max(2 * slot.as_ref().map_or(0, HostBuf::len));
+        let mut fresh = HostBuf::new(gpu, cap);
+        if let Some(old) = slot.as_ref() {
+            fresh.as_mut_slice()?[..used].copy_from_slice(&old.as_slice()?[..used]);
+        }
+        *slot = Some(fresh);
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<()> {
+        self.gpu.synchronize()?;
+        self.pending = false;
+        Ok(())
+    }
+
+    /// Queues the copy of `src` into the start of `dst` on the compute stream (`src` may be reused at once).
+    pub fn upload(&mut self, src: &[f32], dst: &mut CudaSlice<f32>) -> Result<()> {
+        if dst.len() < src.len() {
+            return Err(QuantError::BadInput {
+                expected: src.len(),
+                actual: dst.len(),
+            });
+        }
+        if src.is_empty() {
+            return Ok(());
+        }
+        let at = self.up_used;
+        self.room(true, at + src.len())?;
+        let Some(buf) = self.bufs.up.as_mut() else {
+            return Err(QuantError::Cuda("row staging buffer missing".to_string()));
+        };
+        let host = &mut buf.as_mut_slice()?[at..at + src.len()];
+        host.copy_from_slice(src);
+        self.gpu
+            .stream
+            .memcpy_htod(&*host, &mut dst.slice_mut(0..src.len()))
+            .map_err(|e| driver_err("row upload", e))?;
+        self.up_used = at + src.len();
+        self.pending = true;
+        Ok(())
+    }
+
+    /// Queues the copy of `src` down; its values are [`Self::downloaded`] once [`Self::synchronize`] has run.
+    pub fn download(&mut self, src: &CudaView<'_, f32>) -> Result<Range<usize>> {
+        let n = src.len();
+        let at = self.down_used;
+        self.room(false, at + n)?;
+        let Some(buf) = self.bufs.down.as_mut() else {
+            return Err(QuantError::Cuda("row staging buffer missing".to_string()));
+        };
+        let host = &mut buf.as_mut_slice()?[at..at + n];
+        self.gpu
+            .stream
+            .memcpy_dtoh(src, host)
+            .map_err(|e| driver_err("row download", e))?;
+        self.down_used = at + n;
+        self.pending = true;
+        Ok(at..at + n)
+    }
+
+    /// Waits for every copy and kernel queued on the compute stream.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.wait()
+    }
+
+    /// The values of a download queued since the buffers were taken (after [`Self::synchronize`]).
+    pub fn downloaded(&self, r: Range<usize>) -> Result<&[f32]> {
+        if self.pending {
+            return Err(QuantError::Cuda(
+                "row download read before the stream was waited for".to_string(),
+            ));
+        }
+        let Some(buf) = self.bufs.down.as_ref() else {
+            return Err(QuantError::Cuda("row staging buffer missing".to_string()));
+        };
+        buf.as_slice()?
+            .get(r)
+            .ok_or_else(|| QuantError::Cuda("row download out of range".to_string()))
+    }
+}
+
+impl Drop for RowCopies<'_> {
+    /// Copies still in flight read or write the buffers: wait for them before another caller takes them.
+    fn drop(&mut self) {
+        if self.pending {
+            let _ = self.gpu.synchronize();
+        }
+    }
+}
