@@ -441,40 +441,50 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
 /// count, against a device copy of the same bytes in the same process (read + write counted, as for the MoE
 /// kernels). Prints one JSON line per shape and token count.
 pub fn dense_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
+    use deltafin_quant::cuda::dense::DeviceMatrix;
     use deltafin_quant::{DenseData, DenseMatrix};
     let gpu = Gpu::shared()?;
     println!("device: {}", gpu.name());
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    // KDA's q, k, v and output gate; the output projection of KDA and MLA; MLA's q_b.
+    // KDA's q, k, v and output gate (also the four in one launch, as a layer runs them); the output projection of
+    // KDA and MLA; MLA's q_b.
     let shapes = [
-        ("kda_qkvg", 12288usize, 7168usize),
-        ("attn_o", 7168, 12288),
-        ("mla_q_b", 18432, 1536),
+        ("kda_qkvg", 12288usize, 7168usize, 1usize),
+        ("kda_qkvg_x4", 12288, 7168, 4),
+        ("attn_o", 7168, 12288, 1),
+        ("mla_q_b", 18432, 1536, 1),
     ];
-    for (name, rows, cols) in shapes {
-        let bits: Vec<u16> = (0..rows * cols)
-            .map(|_| 0x3c00 | (rng.random::<u16>() & 0x80ff))
-            .collect();
-        let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into()))?;
-        if !m.attach_cuda(&gpu)? {
-            bail!("{name}: the matrix did not go to the GPU");
+    for (name, rows, cols, count) in shapes {
+        let mut mats = Vec::with_capacity(count);
+        for _ in 0..count {
+            let bits: Vec<u16> = (0..rows * cols)
+                .map(|_| 0x3c00 | (rng.random::<u16>() & 0x80ff))
+                .collect();
+            let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into()))?;
+            if !m.attach_cuda(&gpu)? {
+                bail!("{name}: the matrix did not go to the GPU");
+            }
+            mats.push(m.cuda().context("device copy")?.clone());
         }
-        let dm = m.cuda().context("device copy")?.clone();
-        let bytes = rows * cols * 2;
+        let dms: Vec<&DeviceMatrix> = mats.iter().map(|m| &**m).collect();
+        let bytes = count * rows * cols * 2;
         let (k_us, m_us) = copy_us(&gpu, bytes, reps)?;
         let copy_bw = 2.0 * bytes as f64 / (k_us.min(m_us) * 1e-6);
         for &t in tokens {
             let x: Vec<f32> = (0..t * cols).map(|_| rng.random::<f32>() - 0.5).collect();
             let xd = gpu.upload(&x)?;
-            let mut yd = gpu.zeros::<f32>(t * rows)?;
+            let mut ys = (0..count)
+                .map(|_| gpu.zeros::<f32>(t * rows))
+                .collect::<Result<Vec<_>, _>>()?;
             let ms = time_ms(&gpu, reps, || {
-                dm.gemm_device(&xd, t, &mut yd)?;
+                let mut refs: Vec<&mut _> = ys.iter_mut().collect();
+                DeviceMatrix::gemm_many_device(&dms, &xd, t, &mut refs)?;
                 Ok(())
             })?;
             let bw = bytes as f64 / (ms * 1e-3);
             println!(
-                "{{\"shape\":\"{name}\",\"rows\":{rows},\"cols\":{cols},\"tokens\":{t},\"us\":{:.1},\"weight_gb_s\":{:.0},\
-                 \"copy_gb_s\":{:.0},\"of_copy\":{:.3}}}",
+                "{{\"shape\":\"{name}\",\"rows\":{rows},\"cols\":{cols},\"matrices\":{count},\"tokens\":{t},\
+                 \"us\":{:.1},\"weight_gb_s\":{:.0},\"copy_gb_s\":{:.0},\"of_copy\":{:.3}}}",
                 ms * 1e3,
                 bw / 1e9,
                 copy_bw / 1e9,

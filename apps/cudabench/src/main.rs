@@ -2,7 +2,8 @@
 //!
 //! - `moe-bw`: the MXFP4 MoE kernels on 16 experts of K3's real shape against a device-to-device copy in the
 //!   same process, for several token counts.
-//! - `dense-bw`: the dense (spine) GEMM at K3's attention shapes against a device copy, for several token counts.
+//! - `dense-bw`: the dense (spine) GEMM at K3's attention shapes (and KDA's four input products in one launch)
+//!   against a device copy, for several token counts.
 //! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
 //! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
 //!
