@@ -3,15 +3,17 @@
 //! `cargo run --release -p deltafin-quant --example gemm_compute [-- --tokens 64,1024]`
 //!
 //! For each token count (default 64 and 1024), on one thread and on every thread: the FMA peak
-//! (`deltafin_quant::flops`), then bf16 `[3072, 7168]` times that many inputs through `DenseMatrix::gemm` (each
-//! weight row once, every token's product in the contract's order) and eight MXFP4 experts' `[3072, 3584]` gate
-//! matrices times that many inputs each in one `gemm_batch` (exact f32 inputs),
+//! (`deltafin_quant::flops`), then bf16 and f32 `[3072, 7168]` times that many inputs through `DenseMatrix::gemm`
+//! (each weight row once, every token's product in the contract's order; f32 also one `dot_f32` at a time, as the
+//! products ran before the f32 tiles) and eight MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
+//! each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
 //! passes after a warm-up.
 
 use std::time::Instant;
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::dot::dot_f32;
 use deltafin_quant::flops::fma_peak;
 use deltafin_quant::mxfp4::{Mxfp4Matrix, Mxfp4Product, gemm_batch};
 
@@ -45,10 +47,30 @@ fn run(tokens: usize) {
     let bits: Vec<u16> = (0..rows * cols)
         .map(|i| 0x3c00 | ((i.wrapping_mul(2_654_435_761) >> 9) as u16 & 0x83ff))
         .collect();
-    let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("shape");
     let x: Vec<f32> = (0..tokens * cols)
         .map(|i| ((i % 17) as f32 - 8.0) * 0.01)
         .collect();
+    let f32s: Vec<f32> = bits
+        .iter()
+        .map(|&b| f32::from_bits((b as u32) << 16))
+        .collect();
+    let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("shape");
+    let mf = DenseMatrix::new(rows, cols, DenseData::F32(f32s.clone())).expect("shape");
+    let one_at_a_time = || {
+        use rayon::prelude::*;
+        let y: Vec<f32> = (0..rows * tokens)
+            .into_par_iter()
+            .with_min_len(64)
+            .map(|i| {
+                let (r, t) = (i / tokens, i % tokens);
+                dot_f32(
+                    &f32s[r * cols..(r + 1) * cols],
+                    &x[t * cols..(t + 1) * cols],
+                )
+            })
+            .collect();
+        y
+    };
     let flop = 2.0 * (rows * cols * tokens) as f64;
     let (er, ec, experts) = (3072usize, 3584usize, 8usize);
     let codes: Vec<Vec<u8>> = (0..experts)
@@ -88,6 +110,8 @@ fn run(tokens: usize) {
             // Each pass: the peak right before each kernel, so that a change of machine speed between them (this
             // project's machines are shared) shows in both.
             let mut bf16 = Vec::new();
+            let mut f32t = Vec::new();
+            let mut f32o = Vec::new();
             let mut mx = Vec::new();
             let mut peaks = Vec::new();
             for _ in 0..PASSES {
@@ -97,6 +121,18 @@ fn run(tokens: usize) {
                 std::hint::black_box(m.gemm(&x, tokens).expect("gemm"));
                 let rate = flop / t.elapsed().as_secs_f64();
                 bf16.push((rate, rate / peak));
+                let peak = fma_peak(5_000_000);
+                peaks.push(peak);
+                let t = Instant::now();
+                std::hint::black_box(mf.gemm(&x, tokens).expect("gemm"));
+                let rate = flop / t.elapsed().as_secs_f64();
+                f32t.push((rate, rate / peak));
+                let peak = fma_peak(5_000_000);
+                peaks.push(peak);
+                let t = Instant::now();
+                std::hint::black_box(one_at_a_time());
+                let rate = flop / t.elapsed().as_secs_f64();
+                f32o.push((rate, rate / peak));
                 let peak = fma_peak(5_000_000);
                 peaks.push(peak);
                 let t = Instant::now();
@@ -111,11 +147,15 @@ fn run(tokens: usize) {
                 )
             };
             let ((bf16_rate, bf16_share), (mx_rate, mx_share)) = (med(&bf16), med(&mx));
+            let ((ft_rate, ft_share), (fo_rate, fo_share)) = (med(&f32t), med(&f32o));
             println!(
                 "{threads} thread(s): bf16 [{rows}, {cols}] x {tokens} tokens {:.1} GFLOP/s ({bf16_share:.2} of the FMA \
-                 peak); MXFP4 {experts} x [{er}, {ec}] x {tokens} tokens {:.1} GFLOP/s ({mx_share:.2}); FMA peak \
-                 {:.0} GFLOP/s (median)",
+                 peak); f32 tiles {:.1} ({ft_share:.2}), f32 one product at a time {:.1} ({fo_share:.2}); MXFP4 \
+                 {experts} x [{er}, {ec}] x {tokens} tokens {:.1} GFLOP/s ({mx_share:.2}); FMA peak {:.0} GFLOP/s \
+                 (median)",
                 bf16_rate / 1e9,
+                ft_rate / 1e9,
+                fo_rate / 1e9,
                 mx_rate / 1e9,
                 median(peaks) / 1e9,
             );

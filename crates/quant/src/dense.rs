@@ -360,11 +360,12 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
         input_of.push(at);
     }
     let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t_rows * m.rows]).collect();
-    // The bf16 matrices in tiles of rows by inputs (each weight row widened once for every input), together.
-    let bf16: Vec<usize> = (0..mats.len())
-        .filter(|&i| matches!(mats[i].data, DenseData::Bf16(_)))
+    // The bf16 and f32 matrices in tiles of rows by inputs (each weight row loaded, and widened, once for every input
+    // of a tile), together.
+    let tiled: Vec<usize> = (0..mats.len())
+        .filter(|&i| matches!(mats[i].data, DenseData::Bf16(_) | DenseData::F32(_)))
         .collect();
-    let permuted: Vec<Vec<&[f32]>> = bf16
+    let inputs: Vec<Vec<&[f32]>> = tiled
         .iter()
         .map(|&i| {
             kinds[input_of[i]]
@@ -372,7 +373,8 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
                 .iter()
                 .filter_map(|p| match p {
                     Prepared::Bf16(xp) => Some(&**xp),
-                    _ => None,
+                    Prepared::F32(x) => Some(*x),
+                    Prepared::Int8(_) => None,
                 })
                 .collect()
         })
@@ -380,22 +382,28 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
     {
         let mut outs: Vec<(usize, &mut [f32])> = Vec::new();
         for (i, y) in ys.iter_mut().enumerate() {
-            if bf16.contains(&i) {
+            if tiled.contains(&i) {
                 outs.push((mats[i].rows, y.as_mut_slice()));
             }
         }
         par_row_tiles(t_rows, &mut outs, |k, r0, tokens, out| {
-            let m = mats[bf16[k]];
-            if let DenseData::Bf16(v) = &m.data {
-                let rows: Vec<&[u16]> = (r0..r0 + out.len() / tokens.len())
-                    .map(|r| row(v, r, m.cols))
-                    .collect();
-                bf16_contract::dot_tiles(&rows, &permuted[k][tokens], out);
+            let m = mats[tiled[k]];
+            let r1 = r0 + out.len() / tokens.len();
+            match &m.data {
+                DenseData::Bf16(v) => {
+                    let rows: Vec<&[u16]> = (r0..r1).map(|r| row(v, r, m.cols)).collect();
+                    bf16_contract::dot_tiles(&rows, &inputs[k][tokens], out);
+                }
+                DenseData::F32(v) => {
+                    let rows: Vec<&[f32]> = (r0..r1).map(|r| row(v, r, m.cols)).collect();
+                    crate::dot::dot_f32_tiles(&rows, &inputs[k][tokens], out);
+                }
+                DenseData::Int8 { .. } => {}
             }
         });
     }
     for (i, y) in ys.iter_mut().enumerate() {
-        if !bf16.contains(&i) {
+        if !tiled.contains(&i) {
             let xs = &kinds[input_of[i]].1;
             par_rows(mats[i].rows, t_rows, y, |r, t| mats[i].row_with(r, &xs[t]));
         }

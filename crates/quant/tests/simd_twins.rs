@@ -2,7 +2,7 @@
 
 use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
 use deltafin_quant::dense::{DenseData, DenseMatrix};
-use deltafin_quant::dot::{dot_f32, dot_f32_ref};
+use deltafin_quant::dot::{dot_f32, dot_f32_ref, dot_f32_tiles};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
 use deltafin_quant::simd::{Contract, kernel_set};
@@ -115,6 +115,44 @@ fn dots_agree_on_edge_values() {
             a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
             "{special}: {a} vs {b}"
         );
+    }
+}
+
+/// The f32 tiles (rows by inputs sharing loads) give each product's reference bits, for every tile remainder of
+/// rows (1–5) and inputs (1–9) and lengths with and without a tail; edge values (zeros of both signs, tiny and huge)
+/// included.
+#[test]
+fn f32_tiles_match_reference() {
+    exercised("f32_tiles_match_reference", &[Contract::Dense]);
+    let mut r = rng();
+    for &n in &[1usize, 31, 32, 33, 100, 512] {
+        for n_rows in 1..=5 {
+            for n_tok in 1..=9 {
+                let rows: Vec<Vec<f32>> = (0..n_rows)
+                    .map(|i| {
+                        if i == 0 {
+                            edge_inputs(&mut r, n)
+                        } else {
+                            randn(&mut r, n)
+                        }
+                    })
+                    .collect();
+                let xs: Vec<Vec<f32>> = (0..n_tok).map(|_| randn(&mut r, n)).collect();
+                let rr: Vec<&[f32]> = rows.iter().map(|v| v.as_slice()).collect();
+                let xr: Vec<&[f32]> = xs.iter().map(|v| v.as_slice()).collect();
+                let mut out = vec![f32::NAN; n_rows * n_tok];
+                dot_f32_tiles(&rr, &xr, &mut out);
+                for (i, w) in rows.iter().enumerate() {
+                    for (t, x) in xs.iter().enumerate() {
+                        same_bits(
+                            out[i * n_tok + t],
+                            dot_f32_ref(w, x),
+                            &format!("n {n}, row {i} of {n_rows}, input {t} of {n_tok}"),
+                        );
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -143,6 +143,71 @@ unsafe fn dot_x1(w: &[f32], x: &[f32]) -> f32 {
     finish(a, b2, w, x, full)
 }
 
+/// The accumulators of one (row, input) product of the dense contract: `[a0|a1]`, `[a2|a3]`.
+pub type F32Acc = [__m512; 2];
+
+/// Values `b0 .. b1` (whole blocks of 32) of `R` f32 rows by `T` inputs of the dense contract (multi-token
+/// products): per block each row's two vectors are loaded once for all `T` inputs and each input's once for all `R`
+/// rows, so a 2 × 4 tile does 16 FMAs for 12 loads where one product at a time does one load per FMA. Each
+/// product's accumulators are `acc[r · stride + t]`, read at the start and written back at the end, so a caller can
+/// walk the values in blocks that keep the inputs in L1; every product gets its blocks in order, as in
+/// [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `b0` and `b1` are multiples of 32 within every row and input; `acc`
+/// holds `(R - 1) · stride + T` accumulators.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32_tile<const R: usize, const T: usize>(
+    rows: [&[f32]; R],
+    xs: [&[f32]; T],
+    (b0, b1): (usize, usize),
+    acc: &mut [F32Acc],
+    stride: usize,
+) {
+    let z = _mm512_setzero_ps();
+    let mut a = [[[z; 2]; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            a[r][t] = acc[r * stride + t];
+        }
+    }
+    let mut b = b0;
+    while b < b1 {
+        // SAFETY: b + 32 <= b1, within every row and input (caller).
+        unsafe {
+            let mut w = [[z; 2]; R];
+            for r in 0..R {
+                let p = rows[r].as_ptr().add(b);
+                w[r] = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+            }
+            for t in 0..T {
+                let p = xs[t].as_ptr().add(b);
+                let (xa, xb) = (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)));
+                for r in 0..R {
+                    a[r][t][0] = _mm512_fmadd_ps(w[r][0], xa, a[r][t][0]);
+                    a[r][t][1] = _mm512_fmadd_ps(w[r][1], xb, a[r][t][1]);
+                }
+            }
+        }
+        b += BLOCK;
+    }
+    for r in 0..R {
+        for t in 0..T {
+            acc[r * stride + t] = a[r][t];
+        }
+    }
+}
+
+/// One product of the dense contract from its accumulators over the whole blocks: the tail, then the reduction.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; `w` and `x` have one length.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
+    let full = w.len().min(x.len()) / BLOCK * BLOCK;
+    finish(acc[0], acc[1], w, x, full)
+}
+
 /// AVX-512 twin of [`crate::dot::dot_f32_ref`].
 ///
 /// # Safety
