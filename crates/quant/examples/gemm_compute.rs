@@ -24,6 +24,17 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Runs `f` once right after an FMA peak reading (kept in `peaks`): its GFLOP rate for `flop` and that rate's share
+/// of the peak.
+fn timed(peaks: &mut Vec<f64>, flop: f64, f: impl FnOnce()) -> (f64, f64) {
+    let peak = fma_peak(5_000_000);
+    peaks.push(peak);
+    let t = Instant::now();
+    f();
+    let rate = flop / t.elapsed().as_secs_f64();
+    (rate, rate / peak)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let counts: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
@@ -115,30 +126,16 @@ fn run(tokens: usize) {
             let mut mx = Vec::new();
             let mut peaks = Vec::new();
             for _ in 0..PASSES {
-                let peak = fma_peak(5_000_000);
-                peaks.push(peak);
-                let t = Instant::now();
-                std::hint::black_box(m.gemm(&x, tokens).expect("gemm"));
-                let rate = flop / t.elapsed().as_secs_f64();
-                bf16.push((rate, rate / peak));
-                let peak = fma_peak(5_000_000);
-                peaks.push(peak);
-                let t = Instant::now();
-                std::hint::black_box(mf.gemm(&x, tokens).expect("gemm"));
-                let rate = flop / t.elapsed().as_secs_f64();
-                f32t.push((rate, rate / peak));
-                let peak = fma_peak(5_000_000);
-                peaks.push(peak);
-                let t = Instant::now();
-                std::hint::black_box(one_at_a_time());
-                let rate = flop / t.elapsed().as_secs_f64();
-                f32o.push((rate, rate / peak));
-                let peak = fma_peak(5_000_000);
-                peaks.push(peak);
-                let t = Instant::now();
-                run_mx();
-                let rate = mx_flop / t.elapsed().as_secs_f64();
-                mx.push((rate, rate / peak));
+                bf16.push(timed(&mut peaks, flop, || {
+                    std::hint::black_box(m.gemm(&x, tokens).expect("gemm"));
+                }));
+                f32t.push(timed(&mut peaks, flop, || {
+                    std::hint::black_box(mf.gemm(&x, tokens).expect("gemm"));
+                }));
+                f32o.push(timed(&mut peaks, flop, || {
+                    std::hint::black_box(one_at_a_time());
+                }));
+                mx.push(timed(&mut peaks, mx_flop, &mut run_mx));
             }
             let med = |v: &[(f64, f64)]| {
                 (

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_quant::cuda::dense::DeviceMatrix;
 use deltafin_quant::cuda::{Gpu, StreamTimer};
 
-use super::cuda_err;
+use super::{cuda_err, sized, started_timer};
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
@@ -134,15 +134,6 @@ impl std::fmt::Debug for KdaScratch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "KdaScratch")
     }
-}
-
-/// [`deltafin_quant::cuda::sized`] with the model's error.
-fn sized<'a>(
-    gpu: &Gpu,
-    slot: &'a mut Option<CudaSlice<f32>>,
-    len: usize,
-) -> Result<&'a mut CudaSlice<f32>> {
-    deltafin_quant::cuda::sized(gpu, slot, len).map_err(cuda_err)
 }
 
 impl KdaScratch {
@@ -294,11 +285,7 @@ pub(crate) fn kda_forward(
     let copy_err =
         |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: KDA copy: {e}"));
 
-    let timer = match timer {
-        Some(t) => t,
-        None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
-    };
-    timer.start(gpu).map_err(cuda_err)?;
+    let timer = started_timer(gpu, timer)?;
     let mut rows = gpu.row_copies();
     let xd = sized(gpu, x_buf, x.len())?;
     rows.upload(x, xd).map_err(cuda_err)?;

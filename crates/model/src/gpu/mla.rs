@@ -18,7 +18,7 @@ use deltafin_quant::DenseMatrix;
 use deltafin_quant::cuda::dense::DeviceMatrix;
 use deltafin_quant::cuda::{Gpu, StreamTimer};
 
-use super::cuda_err;
+use super::{cuda_err, sized, started_timer};
 use crate::config::MLA_LORA_NORM_EPS;
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Profile};
@@ -62,15 +62,6 @@ impl std::fmt::Debug for MlaScratch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "MlaScratch")
     }
-}
-
-/// [`deltafin_quant::cuda::sized`] with the model's error.
-fn sized<'a>(
-    gpu: &Gpu,
-    slot: &'a mut Option<CudaSlice<f32>>,
-    len: usize,
-) -> Result<&'a mut CudaSlice<f32>> {
-    deltafin_quant::cuda::sized(gpu, slot, len).map_err(cuda_err)
 }
 
 /// A layer's projections on the device.
@@ -187,11 +178,7 @@ impl MlaGpu {
             y,
             timer,
         } = &mut *guard;
-        let timer = match timer {
-            Some(t) => t,
-            None => timer.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
-        };
-        timer.start(gpu).map_err(cuda_err)?;
+        let timer = started_timer(gpu, timer)?;
         let mut rows = gpu.row_copies();
         let xd = sized(gpu, x_buf, x.len())?;
         rows.upload(x, xd).map_err(cuda_err)?;

@@ -24,7 +24,8 @@ mod vram;
 
 use std::sync::Arc;
 
-use deltafin_quant::cuda::Gpu;
+use cudarc::driver::CudaSlice;
+use deltafin_quant::cuda::{Gpu, StreamTimer};
 
 use crate::device::{DeviceOptions, DevicePref};
 use crate::error::{ModelError, Result};
@@ -37,6 +38,29 @@ pub(crate) use vram::VramPlan;
 /// Maps a CUDA failure into the model's error.
 pub(crate) fn cuda_err(e: deltafin_quant::QuantError) -> ModelError {
     ModelError::Device(e.to_string())
+}
+
+/// [`deltafin_quant::cuda::sized`] with the model's error: a layer's reused scratch buffer, grown on demand.
+pub(crate) fn sized<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<CudaSlice<f32>>,
+    len: usize,
+) -> Result<&'a mut CudaSlice<f32>> {
+    deltafin_quant::cuda::sized(gpu, slot, len).map_err(cuda_err)
+}
+
+/// The timer kept in `slot` (made on first use), started on the compute stream: a layer's device time runs from
+/// here to its `stop`.
+pub(crate) fn started_timer<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<StreamTimer>,
+) -> Result<&'a mut StreamTimer> {
+    let timer = match slot {
+        Some(t) => t,
+        None => slot.insert(StreamTimer::new(gpu).map_err(cuda_err)?),
+    };
+    timer.start(gpu).map_err(cuda_err)?;
+    Ok(timer)
 }
 
 /// Resolves `opts` to a GPU, or `None` for the CPU. `cuda` fails with the reason when CUDA is unavailable; `auto`
