@@ -756,12 +756,13 @@ __device__ __forceinline__ void gemm_load(const u32* const wp[2][2], const u32* 
 // Queues the B fragments of group batch b (groups 4b .. 4b + 3) of the tile's tokens into shared-memory buffer
 // `buf`: [group q][token][8 uint4], the hi and lo halves swapped for odd tokens so that a quarter warp (tokens g and
 // g + 1) reads 32 distinct banks. rows[] are the tile's frag rows (clamped).
-template <int NT>
+template <int NT, int THREADS = GEMM_THREADS>
 __device__ __forceinline__ void gemm_stage_b(uint4* buf, const uint4* frag, const int* rows, int groups, int b) {
     constexpr int ITEMS = NT * 8 * 32; // tokens x (4 groups x 8 uint4)
+    static_assert(ITEMS % THREADS == 0, "whole items per thread");
 #pragma unroll
-    for (int it = 0; it < ITEMS / GEMM_THREADS; it++) {
-        int idx = it * GEMM_THREADS + threadIdx.x;
+    for (int it = 0; it < ITEMS / THREADS; it++) {
+        int idx = it * THREADS + threadIdx.x;
         int tok = idx >> 5, u = idx & 31, q = u >> 3, w = u & 7;
         const uint4* src = frag + ((size_t)rows[tok] * groups + 4 * b + q) * 8 + w;
         uint4* dst = buf + ((q * NT * 8 + tok) * 8 + (w ^ ((tok & 1) * 4)));
@@ -940,3 +941,245 @@ MOE_GEMM_ENTRY(1, true, _s, 3)
 MOE_GEMM_ENTRY(2, true, _s, 3)
 MOE_GEMM_ENTRY(4, true, _s, 3)
 MOE_GEMM_ENTRY(8, true, _s, 2)
+
+// ---------------------------------------------------------------------------------------------------------------
+// The GEMM with the E8M0 scales folded into the weights. A group whose scale byte e lies in [104, 128] has weights
+// E2M1 * 2^(e - 127) that fp16 holds exactly (0.5 * 2^-23 = 2^-24 up to 6 * 2 = 12): the decoded E2M1 * 2^-14 is
+// multiplied by the fp16 2^(e - 113) (exact: a power of two and a representable product), so the group's mmas add
+// straight into the tile's running sums with no per-group scaling step. The tensor cores' f32 accumulation rounds
+// toward zero, so the sums of one batch (four groups, sixteen chained mmas) start from zero and are added into
+// the f32 accumulators once per batch, which keeps the drift of a long chain out. A group with any scale of the
+// warp's rows outside the window (a warp-wide vote) runs as in `moe_gemm_impl`: its mmas into a zeroed tile, then
+// times 2^14 and its scale into the accumulators. Sums are w.x * 2^s_t (s_t: the token's split factor), so the
+// output is acc * sdown[t] * 2^-14.
+//
+// Layout as `moe_gemm_impl` (lane (g, c), word c of each group, B fragments through shared memory), with blocks of
+// FOLD_WARPS warps: 128 gate/up rows or 256 down rows a block share each staged token tile, so the activations
+// cross L2 half as often as with 4, and a tile holds up to 64 tokens (a weight is read once per 64 tokens).
+
+#define FOLD_WARPS 8
+
+
+// d = a * b on two fp16 lanes, rounded to nearest (exact here: see above).
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// Whether scale byte e lies in the folding window [104, 128].
+__device__ __forceinline__ bool fold_in(u32 e) { return e - 104u <= 24u; }
+
+// Both fp16 lanes = 2^(e - 113), for e in the folding window (biased exponent e - 98 in 6 .. 30).
+__device__ __forceinline__ u32 fold_factor(u32 e) { return ((e - 98u) << 10) * 0x00010001u; }
+
+// d = A . B + 0 for one m16n8k16 tile.
+__device__ __forceinline__ void mma16816_zero(float d[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %10, %10, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
+}
+
+// One batch (four groups) of `moe_fold_impl`, group by group: every n-tile's mmas of a group, the folded groups'
+// sums gathered in `tmp` for the whole batch.
+template <int NT>
+__device__ __forceinline__ void fold_batch_q(const u32 w[2][2][4], const u32 e[2][2], const uint4* xb, int g,
+                                             int hi_u, int lo_u, float acc[2][NT][4]) {
+    // This batch's sums of the folded groups.
+    float tmp[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) tmp[i][j][k] = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        u32 h[2][2][4], ee[2][2];
+        bool in = true;
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                decode_h2(w[i][r][q], h[i][r]);
+                ee[i][r] = (e[i][r] >> (8 * q)) & 0xffu;
+                in = in && fold_in(ee[i][r]);
+            }
+        const uint4* tq = xb + q * NT * 8 * 8;
+        if (__all_sync(FULL_MASK, in)) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    const u32 f = fold_factor(ee[i][r]);
+#pragma unroll
+                    for (int k = 0; k < 4; k++) h[i][r][k] = hmul2(h[i][r][k], f);
+                }
+            // Two n-tiles at a time, each step's four mmas independent (four chains of four), so one mma's
+            // latency hides behind the next ones.
+#pragma unroll
+            for (int j0 = 0; j0 < NT; j0 += 2) {
+                uint4 bx[2][2];
+#pragma unroll
+                for (int u = 0; u < 2; u++) {
+                    const uint4* tb = tq + (8 * (j0 + u) + g) * 8;
+                    bx[u][0] = tb[hi_u];
+                    bx[u][1] = tb[lo_u];
+                }
+#pragma unroll
+                for (int step = 0; step < 4; step++) {
+                    const int half = step & 1, lo = step >> 1;
+#pragma unroll
+                    for (int u = 0; u < 2; u++)
+#pragma unroll
+                        for (int i = 0; i < 2; i++) {
+                            const uint4 bv = bx[u][lo];
+                            mma16816(tmp[i][j0 + u], h[i][0][2 * half], h[i][1][2 * half], h[i][0][2 * half + 1],
+                                     h[i][1][2 * half + 1], half ? bv.z : bv.x, half ? bv.w : bv.y);
+                        }
+                }
+            }
+        } else {
+            float sc[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) sc[i][r] = e8m0(ee[i][r]);
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const uint4* tb = tq + (8 * j + g) * 8;
+                const uint4 bh = tb[hi_u], bl = tb[lo_u];
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    float d[4];
+                    mma16816_zero(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
+                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
+                    mma16816(d, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
+                    mma16816(d, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
+#pragma unroll
+                    for (int k = 0; k < 4; k++)
+                        acc[i][j][k] = fmaf(d[k] * 16384.f, sc[i][k >> 1], acc[i][j][k]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] += tmp[i][j][k];
+}
+
+template <int NT, bool GATE_UP>
+__device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
+                              float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
+    extern __shared__ uint4 bsm[];
+    __shared__ int rows_sm[NT * 8];
+    const ExpertSlot& s = tab.s[blockIdx.y];
+    const int t0 = blockIdx.z * NT * 8;
+    if (t0 >= s.n_rows) return;
+    const int count = min(NT * 8, s.n_rows - t0);
+    const int cols = GATE_UP ? width : inter;
+    const int nrows = GATE_UP ? inter : width;
+    const int groups = cols / GROUP, rowbytes = cols / 2;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    const int g = lane >> 2, c = lane & 3;
+    const int row0 = (blockIdx.x * FOLD_WARPS + warp) * (GATE_UP ? 16 : 32);
+
+    const u32* wp[2][2];
+    const u32* sp[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const u8* mat = (const u8*)(GATE_UP ? (i ? s.w3 : s.w1) : s.w2);
+        const u8* sc = (const u8*)(GATE_UP ? (i ? s.s3 : s.s1) : s.s2);
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            size_t row = (size_t)min(row0 + (GATE_UP ? 0 : 16 * i) + g + 8 * r, nrows - 1);
+            wp[i][r] = (const u32*)(mat + row * rowbytes) + c;
+            sp[i][r] = (const u32*)(sc + row * groups);
+        }
+    }
+    for (int t = threadIdx.x; t < NT * 8; t += blockDim.x) {
+        int p = s.pair0 + t0 + min(t, count - 1);
+        rows_sm[t] = GATE_UP ? pair_row[p] : p;
+    }
+    __syncthreads();
+    const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
+
+    const int nb = groups / 4;
+    constexpr int BUF = NT * 8 * 32;
+    gemm_stage_b<NT, FOLD_WARPS * WARP>(bsm, frag, rows_sm, groups, 0);
+    u32 w[2][2][4], e[2][2];
+    gemm_load(wp, sp, 0, w, e);
+    for (int b = 0; b < nb; b++) {
+        u32 wn[2][2][4], en[2][2];
+        gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
+        const uint4* xb = bsm + (b & 1) * BUF;
+        if (b + 1 < nb) {
+            gemm_stage_b<NT, FOLD_WARPS * WARP>(bsm + ((b + 1) & 1) * BUF, frag, rows_sm, groups, b + 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait_all();
+        }
+        __syncthreads();
+        fold_batch_q<NT>(w, e, xb, g, hi_u, lo_u, acc);
+        __syncthreads(); // every warp is done with this buffer before it is refilled
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                e[i][r] = en[i][r];
+#pragma unroll
+                for (int q = 0; q < 4; q++) w[i][r][q] = wn[i][r][q];
+            }
+    }
+
+    // Accumulator k of n-tile j: row g + 8 (k >> 1), token 8j + 2c + (k & 1).
+#pragma unroll
+    for (int j = 0; j < NT; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int t = 8 * j + 2 * c + (k & 1);
+            if (t >= count) continue;
+            int p = s.pair0 + t0 + t;
+            // 2^(14 - s_t) * 2^-14 = 2^-s_t, a normal float for every s_t hilo_factors gives.
+            float sd = sdown[rows_sm[t]] * (1.f / 16384.f);
+            int row = row0 + g + 8 * (k >> 1);
+            if (GATE_UP) {
+                if (row < nrows)
+                    dst[(size_t)p * inter + row] = glu(act_kind, beta, lin_beta, acc[0][j][k] * sd, acc[1][j][k] * sd);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    if (row + 16 * i < nrows) dst[(size_t)p * width + row + 16 * i] = acc[i][j][k] * sd;
+            }
+        }
+}
+
+// Entry points moe_fold_{gate_up,down}_n<NT>: NT n-tiles of 8 tokens, blocks of 8 warps, one a multiprocessor (the
+// running sums, batch sums and staged operands take up to 255 registers). Blocks of 4 warps, two a multiprocessor,
+// measured the same at 32-128 tokens (docs/performance-log.md).
+#define MOE_FOLD_ENTRY(NT)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_fold_gate_up_n##NT(                  \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
+        moe_fold_impl<NT, true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);       \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)                                          \
+        moe_fold_down_n##NT(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown,       \
+                            float* y, int width, int inter) {                                                   \
+        moe_fold_impl<NT, false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                            \
+    }
+
+MOE_FOLD_ENTRY(4)
+MOE_FOLD_ENTRY(8)

@@ -38,11 +38,7 @@ enum Cmd {
         /// Kernel families to time (tensor, gemm, gemm4-ldg, gemm8, gemm8-ldg, tiles, tensor-s4,
         /// tensor-nohint, simt); each one's output is
         /// compared with the first one's.
-        #[arg(
-            long,
-            default_value = "tensor,gemm,gemm4-ldg,gemm8,gemm8-ldg,tiles",
-            value_delimiter = ','
-        )]
+        #[arg(long, default_value = "tensor,fold,gemm,tiles", value_delimiter = ',')]
         kernels: Vec<String>,
     },
     /// Host-to-device upload rate: the engine's staged uploads (`Gpu::upload_staged`) and plain pageable ones,

@@ -14,9 +14,11 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 8] = [
+const KERNELS: [MoeKernel; 10] = [
     MoeKernel::Tensor,
     MoeKernel::GEMM,
+    MoeKernel::FOLD,
+    MoeKernel::Fold { tiles: 4 },
     MoeKernel::Gemm {
         smem: false,
         tiles: 8,

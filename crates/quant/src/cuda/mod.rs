@@ -38,7 +38,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 46] = [
+pub(crate) const KERNELS: [(&str, bool); 50] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -74,6 +74,10 @@ pub(crate) const KERNELS: [(&str, bool); 46] = [
     ("moe_gemm_down_n4_s", true),
     ("moe_gemm_gate_up_n8_s", true),
     ("moe_gemm_down_n8_s", true),
+    ("moe_fold_gate_up_n4", false),
+    ("moe_fold_down_n4", false),
+    ("moe_fold_gate_up_n8", true),
+    ("moe_fold_down_n8", true),
     ("moe_combine", false),
     ("dense_gemm_f32", false),
     ("dense_gemm_bf16", false),

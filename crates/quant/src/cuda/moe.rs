@@ -7,10 +7,12 @@
 //! call needs) and combine once.
 //!
 //! Three kernel families compute the same products. The tensor-core kernels (`mma.sync` with fp16 weights decoded
-//! exactly from E2M1 and the activations split into fp16 hi/lo halves, f32 accumulation) come in two shapes: the
-//! token tiles (one to four tokens, each its own product; the fastest at one token) and the GEMM (tokens along the
-//! mma's n dimension, a weight read once per 64 tokens; for more tokens per expert). [`MoeKernel::Tensor`], the
-//! default, picks between them by the largest expert's token count ([`GEMM_MIN_ROWS`]). The CUDA-core kernels
+//! exactly from E2M1 and the activations split into fp16 hi/lo halves, f32 accumulation) come in three shapes: the
+//! token tiles (one to four tokens, each its own product; the fastest at one token), the GEMM (tokens along the
+//! mma's n dimension, each group's E8M0 scale applied after its mmas) and the folded-scale GEMM (the scale folded
+//! into the fp16 weights where fp16 holds the product exactly, a weight read once per 64 tokens; for more than
+//! [`FOLD_MIN_ROWS`] tokens per expert). [`MoeKernel::Tensor`], the default, picks between them by the largest
+//! expert's token count ([`GEMM_MIN_ROWS`], [`FOLD_MIN_ROWS`]). The CUDA-core kernels
 //! ([`MoeKernel::Simt`]: one f32 FMA per weight and token) are kept as a reference and fallback.
 //! `DELTAFIN_MOE_KERNEL=tensor|gemm|simt` (or a measurement variant of `tensor`, see [`MoeKernel`]) picks one for
 //! a whole process.
@@ -53,13 +55,18 @@ const GEMM_ROWS_DOWN: usize = 4 * 32;
 const GEMM_COLS: usize = 4 * MXFP4_GROUP;
 /// n-tiles (of 8 tokens) the GEMM kernels are instantiated for.
 const GEMM_TILES: [usize; 4] = [1, 2, 4, 8];
+/// n-tiles the folded-scale GEMM kernels are instantiated for.
+const FOLD_TILES: [usize; 2] = [4, 8];
+/// [`MoeKernel::Tensor`] runs the folded-scale GEMM when an expert of the launch has more tokens than this
+/// (measured on the H200: docs/PERFORMANCE.md, "CUDA at real size").
+pub const FOLD_MIN_ROWS: usize = 16;
 
 /// Which kernels multiply the MXFP4 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeKernel {
     /// Tensor cores (`mma.sync`, exact fp16 weights, fp16 hi/lo activations, f32 accumulation): the token tiles
     /// (weights streamed through a 3-stage `cp.async` ring per warp) up to [`GEMM_MIN_ROWS`] tokens per expert,
-    /// the GEMM beyond.
+    /// the GEMM up to [`FOLD_MIN_ROWS`], the folded-scale GEMM beyond.
     Tensor,
     /// The tensor-core GEMM at any token count (where the widths are multiples of 128; the token tiles
     /// otherwise): B fragments through shared memory (`smem`) or loaded by each warp, at most `tiles` n-tiles of 8
@@ -68,6 +75,13 @@ pub enum MoeKernel {
         /// B fragments staged in shared memory, shared by the block's warps.
         smem: bool,
         /// n-tiles per block: 1, 2, 4 or 8.
+        tiles: usize,
+    },
+    /// The tensor-core GEMM with the E8M0 scales folded into the fp16 weights (`moe_fold_*`: 8-warp blocks, up to
+    /// 64 tokens a block), at any token count where the widths are multiples of 128 (the token tiles otherwise), at
+    /// most `tiles` n-tiles of 8 tokens a block.
+    Fold {
+        /// n-tiles per block: 4 or 8.
         tiles: usize,
     },
     /// The tensor-core token tiles at any token count (a measurement variant).
@@ -92,6 +106,8 @@ impl MoeKernel {
         smem: GEMM_DEFAULT.0,
         tiles: GEMM_DEFAULT.1,
     };
+    /// The folded-scale GEMM [`MoeKernel::Tensor`] uses above [`FOLD_MIN_ROWS`] tokens (`fold`).
+    pub const FOLD: MoeKernel = MoeKernel::Fold { tiles: 8 };
 
     /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
     fn tensor_variant(self, tt: usize) -> (usize, &'static str) {
@@ -122,13 +138,15 @@ impl FromStr for MoeKernel {
                 smem: false,
                 tiles: 4,
             }),
+            "fold" => Ok(MoeKernel::FOLD),
+            "fold4" => Ok(MoeKernel::Fold { tiles: 4 }),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, tiles, tensor-s4, \
-                 tensor-nohint or simt)"
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, tiles, \
+                 tensor-s4, tensor-nohint or simt)"
             )),
         }
     }
@@ -341,13 +359,19 @@ pub fn run_experts_with(
     let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
     let gemm = match kernel {
-        MoeKernel::Gemm { smem, tiles } if gemm_fits => Some((smem, tiles)),
-        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => Some(GEMM_DEFAULT),
-        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_MIN_ROWS => Some((false, 1)),
+        MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
+        MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
+        MoeKernel::Tensor if gemm_fits && max_rows > FOLD_MIN_ROWS => Some(GemmFamily::fold(8)),
+        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => {
+            Some(GemmFamily::plain(GEMM_DEFAULT.0, GEMM_DEFAULT.1))
+        }
+        MoeKernel::Tensor if gemm_fits && max_rows > GEMM_MIN_ROWS => {
+            Some(GemmFamily::plain(false, 1))
+        }
         _ => None,
     };
-    if let Some((smem, tiles)) = gemm {
-        return run_gemm(gpu, shape, &slots, pair_row, x, act, y, smem, tiles);
+    if let Some(family) = gemm {
+        return run_gemm(gpu, shape, &slots, pair_row, x, act, y, &family);
     }
     if kernel != MoeKernel::Simt {
         for chunk in slots.chunks(MAX_SLOTS) {
@@ -536,44 +560,86 @@ fn split_hilo(
     Ok((frag, sdown))
 }
 
-/// n-tiles of the GEMM kernels for a launch whose largest expert has `max_rows` tokens, at most `cap`.
-fn gemm_tiles(max_rows: usize, cap: usize) -> usize {
-    let want = max_rows.div_ceil(8).min(cap);
-    GEMM_TILES
-        .iter()
-        .copied()
-        .find(|&n| n >= want)
-        .unwrap_or(GEMM_TILES[GEMM_TILES.len() - 1])
-}
-
-/// Dynamic shared memory of a GEMM kernel with `nt` n-tiles: two buffers of four groups' B fragments
-/// (128 bytes a token and group) when they are staged in shared memory.
-fn gemm_smem(nt: usize, smem: bool) -> usize {
-    if smem { 2 * nt * 8 * 4 * 128 } else { 0 }
-}
-
-/// The launch of a GEMM kernel over `nrows` output rows (`rows_per_block` a block) of `n_slots` experts whose
-/// largest has `max_rows` tokens, `nt` n-tiles a block.
-fn gemm_launch(
-    (nrows, rows_per_block): (usize, usize),
-    n_slots: u32,
-    max_rows: usize,
-    nt: usize,
+/// One family of GEMM kernels (`moe_gemm_*` or `moe_fold_*`): names, block shape and shared memory.
+struct GemmFamily {
+    /// Name prefix: `{prefix}_gate_up_n{nt}{suffix}` and `{prefix}_down_n{nt}{suffix}`.
+    prefix: &'static str,
+    /// Name suffix (`_s`: B fragments through shared memory).
+    suffix: &'static str,
+    /// n-tiles the family is instantiated for, ascending.
+    tiles: &'static [usize],
+    /// At most this many n-tiles a block.
+    cap: usize,
+    /// Threads a block.
+    threads: u32,
+    /// Output rows a block: gate/up (of gate and of up each), down.
+    rows: (usize, usize),
+    /// B fragments staged in shared memory (two buffers of four groups, 128 bytes a token and group).
     smem: bool,
-) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (
-            div_ceil(nrows, rows_per_block),
-            n_slots,
-            div_ceil(max_rows, nt * 8),
-        ),
-        block_dim: (GEMM_THREADS, 1, 1),
-        shared_mem_bytes: gemm_smem(nt, smem) as u32,
+}
+
+impl GemmFamily {
+    /// The folded-scale GEMM ([`MoeKernel::Fold`]), at most `cap` n-tiles: blocks of 8 warps, 128 gate/up rows or
+    /// 256 down rows.
+    fn fold(cap: usize) -> GemmFamily {
+        GemmFamily {
+            prefix: "moe_fold",
+            suffix: "",
+            tiles: &FOLD_TILES,
+            cap,
+            threads: 256,
+            rows: (2 * GEMM_ROWS_GATE_UP, 2 * GEMM_ROWS_DOWN),
+            smem: true,
+        }
+    }
+
+    /// The per-group-scaled GEMM ([`MoeKernel::Gemm`]), B through shared memory or not, at most `cap` n-tiles.
+    fn plain(smem: bool, cap: usize) -> GemmFamily {
+        GemmFamily {
+            prefix: "moe_gemm",
+            suffix: if smem { "_s" } else { "" },
+            tiles: &GEMM_TILES,
+            cap,
+            threads: GEMM_THREADS,
+            rows: (GEMM_ROWS_GATE_UP, GEMM_ROWS_DOWN),
+            smem,
+        }
+    }
+
+    /// n-tiles for a launch whose largest expert has `max_rows` tokens.
+    fn tiles_for(&self, max_rows: usize) -> usize {
+        let want = max_rows.div_ceil(8).min(self.cap);
+        let last = self.tiles.last().copied().unwrap_or(1);
+        self.tiles
+            .iter()
+            .copied()
+            .find(|&n| n >= want)
+            .unwrap_or(last)
+    }
+
+    /// The launch over `nrows` output rows (`rows_per_block` a block) of `n_slots` experts whose largest has
+    /// `max_rows` tokens, `nt` n-tiles a block.
+    fn launch(
+        &self,
+        (nrows, rows_per_block): (usize, usize),
+        n_slots: u32,
+        max_rows: usize,
+        nt: usize,
+    ) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                div_ceil(nrows, rows_per_block),
+                n_slots,
+                div_ceil(max_rows, nt * 8),
+            ),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: if self.smem { 2 * nt * 8 * 4 * 128 } else { 0 } as u32,
+        }
     }
 }
 
-/// Gate/up then down for every expert of `slots` on the GEMM kernels (widths multiples of [`GEMM_COLS`]), B
-/// fragments through shared memory or not, at most `cap` n-tiles per block.
+/// Gate/up then down for every expert of `slots` on one family of GEMM kernels (widths multiples of
+/// [`GEMM_COLS`]).
 #[allow(clippy::too_many_arguments)]
 fn run_gemm(
     gpu: &Gpu,
@@ -583,10 +649,9 @@ fn run_gemm(
     x: &CudaSlice<f32>,
     act: &mut CudaSlice<f32>,
     y: &mut CudaSlice<f32>,
-    smem: bool,
-    cap: usize,
+    family: &GemmFamily,
 ) -> Result<()> {
-    let suffix = if smem { "_s" } else { "" };
+    let (prefix, suffix) = (family.prefix, family.suffix);
     let (width, inter) = (shape.width, shape.inter);
     let (kind, beta, lin) = shape.glu.code();
     let (w_i, i_i) = (width as i32, inter as i32);
@@ -600,10 +665,10 @@ fn run_gemm(
         })
         .collect();
     for (table, n_slots, max_rows) in &tables {
-        let nt = gemm_tiles(*max_rows, cap);
-        let name = format!("moe_gemm_gate_up_n{nt}{suffix}");
+        let nt = family.tiles_for(*max_rows);
+        let name = format!("{prefix}_gate_up_n{nt}{suffix}");
         let f = gpu.function(&name)?;
-        let cfg = gemm_launch((inter, GEMM_ROWS_GATE_UP), *n_slots, *max_rows, nt, smem);
+        let cfg = family.launch((inter, family.rows.0), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
             .arg(pair_row)
@@ -622,10 +687,10 @@ fn run_gemm(
     }
     let (afrag, adown) = split_hilo(gpu, act, end, inter)?;
     for (table, n_slots, max_rows) in &tables {
-        let nt = gemm_tiles(*max_rows, cap);
-        let name = format!("moe_gemm_down_n{nt}{suffix}");
+        let nt = family.tiles_for(*max_rows);
+        let name = format!("{prefix}_down_n{nt}{suffix}");
         let f = gpu.function(&name)?;
-        let cfg = gemm_launch((width, GEMM_ROWS_DOWN), *n_slots, *max_rows, nt, smem);
+        let cfg = family.launch((width, family.rows.1), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
         b.arg(table)
             .arg(&afrag)
@@ -714,37 +779,68 @@ mod tests {
 
     #[test]
     fn gemm_tiles_cover_the_largest_expert() {
-        assert_eq!(gemm_tiles(1, 8), 1);
-        assert_eq!(gemm_tiles(8, 8), 1);
-        assert_eq!(gemm_tiles(9, 8), 2);
-        assert_eq!(gemm_tiles(17, 8), 4);
-        assert_eq!(gemm_tiles(64, 8), 8);
-        assert_eq!(gemm_tiles(64, 4), 4);
+        let plain = GemmFamily::plain(true, 8);
+        assert_eq!(plain.tiles_for(1), 1);
+        assert_eq!(plain.tiles_for(8), 1);
+        assert_eq!(plain.tiles_for(9), 2);
+        assert_eq!(plain.tiles_for(17), 4);
+        assert_eq!(plain.tiles_for(64), 8);
+        assert_eq!(GemmFamily::plain(true, 4).tiles_for(64), 4);
         // More than 64 tokens: several token tiles of 64 (grid.z).
-        assert_eq!(gemm_tiles(200, 8), 8);
-        // Two 32 KiB buffers at eight n-tiles: three blocks fit a multiprocessor's 228 KiB.
-        assert_eq!(gemm_smem(8, true), 64 * 1024);
-        assert_eq!(gemm_smem(8, false), 0);
+        assert_eq!(plain.tiles_for(200), 8);
+        // The folded family starts at four n-tiles.
+        assert_eq!(GemmFamily::fold(8).tiles_for(3), 4);
+        assert_eq!(GemmFamily::fold(8).tiles_for(33), 8);
+        // Two 32 KiB buffers at eight n-tiles.
+        assert_eq!(
+            plain.launch((3072, 64), 16, 64, 8).shared_mem_bytes,
+            64 * 1024
+        );
+        assert_eq!(
+            GemmFamily::plain(false, 8)
+                .launch((3072, 64), 16, 64, 8)
+                .shared_mem_bytes,
+            0
+        );
         // K3, 64 tokens per expert, 16 experts, 4 n-tiles: 48 blocks of gate/up rows (28 of down), two token tiles.
-        let g = gemm_launch((3072, GEMM_ROWS_GATE_UP), 16, 64, 4, true);
+        let four = GemmFamily::plain(true, 4);
+        let g = four.launch((3072, four.rows.0), 16, 64, 4);
         assert_eq!(
             (g.grid_dim, g.block_dim.0, g.shared_mem_bytes),
             ((48, 16, 2), 128, 32 * 1024)
         );
-        let d = gemm_launch((3584, GEMM_ROWS_DOWN), 16, 64, 4, true);
+        let d = four.launch((3584, four.rows.1), 16, 64, 4);
         assert_eq!(d.grid_dim, (28, 16, 2));
+        // Folded: 8-warp blocks of 128 gate/up rows (256 down), one token tile of 64.
+        let fold = GemmFamily::fold(8);
+        let g = fold.launch((3072, fold.rows.0), 16, 64, 8);
+        assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 1), 256));
+        assert_eq!(
+            fold.launch((3584, fold.rows.1), 16, 64, 8).grid_dim,
+            (14, 16, 1)
+        );
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
-        for nt in GEMM_TILES {
-            for name in [
-                format!("moe_gemm_gate_up_n{nt}"),
-                format!("moe_gemm_down_n{nt}"),
-            ] {
-                assert!(
-                    super::super::KERNELS.iter().any(|&(n, _)| n == name),
-                    "{name} is not in KERNELS"
-                );
+        for (prefix, suffix, tiles) in [
+            ("moe_gemm", "", &GEMM_TILES[..]),
+            ("moe_gemm", "_s", &GEMM_TILES[..]),
+            ("moe_fold", "", &FOLD_TILES[..]),
+        ] {
+            for nt in tiles {
+                for name in [
+                    format!("{prefix}_gate_up_n{nt}{suffix}"),
+                    format!("{prefix}_down_n{nt}{suffix}"),
+                ] {
+                    // Dynamic shared memory above 48 KiB needs the raised limit.
+                    let big = 2 * nt * 8 * 4 * 128 > 48 * 1024 && prefix == "moe_fold";
+                    assert!(
+                        super::super::KERNELS
+                            .iter()
+                            .any(|&(n, b)| n == name && (b || !big)),
+                        "{name} is not in KERNELS (or lacks the shared-memory limit)"
+                    );
+                }
             }
         }
     }
@@ -762,6 +858,8 @@ mod tests {
                 },
             ),
             ("tiles", MoeKernel::Tiles),
+            ("fold", MoeKernel::FOLD),
+            ("fold4", MoeKernel::Fold { tiles: 4 }),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),
