@@ -99,8 +99,9 @@ const TILE_TOKENS: usize = 4;
 const TILE_BLOCK: usize = 1024;
 
 /// `out[r · xs.len() + t]` = `rows[r] · xs[t]` for every f32 row and input (all of one length), each bit-identical
-/// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of two rows by four inputs that share their loads, over
-/// blocks of [`TILE_BLOCK`] values (multi-token products); elsewhere one at a time.
+/// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of three rows by four inputs that share their loads (24
+/// accumulators, six row and two input vectors: all 32 registers), over blocks of [`TILE_BLOCK`] values (multi-token
+/// products); elsewhere one at a time.
 pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     let tokens = xs.len();
     let n = rows.first().map_or(0, |w| w.len());
@@ -134,13 +135,12 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
                 let width = TILE_TOKENS.min(tokens - t0);
                 let mut r0 = 0;
                 while r0 < rows.len() {
-                    if rows.len() - r0 >= 2 {
-                        tile!(2, r0, t0, width, span, 1 2 3 4);
-                        r0 += 2;
-                    } else {
-                        tile!(1, r0, t0, width, span, 1 2 3 4);
-                        r0 += 1;
+                    match rows.len() - r0 {
+                        1 => tile!(1, r0, t0, width, span, 1 2 3 4),
+                        2 => tile!(2, r0, t0, width, span, 1 2 3 4),
+                        _ => tile!(3, r0, t0, width, span, 1 2 3 4),
                     }
+                    r0 += (rows.len() - r0).min(3);
                 }
             }
         }

@@ -119,13 +119,13 @@ fn dots_agree_on_edge_values() {
 }
 
 /// The f32 tiles (rows by inputs sharing loads) give each product's reference bits, for every tile remainder of
-/// rows (1–5) and inputs (1–9) and lengths with and without a tail; edge values (zeros of both signs, tiny and huge)
-/// included.
+/// rows (1–5: tiles of three, then two or one) and inputs (1–9) and lengths with and without a tail, within one
+/// block of values and across blocks (2,100); edge values (zeros of both signs, tiny and huge) included.
 #[test]
 fn f32_tiles_match_reference() {
     exercised("f32_tiles_match_reference", &[Contract::Dense]);
     let mut r = rng();
-    for &n in &[1usize, 31, 32, 33, 100, 512] {
+    for &n in &[1usize, 31, 32, 33, 100, 512, 2100] {
         for n_rows in 1..=5 {
             for n_tok in 1..=9 {
                 let rows: Vec<Vec<f32>> = (0..n_rows)
