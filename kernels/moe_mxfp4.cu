@@ -771,178 +771,6 @@ __device__ __forceinline__ void gemm_stage_b(uint4* buf, const uint4* frag, cons
     cp_async_commit();
 }
 
-// GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the split input
-// rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128. SMEM_B: the B
-// fragments go through shared memory (cp.async, double-buffered per batch of four groups, shared by the block's
-// warps) instead of being loaded by every warp through L1. Every n-tile is computed (tokens past the tile's end
-// repeat its last token and are not stored), so the loops have no data-dependent branches and the mmas of all
-// n-tiles interleave.
-template <int NT, bool GATE_UP, bool SMEM_B>
-__device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
-                              float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
-    extern __shared__ uint4 bsm[];
-    __shared__ int rows_sm[NT * 8];
-    const ExpertSlot& s = tab.s[blockIdx.y];
-    const int t0 = blockIdx.z * NT * 8;
-    if (t0 >= s.n_rows) return;
-    const int count = min(NT * 8, s.n_rows - t0);
-    const int cols = GATE_UP ? width : inter;
-    const int nrows = GATE_UP ? inter : width;
-    const int groups = cols / GROUP, rowbytes = cols / 2;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    const int g = lane >> 2, c = lane & 3;
-    const int row0 = (blockIdx.x * GEMM_WARPS + warp) * (GATE_UP ? 16 : 32);
-
-    // Streams: gate/up = (W1, W3) on rows row0 .. row0 + 16; down = W2 on row0 .. + 16 and row0 + 16 .. + 32.
-    // Rows past the end read the last row and are not stored.
-    const u32* wp[2][2];
-    const u32* sp[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const u8* mat = (const u8*)(GATE_UP ? (i ? s.w3 : s.w1) : s.w2);
-        const u8* sc = (const u8*)(GATE_UP ? (i ? s.s3 : s.s1) : s.s2);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            size_t row = (size_t)min(row0 + (GATE_UP ? 0 : 16 * i) + g + 8 * r, nrows - 1);
-            wp[i][r] = (const u32*)(mat + row * rowbytes) + c;
-            sp[i][r] = (const u32*)(sc + row * groups);
-        }
-    }
-    // The tile's frag rows: token t (clamped to the last one).
-    for (int t = threadIdx.x; t < NT * 8; t += blockDim.x) {
-        int p = s.pair0 + t0 + min(t, count - 1);
-        rows_sm[t] = GATE_UP ? pair_row[p] : p;
-    }
-    __syncthreads();
-    const uint4* bp[NT];
-    if (!SMEM_B) {
-#pragma unroll
-        for (int j = 0; j < NT; j++) bp[j] = frag + (size_t)rows_sm[8 * j + g] * groups * 8 + c;
-    }
-    // In shared memory, lane (g, c) finds its hi word at unit c (even g) or 4 + c (odd g), and lo at the other.
-    const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
-
-    float acc[2][NT][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
-
-    const int nb = groups / 4;
-    constexpr int BUF = NT * 8 * 32; // uint4 per shared-memory buffer
-    if (SMEM_B) gemm_stage_b<NT>(bsm, frag, rows_sm, groups, 0);
-    u32 w[2][2][4], e[2][2];
-    gemm_load(wp, sp, 0, w, e);
-    for (int b = 0; b < nb; b++) {
-        u32 wn[2][2][4], en[2][2];
-        gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
-        const uint4* xb = bsm + (b & 1) * BUF;
-        if (SMEM_B) {
-            if (b + 1 < nb) {
-                gemm_stage_b<NT>(bsm + ((b + 1) & 1) * BUF, frag, rows_sm, groups, b + 1);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait_all();
-            }
-            __syncthreads();
-        }
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int grp = 4 * b + q;
-            u32 h[2][2][4];
-            float sc[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) {
-                    decode_h2(w[i][r][q], h[i][r]);
-                    sc[i][r] = e8m0((e[i][r] >> (8 * q)) & 0xffu);
-                }
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                uint4 bh, bl;
-                if (SMEM_B) {
-                    const uint4* tb = xb + (q * NT * 8 + 8 * j + g) * 8;
-                    bh = tb[hi_u];
-                    bl = tb[lo_u];
-                } else {
-                    bh = __ldg(bp[j] + grp * 8);
-                    bl = __ldg(bp[j] + grp * 8 + 4);
-                }
-#pragma unroll
-                for (int i = 0; i < 2; i++) {
-                    float dh[4] = {0.f, 0.f, 0.f, 0.f}, dl[4] = {0.f, 0.f, 0.f, 0.f};
-                    mma16816(dh, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
-                    mma16816(dl, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
-                    mma16816(dh, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
-                    mma16816(dl, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
-                    acc[i][j][0] = fmaf(sc[i][0], dh[0] + dl[0], acc[i][j][0]);
-                    acc[i][j][1] = fmaf(sc[i][0], dh[1] + dl[1], acc[i][j][1]);
-                    acc[i][j][2] = fmaf(sc[i][1], dh[2] + dl[2], acc[i][j][2]);
-                    acc[i][j][3] = fmaf(sc[i][1], dh[3] + dl[3], acc[i][j][3]);
-                }
-            }
-        }
-        if (SMEM_B) __syncthreads(); // every warp is done with this buffer before it is refilled
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                e[i][r] = en[i][r];
-#pragma unroll
-                for (int q = 0; q < 4; q++) w[i][r][q] = wn[i][r][q];
-            }
-    }
-
-    // Accumulator k of n-tile j: row g + 8 (k >> 1), token 8j + 2c + (k & 1).
-#pragma unroll
-    for (int j = 0; j < NT; j++)
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int t = 8 * j + 2 * c + (k & 1);
-            if (t >= count) continue;
-            int p = s.pair0 + t0 + t;
-            float sd = sdown[rows_sm[t]];
-            int row = row0 + g + 8 * (k >> 1);
-            if (GATE_UP) {
-                if (row < nrows)
-                    dst[(size_t)p * inter + row] = glu(act_kind, beta, lin_beta, acc[0][j][k] * sd, acc[1][j][k] * sd);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 2; i++)
-                    if (row + 16 * i < nrows) dst[(size_t)p * width + row + 16 * i] = acc[i][j][k] * sd;
-            }
-        }
-}
-
-// Entry points moe_gemm_{gate_up,down}_n<NT><SUFFIX>: NT n-tiles of 8 tokens; SUFFIX _s: B through shared memory.
-#define MOE_GEMM_ENTRY(NT, SMEM_B, SUFFIX, MINB)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB) moe_gemm_gate_up_n##NT##SUFFIX(            \
-        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
-        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_gemm_impl<NT, true, SMEM_B>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta,          \
-                                        lin_beta);                                                              \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB)                                            \
-        moe_gemm_down_n##NT##SUFFIX(const __grid_constant__ SlotTable tab, const uint4* frag,                  \
-                                    const float* sdown, float* y, int width, int inter) {                      \
-        moe_gemm_impl<NT, false, SMEM_B>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                    \
-    }
-
-// (MINB: blocks per multiprocessor the register allocation must allow; two for eight n-tiles, whose 64
-// accumulators and staged operands need more than 168 registers.)
-MOE_GEMM_ENTRY(1, false, , 3)
-MOE_GEMM_ENTRY(2, false, , 3)
-MOE_GEMM_ENTRY(4, false, , 3)
-MOE_GEMM_ENTRY(8, false, , 2)
-MOE_GEMM_ENTRY(1, true, _s, 3)
-MOE_GEMM_ENTRY(2, true, _s, 3)
-MOE_GEMM_ENTRY(4, true, _s, 3)
-MOE_GEMM_ENTRY(8, true, _s, 2)
-
-// ---------------------------------------------------------------------------------------------------------------
 // The GEMM with the E8M0 scales folded into the weights. A group whose scale byte e lies in [104, 128] has weights
 // E2M1 * 2^(e - 127) that fp16 holds exactly (0.5 * 2^-23 = 2^-24 up to 6 * 2 = 12): the decoded E2M1 * 2^-14 is
 // multiplied by the fp16 2^(e - 113) (exact: a power of two and a representable product), so the group's mmas add
@@ -981,8 +809,8 @@ __device__ __forceinline__ void mma16816_zero(float d[4], u32 a0, u32 a1, u32 a2
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.f));
 }
 
-// One batch (four groups) of `moe_fold_impl`, group by group: every n-tile's mmas of a group, the folded groups'
-// sums gathered in `tmp` for the whole batch.
+// One batch (four groups) of the folded GEMM (`moe_gemm_impl` with FOLD), group by group: every n-tile's mmas of a
+// group, the folded groups' sums gathered in `tmp` for the whole batch.
 template <int NT>
 __device__ __forceinline__ void fold_batch_q(const u32 w[2][2][4], const u32 e[2][2], const uint4* xb, int g,
                                              int hi_u, int lo_u, float acc[2][NT][4]) {
@@ -1072,24 +900,39 @@ __device__ __forceinline__ void fold_batch_q(const u32 w[2][2][4], const u32 e[2
             for (int k = 0; k < 4; k++) acc[i][j][k] += tmp[i][j][k];
 }
 
-template <int NT, bool GATE_UP>
-__device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
-                              float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
-    extern __shared__ uint4 bsm[];
-    __shared__ int rows_sm[NT * 8];
-    const ExpertSlot& s = tab.s[blockIdx.y];
-    const int t0 = blockIdx.z * NT * 8;
-    if (t0 >= s.n_rows) return;
-    const int count = min(NT * 8, s.n_rows - t0);
-    const int cols = GATE_UP ? width : inter;
-    const int nrows = GATE_UP ? inter : width;
-    const int groups = cols / GROUP, rowbytes = cols / 2;
-    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    const int g = lane >> 2, c = lane & 3;
-    const int row0 = (blockIdx.x * FOLD_WARPS + warp) * (GATE_UP ? 16 : 32);
+// A GEMM block's shape for this lane: output rows and groups of the input, and the warp's first row (16 rows of gate
+// and of up a warp, or 32 of down), from blocks of WARPS warps.
+struct GemmGeom {
+    int nrows, groups, rowbytes, g, c, row0;
+};
 
-    const u32* wp[2][2];
-    const u32* sp[2][2];
+template <bool GATE_UP, int WARPS>
+__device__ __forceinline__ GemmGeom gemm_geom(int width, int inter) {
+    const int cols = GATE_UP ? width : inter;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    return {GATE_UP ? inter : width, cols / GROUP, cols / 2, lane >> 2, lane & 3,
+            (int)(blockIdx.x * WARPS + warp) * (GATE_UP ? 16 : 32)};
+}
+
+// The next batch's weight and scale words become the current ones.
+__device__ __forceinline__ void gemm_rotate(u32 w[2][2][4], u32 e[2][2], const u32 wn[2][2][4],
+                                            const u32 en[2][2]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            e[i][r] = en[i][r];
+#pragma unroll
+            for (int q = 0; q < 4; q++) w[i][r][q] = wn[i][r][q];
+        }
+}
+
+// The GEMM kernels' two row streams of a warp: gate/up = (W1, W3) on rows row0 .. row0 + 16; down = W2 on
+// row0 .. + 16 and row0 + 16 .. + 32. Lane (g, c) reads word c of rows g and g + 8 of each; rows past the end read
+// the last row and are not stored.
+template <bool GATE_UP>
+__device__ __forceinline__ void gemm_streams(const ExpertSlot& s, int row0, int g, int c, int nrows, int rowbytes,
+                                             int groups, const u32* wp[2][2], const u32* sp[2][2]) {
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const u8* mat = (const u8*)(GATE_UP ? (i ? s.w3 : s.w1) : s.w2);
@@ -1101,50 +944,29 @@ __device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const u
             sp[i][r] = (const u32*)(sc + row * groups);
         }
     }
+}
+
+// The split-input rows of a token tile (t0 .. t0 + 8 NT of slot s; tokens past `count` repeat the last one): x
+// rows through pair_row for gate/up, pairs for down. Ends with a barrier.
+template <int NT, bool GATE_UP>
+__device__ __forceinline__ void gemm_tile_rows(const ExpertSlot& s, int t0, int count, const int* pair_row,
+                                               int* rows_sm) {
     for (int t = threadIdx.x; t < NT * 8; t += blockDim.x) {
         int p = s.pair0 + t0 + min(t, count - 1);
         rows_sm[t] = GATE_UP ? pair_row[p] : p;
     }
     __syncthreads();
-    const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
+}
 
-    float acc[2][NT][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
-
-    const int nb = groups / 4;
-    constexpr int BUF = NT * 8 * 32;
-    gemm_stage_b<NT, FOLD_WARPS * WARP>(bsm, frag, rows_sm, groups, 0);
-    u32 w[2][2][4], e[2][2];
-    gemm_load(wp, sp, 0, w, e);
-    for (int b = 0; b < nb; b++) {
-        u32 wn[2][2][4], en[2][2];
-        gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
-        const uint4* xb = bsm + (b & 1) * BUF;
-        if (b + 1 < nb) {
-            gemm_stage_b<NT, FOLD_WARPS * WARP>(bsm + ((b + 1) & 1) * BUF, frag, rows_sm, groups, b + 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait_all();
-        }
-        __syncthreads();
-        fold_batch_q<NT>(w, e, xb, g, hi_u, lo_u, acc);
-        __syncthreads(); // every warp is done with this buffer before it is refilled
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                e[i][r] = en[i][r];
-#pragma unroll
-                for (int q = 0; q < 4; q++) w[i][r][q] = wn[i][r][q];
-            }
-    }
-
-    // Accumulator k of n-tile j: row g + 8 (k >> 1), token 8j + 2c + (k & 1).
+// Stores a warp's sums, each times `scale` and its token's sdown factor: the activation of gate and up into
+// act (gate/up), or both streams' rows into y (down). Accumulator k of n-tile j: row g + 8 (k >> 1), token
+// 8j + 2c + (k & 1).
+template <int NT, bool GATE_UP>
+__device__ __forceinline__ void gemm_store(const float acc[2][NT][4], float scale, const ExpertSlot& s, int t0,
+                                           int count, const int* rows_sm, const float* sdown, float* dst, int row0,
+                                           int g, int c, int width, int inter, int act_kind, float beta,
+                                           float lin_beta) {
+    const int nrows = GATE_UP ? inter : width;
 #pragma unroll
     for (int j = 0; j < NT; j++)
 #pragma unroll
@@ -1152,8 +974,7 @@ __device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const u
             int t = 8 * j + 2 * c + (k & 1);
             if (t >= count) continue;
             int p = s.pair0 + t0 + t;
-            // 2^(14 - s_t) * 2^-14 = 2^-s_t, a normal float for every s_t hilo_factors gives.
-            float sd = sdown[rows_sm[t]] * (1.f / 16384.f);
+            float sd = sdown[rows_sm[t]] * scale;
             int row = row0 + g + 8 * (k >> 1);
             if (GATE_UP) {
                 if (row < nrows)
@@ -1166,6 +987,137 @@ __device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const u
         }
 }
 
+// GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the split input
+// rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128. SMEM_B: the B
+// fragments go through shared memory (cp.async, double-buffered per batch of four groups, shared by the block's
+// warps) instead of being loaded by every warp through L1. Every n-tile is computed (tokens past the tile's end
+// repeat its last token and are not stored), so the loops have no data-dependent branches and the mmas of all
+// n-tiles interleave. Blocks of WARPS warps; FOLD: each batch through `fold_batch_q` (the folded GEMM above).
+template <int NT, bool GATE_UP, bool SMEM_B, int WARPS = GEMM_WARPS, bool FOLD = false>
+__device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
+                              float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
+    static_assert(SMEM_B || !FOLD, "the folded batches read B from shared memory");
+    extern __shared__ uint4 bsm[];
+    __shared__ int rows_sm[NT * 8];
+    const ExpertSlot& s = tab.s[blockIdx.y];
+    const int t0 = blockIdx.z * NT * 8;
+    if (t0 >= s.n_rows) return;
+    const int count = min(NT * 8, s.n_rows - t0);
+    const auto [nrows, groups, rowbytes, g, c, row0] = gemm_geom<GATE_UP, WARPS>(width, inter);
+
+    const u32* wp[2][2];
+    const u32* sp[2][2];
+    gemm_streams<GATE_UP>(s, row0, g, c, nrows, rowbytes, groups, wp, sp);
+    gemm_tile_rows<NT, GATE_UP>(s, t0, count, pair_row, rows_sm);
+    const uint4* bp[NT];
+    if (!SMEM_B) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) bp[j] = frag + (size_t)rows_sm[8 * j + g] * groups * 8 + c;
+    }
+    // In shared memory, lane (g, c) finds its hi word at unit c (even g) or 4 + c (odd g), and lo at the other.
+    const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
+
+    const int nb = groups / 4;
+    constexpr int BUF = NT * 8 * 32; // uint4 per shared-memory buffer
+    if (SMEM_B) gemm_stage_b<NT, WARPS * WARP>(bsm, frag, rows_sm, groups, 0);
+    u32 w[2][2][4], e[2][2];
+    gemm_load(wp, sp, 0, w, e);
+    for (int b = 0; b < nb; b++) {
+        u32 wn[2][2][4], en[2][2];
+        gemm_load(wp, sp, b + 1 < nb ? b + 1 : b, wn, en);
+        const uint4* xb = bsm + (b & 1) * BUF;
+        if (SMEM_B) {
+            if (b + 1 < nb) {
+                gemm_stage_b<NT, WARPS * WARP>(bsm + ((b + 1) & 1) * BUF, frag, rows_sm, groups, b + 1);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait_all();
+            }
+            __syncthreads();
+        }
+        if (FOLD) {
+            fold_batch_q<NT>(w, e, xb, g, hi_u, lo_u, acc);
+        } else {
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int grp = 4 * b + q;
+                u32 h[2][2][4];
+                float sc[2][2];
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+#pragma unroll
+                    for (int r = 0; r < 2; r++) {
+                        decode_h2(w[i][r][q], h[i][r]);
+                        sc[i][r] = e8m0((e[i][r] >> (8 * q)) & 0xffu);
+                    }
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    uint4 bh, bl;
+                    if (SMEM_B) {
+                        const uint4* tb = xb + (q * NT * 8 + 8 * j + g) * 8;
+                        bh = tb[hi_u];
+                        bl = tb[lo_u];
+                    } else {
+                        bh = __ldg(bp[j] + grp * 8);
+                        bl = __ldg(bp[j] + grp * 8 + 4);
+                    }
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        float dh[4] = {0.f, 0.f, 0.f, 0.f}, dl[4] = {0.f, 0.f, 0.f, 0.f};
+                        mma16816(dh, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bh.x, bh.y);
+                        mma16816(dl, h[i][0][0], h[i][1][0], h[i][0][1], h[i][1][1], bl.x, bl.y);
+                        mma16816(dh, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bh.z, bh.w);
+                        mma16816(dl, h[i][0][2], h[i][1][2], h[i][0][3], h[i][1][3], bl.z, bl.w);
+                        acc[i][j][0] = fmaf(sc[i][0], dh[0] + dl[0], acc[i][j][0]);
+                        acc[i][j][1] = fmaf(sc[i][0], dh[1] + dl[1], acc[i][j][1]);
+                        acc[i][j][2] = fmaf(sc[i][1], dh[2] + dl[2], acc[i][j][2]);
+                        acc[i][j][3] = fmaf(sc[i][1], dh[3] + dl[3], acc[i][j][3]);
+                    }
+                }
+            }
+        }
+        if (SMEM_B) __syncthreads(); // every warp is done with this buffer before it is refilled
+        gemm_rotate(w, e, wn, en);
+    }
+
+    // Folded sums are w.x * 2^s_t: 2^(14 - s_t) * 2^-14 = 2^-s_t, a normal float for every s_t hilo_factors gives.
+    gemm_store<NT, GATE_UP>(acc, FOLD ? 1.f / 16384.f : 1.f, s, t0, count, rows_sm, sdown, dst, row0, g, c, width,
+                            inter, act_kind, beta, lin_beta);
+}
+
+// Entry points moe_gemm_{gate_up,down}_n<NT><SUFFIX>: NT n-tiles of 8 tokens; SUFFIX _s: B through shared memory.
+#define MOE_GEMM_ENTRY(NT, SMEM_B, SUFFIX, MINB)                                                                \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB) moe_gemm_gate_up_n##NT##SUFFIX(            \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
+        moe_gemm_impl<NT, true, SMEM_B>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta,          \
+                                        lin_beta);                                                              \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, MINB)                                            \
+        moe_gemm_down_n##NT##SUFFIX(const __grid_constant__ SlotTable tab, const uint4* frag,                  \
+                                    const float* sdown, float* y, int width, int inter) {                      \
+        moe_gemm_impl<NT, false, SMEM_B>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                    \
+    }
+
+// (MINB: blocks per multiprocessor the register allocation must allow; two for eight n-tiles, whose 64
+// accumulators and staged operands need more than 168 registers.)
+MOE_GEMM_ENTRY(1, false, , 3)
+MOE_GEMM_ENTRY(2, false, , 3)
+MOE_GEMM_ENTRY(4, false, , 3)
+MOE_GEMM_ENTRY(8, false, , 2)
+MOE_GEMM_ENTRY(1, true, _s, 3)
+MOE_GEMM_ENTRY(2, true, _s, 3)
+MOE_GEMM_ENTRY(4, true, _s, 3)
+MOE_GEMM_ENTRY(8, true, _s, 2)
+
 // Entry points moe_fold_{gate_up,down}_n<NT>: NT n-tiles of 8 tokens, blocks of 8 warps, one a multiprocessor (the
 // running sums, batch sums and staged operands take up to 255 registers). Blocks of 4 warps, two a multiprocessor,
 // measured the same at 32-128 tokens (docs/performance-log.md).
@@ -1173,12 +1125,13 @@ __device__ void moe_fold_impl(const SlotTable& tab, const int* pair_row, const u
     extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_fold_gate_up_n##NT(                  \
         const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
         float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_fold_impl<NT, true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);       \
+        moe_gemm_impl<NT, true, true, FOLD_WARPS, true>(tab, pair_row, frag, sdown, act, width, inter, act_kind,  \
+                                                        beta, lin_beta);                                        \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)                                          \
         moe_fold_down_n##NT(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown,       \
                             float* y, int width, int inter) {                                                   \
-        moe_fold_impl<NT, false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                            \
+        moe_gemm_impl<NT, false, true, FOLD_WARPS, true>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);     \
     }
 
 MOE_FOLD_ENTRY(4)
