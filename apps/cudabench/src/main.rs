@@ -35,9 +35,8 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 30)]
         reps: usize,
-        /// Kernel families to time (tensor, gemm, gemm4-ldg, gemm8, gemm8-ldg, tiles, tensor-s4,
-        /// tensor-nohint, simt); each one's output is
-        /// compared with the first one's.
+        /// Kernel families to time (tensor, gemm, gemm4-ldg, gemm8, gemm8-ldg, fold, fold4, tiles, tensor-s4,
+        /// tensor-nohint, simt); each one's output is compared with the first one's.
         #[arg(long, default_value = "tensor,fold,gemm,tiles", value_delimiter = ',')]
         kernels: Vec<String>,
     },

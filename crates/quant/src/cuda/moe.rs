@@ -606,6 +606,17 @@ impl GemmFamily {
         }
     }
 
+    /// The entry point of `part` (`gate_up` or `down`) at `nt` n-tiles.
+    fn kernel(&self, part: &str, nt: usize) -> String {
+        format!("{}_{part}_n{nt}{}", self.prefix, self.suffix)
+    }
+
+    /// Dynamic shared memory at `nt` n-tiles: two buffers of four groups' B fragments (128 bytes a token and group)
+    /// when they are staged in shared memory.
+    fn smem_bytes(&self, nt: usize) -> usize {
+        if self.smem { 2 * nt * 8 * 4 * 128 } else { 0 }
+    }
+
     /// n-tiles for a launch whose largest expert has `max_rows` tokens.
     fn tiles_for(&self, max_rows: usize) -> usize {
         let want = max_rows.div_ceil(8).min(self.cap);
@@ -633,7 +644,7 @@ impl GemmFamily {
                 div_ceil(max_rows, nt * 8),
             ),
             block_dim: (self.threads, 1, 1),
-            shared_mem_bytes: if self.smem { 2 * nt * 8 * 4 * 128 } else { 0 } as u32,
+            shared_mem_bytes: self.smem_bytes(nt) as u32,
         }
     }
 }
@@ -651,7 +662,6 @@ fn run_gemm(
     y: &mut CudaSlice<f32>,
     family: &GemmFamily,
 ) -> Result<()> {
-    let (prefix, suffix) = (family.prefix, family.suffix);
     let (width, inter) = (shape.width, shape.inter);
     let (kind, beta, lin) = shape.glu.code();
     let (w_i, i_i) = (width as i32, inter as i32);
@@ -666,7 +676,7 @@ fn run_gemm(
         .collect();
     for (table, n_slots, max_rows) in &tables {
         let nt = family.tiles_for(*max_rows);
-        let name = format!("{prefix}_gate_up_n{nt}{suffix}");
+        let name = family.kernel("gate_up", nt);
         let f = gpu.function(&name)?;
         let cfg = family.launch((inter, family.rows.0), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
@@ -688,7 +698,7 @@ fn run_gemm(
     let (afrag, adown) = split_hilo(gpu, act, end, inter)?;
     for (table, n_slots, max_rows) in &tables {
         let nt = family.tiles_for(*max_rows);
-        let name = format!("{prefix}_down_n{nt}{suffix}");
+        let name = family.kernel("down", nt);
         let f = gpu.function(&name)?;
         let cfg = family.launch((width, family.rows.1), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
@@ -822,18 +832,15 @@ mod tests {
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
-        for (prefix, suffix, tiles) in [
-            ("moe_gemm", "", &GEMM_TILES[..]),
-            ("moe_gemm", "_s", &GEMM_TILES[..]),
-            ("moe_fold", "", &FOLD_TILES[..]),
+        for family in [
+            GemmFamily::plain(false, 8),
+            GemmFamily::plain(true, 8),
+            GemmFamily::fold(8),
         ] {
-            for nt in tiles {
-                for name in [
-                    format!("{prefix}_gate_up_n{nt}{suffix}"),
-                    format!("{prefix}_down_n{nt}{suffix}"),
-                ] {
+            for &nt in family.tiles {
+                for name in [family.kernel("gate_up", nt), family.kernel("down", nt)] {
                     // Dynamic shared memory above 48 KiB needs the raised limit.
-                    let big = 2 * nt * 8 * 4 * 128 > 48 * 1024 && prefix == "moe_fold";
+                    let big = family.smem_bytes(nt) > 48 * 1024;
                     assert!(
                         super::super::KERNELS
                             .iter()
