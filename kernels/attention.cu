@@ -18,103 +18,146 @@ __device__ float block_sum(float v, float* scratch) {
 // log(1 + e^x), linear above 20 (the CPU's `ops::softplus`).
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// KDA's inputs to the recurrence, the CPU's `Kda::head_inputs` (up to summation order): one block per (token t =
-// blockIdx.x, head h = blockIdx.y), a thread per channel of the head (blockDim.x = d rounded up to a warp).
-// q, k, v: the short causal conv over (old window ++ raw rows), then SiLU; q and k L2-normalised over the head
-// (q also scaled by d^-1/2). g: the decay gate from g_raw = f_b . f_a plus dt_bias, K3's bounded form
-// `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's `-a softplus(z)`. beta = sigma(b_raw).
-// Blocks of token 0 also write the next windows: the last K-1 rows of (old window ++ raw).
-// raw_*: [T, C]; win, new_win: [3, K-1, C] (q, k, v); taps: [3, C, K] (oldest tap first); g_raw: [T, C];
-// dt_bias: [C]; a_exp: [H]; b_raw, beta: [T, H]; q, k, v, g: [T, C].
+// Sum over the threads of one part of a block laid out as (blockDim.x = a multiple of 32, parts along y): every
+// thread of the part gets the sum. `scratch` is 32 floats of shared memory per part, free again when the call
+// returns; every thread of the block must call it (it synchronises the block).
+__device__ float part_sum(float v, float* scratch) {
+    int lane = threadIdx.x & (WARP - 1), w = threadIdx.x / WARP, nw = blockDim.x / WARP;
+    float* mine = scratch + threadIdx.y * WARP;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) mine[w] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; i++) s += mine[i];
+    __syncthreads();
+    return s;
+}
+
+// One KDA layer after its input products, one block per head h = blockIdx.x, in one launch. Thread (j, p) =
+// (threadIdx.x, threadIdx.y): channel j of the head (blockDim.x = d rounded up to a warp), part p of KDA_PARTS.
+//
+// 1. Inputs (the CPU's `Kda::head_inputs`, up to summation order), tokens t = p, p + KDA_PARTS, ... in parallel:
+//    q, k, v = SiLU of the short causal conv over (old window ++ raw rows); q and k L2-normalised over the head (q
+//    also scaled by d^-1/2); the decay gate from z = f_b . f_a (the low-rank product's second half, a row of f_b
+//    per channel: bf16 bits or f32) plus dt_bias, K3's bounded form
+//    `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's `-a softplus(z)`; beta = sigma(b_raw). Token 0's
+//    threads also write the next windows: the last K-1 rows of (old window ++ raw).
+// 2. The recurrence, the head's state S [D_k, D_v] in shared memory. Per token:
+//      S <- diag(exp g) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q.
+//    Thread (j, p) owns value column j for the key rows p, p + KDA_PARTS, ...; the sums over keys are reduced
+//    across the parts through shared memory.
+// 3. The gated RMSNorm of each token's output row over the head (the CPU's `Kda::gated_norm_row`), in place:
+//    o <- (o * inv_rms(o)) * w * sigma(gate).
+// raw_*: [T, C]; win, new_win: [3, K-1, C] (q, k, v); taps: [3, C, K] (oldest tap first); f_a: [T, R]; f_b: [C, R]
+// (R % 8 == 0 for bf16, % 4 for f32: whole 16-byte words); gate: [T, C];
+// dt_bias: [C]; a_exp: [H]; b_raw, beta: [T, H]; norm_w: [d]; q, k, v, g, out: [T, C] (q, k, v, g scratch written
+// in step 1 and read in step 2); state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the
+// same buffer: a head's old block is read whole before its new one is written).
 #define KDA_L2_EPS 1e-6f
-extern "C" __global__ void kda_prepare(const float* raw_q, const float* raw_k, const float* raw_v, const float* win,
-                                       const float* taps, const float* g_raw, const float* dt_bias,
-                                       const float* a_exp, const float* b_raw, float* q, float* k, float* v,
-                                       float* g, float* beta, float* new_win, int n_tok, int heads, int d, int kern,
-                                       int bounded, float lower_bound) {
-    __shared__ float scratch[32];
-    int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+#define KDA_PARTS 4
+extern "C" __global__ void __launch_bounds__(1024) kda_layer(const float* raw_q, const float* raw_k, const float* raw_v, const float* win,
+                                     const float* taps, const float* f_a, const void* f_b, int f_b_bf16, int rank,
+                                     const float* dt_bias, const float* a_exp,
+                                     const float* b_raw, const float* gate, const float* norm_w,
+                                     const float* state_in, float* state_out, float* q, float* k, float* v,
+                                     float* g, float* beta, float* new_win, float* out, int n_tok, int heads, int d,
+                                     int kern, int bounded, float lower_bound, float eps) {
+    extern __shared__ float sm[];
+    float* s = sm;                      // [d, d]
+    float* kv = s + d * d;              // k [d]
+    float* qv = kv + d;                 // q [d]
+    float* dec = qv + d;                // exp(g) [d]
+    float* red = dec + d;               // [KDA_PARTS, d] partial sums
+    float* scratch = red + KDA_PARTS * d;  // [KDA_PARTS, 32] for part_sum
+    int h = blockIdx.x, j = threadIdx.x, p = threadIdx.y;
+    int tid = p * blockDim.x + j, nthreads = blockDim.x * blockDim.y;
     int c = heads * d, hist = kern - 1;
     bool live = j < d;
     int ch = h * d + j;
-    const float* raws[3] = {raw_q, raw_k, raw_v};
-    float vals[3] = {0.f, 0.f, 0.f};
-    if (live) {
-        for (int i = 0; i < 3; i++) {
-            const float* w = win + (size_t)i * hist * c;
-            const float* tp = taps + ((size_t)i * c + ch) * kern;
-            float acc = 0.f;
-            for (int kk = 0; kk < kern; kk++) {
-                int r = t + kk;
-                float x = r < hist ? w[(size_t)r * c + ch] : raws[i][(size_t)(r - hist) * c + ch];
-                acc += tp[kk] * x;
-            }
-            vals[i] = acc * sigmoidf_(acc);
-        }
+
+    // The old state into shared memory, 16 bytes at a time where the head's block allows it.
+    const float* sh_in = state_in + (size_t)h * d * d;
+    float* sh = state_out + (size_t)h * d * d;
+    if ((d & 3) == 0) {
+        const float4* src = (const float4*)sh_in;
+        float4* dst = (float4*)s;
+        for (int i = tid; i < d * d / 4; i += nthreads) dst[i] = src[i];
+    } else {
+        for (int i = tid; i < d * d; i += nthreads) s[i] = sh_in[i];
     }
-    float qq = block_sum(vals[0] * vals[0], scratch);
-    float kk2 = block_sum(vals[1] * vals[1], scratch);
-    if (live) {
-        size_t off = (size_t)t * c + ch;
-        float q_scale = powf((float)d, -0.5f);
-        q[off] = vals[0] * (1.0f / sqrtf(qq + KDA_L2_EPS)) * q_scale;
-        k[off] = vals[1] * (1.0f / sqrtf(kk2 + KDA_L2_EPS));
-        v[off] = vals[2];
-        float a = a_exp[h];
-        float z = g_raw[off] + dt_bias[ch];
-        g[off] = bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
-        if (t == 0) {
+
+    // 1. Inputs.
+    const float* raws[3] = {raw_q, raw_k, raw_v};
+    float q_scale = powf((float)d, -0.5f);
+    for (int t0 = 0; t0 < n_tok; t0 += KDA_PARTS) {
+        int t = t0 + p;
+        bool mine = live && t < n_tok;
+        float vals[3] = {0.f, 0.f, 0.f};
+        if (mine) {
             for (int i = 0; i < 3; i++) {
                 const float* w = win + (size_t)i * hist * c;
-                for (int r = 0; r < hist; r++) {
-                    int src = r + n_tok;
-                    new_win[((size_t)i * hist + r) * c + ch] =
-                        src < hist ? w[(size_t)src * c + ch] : raws[i][(size_t)(src - hist) * c + ch];
+                const float* tp = taps + ((size_t)i * c + ch) * kern;
+                float acc = 0.f;
+                for (int kk = 0; kk < kern; kk++) {
+                    int r = t + kk;
+                    float x = r < hist ? w[(size_t)r * c + ch] : raws[i][(size_t)(r - hist) * c + ch];
+                    acc += tp[kk] * x;
+                }
+                vals[i] = acc * sigmoidf_(acc);
+            }
+        }
+        float qq = part_sum(vals[0] * vals[0], scratch);
+        float kk2 = part_sum(vals[1] * vals[1], scratch);
+        if (mine) {
+            size_t off = (size_t)t * c + ch;
+            q[off] = vals[0] * (1.0f / sqrtf(qq + KDA_L2_EPS)) * q_scale;
+            k[off] = vals[1] * (1.0f / sqrtf(kk2 + KDA_L2_EPS));
+            v[off] = vals[2];
+            float a = a_exp[h];
+            const float4* fa = (const float4*)(f_a + (size_t)t * rank);
+            float z = 0.f;
+            if (f_b_bf16) {
+                const uint4* row = (const uint4*)((const u16*)f_b + (size_t)ch * rank);
+                for (int i = 0; i < rank / 8; i++) {
+                    uint4 w = row[i];
+                    float4 x0 = fa[2 * i], x1 = fa[2 * i + 1];
+                    z = fmaf(__int_as_float((int)(w.x << 16)), x0.x, z);
+                    z = fmaf(__int_as_float((int)(w.x & 0xffff0000u)), x0.y, z);
+                    z = fmaf(__int_as_float((int)(w.y << 16)), x0.z, z);
+                    z = fmaf(__int_as_float((int)(w.y & 0xffff0000u)), x0.w, z);
+                    z = fmaf(__int_as_float((int)(w.z << 16)), x1.x, z);
+                    z = fmaf(__int_as_float((int)(w.z & 0xffff0000u)), x1.y, z);
+                    z = fmaf(__int_as_float((int)(w.w << 16)), x1.z, z);
+                    z = fmaf(__int_as_float((int)(w.w & 0xffff0000u)), x1.w, z);
+                }
+            } else {
+                const float4* row = (const float4*)((const float*)f_b + (size_t)ch * rank);
+                for (int i = 0; i < rank / 4; i++) {
+                    float4 w = row[i], x = fa[i];
+                    z = fmaf(w.x, x.x, z);
+                    z = fmaf(w.y, x.y, z);
+                    z = fmaf(w.z, x.z, z);
+                    z = fmaf(w.w, x.w, z);
+                }
+            }
+            z += dt_bias[ch];
+            g[off] = bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
+            if (t == 0) {
+                for (int i = 0; i < 3; i++) {
+                    const float* w = win + (size_t)i * hist * c;
+                    for (int r = 0; r < hist; r++) {
+                        int src = r + n_tok;
+                        new_win[((size_t)i * hist + r) * c + ch] =
+                            src < hist ? w[(size_t)src * c + ch] : raws[i][(size_t)(src - hist) * c + ch];
+                    }
                 }
             }
         }
+        if (j == 0 && t < n_tok) beta[(size_t)t * heads + h] = sigmoidf_(b_raw[(size_t)t * heads + h]);
     }
-    if (j == 0) beta[(size_t)t * heads + h] = sigmoidf_(b_raw[(size_t)t * heads + h]);
-}
 
-// KDA's gated RMSNorm per head, in place (the CPU's `Kda::gated_norm_row`): o <- (o * inv_rms(o over the head)) *
-// w * sigma(gate). One block per (token, head), a thread per channel (blockDim.x = d rounded up to a warp).
-// o, gate: [T, H * d]; w: [d].
-extern "C" __global__ void kda_gated_norm(float* o, const float* gate, const float* w, int heads, int d, float eps) {
-    __shared__ float scratch[32];
-    int t = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
-    size_t off = (size_t)t * heads * d + (size_t)h * d + j;
-    float x = j < d ? o[off] : 0.f;
-    float ss = block_sum(x * x, scratch);
-    float inv = 1.0f / sqrtf(ss / (float)d + eps);
-    if (j < d) o[off] = (x * inv) * w[j] * sigmoidf_(gate[off]);
-}
-
-// KDA recurrence, one block per head, the head's state S [D_k, D_v] in shared memory. Per token:
-//   S <- diag(exp g) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q.
-// Thread (j, p) owns column j (a value index) for the key rows k = p, p + P, ...; the sums over k are reduced
-// across the P parts through shared memory. q, k are already L2-normalised (q scaled), g is the log decay.
-// state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the same buffer); q, k, v, g:
-// [T, H*D]; beta: [T, H]; out: [T, H*D].
-#define KDA_PARTS 4
-extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out, const float* q, const float* k,
-                                         const float* v, const float* g, const float* beta, float* out, int n_tok,
-                                         int heads, int d) {
-    extern __shared__ float sm[];
-    float* s = sm;                    // [d, d]
-    float* kv = s + d * d;            // k [d]
-    float* qv = kv + d;               // q [d]
-    float* dec = qv + d;              // exp(g) [d]
-    float* red = dec + d;             // [KDA_PARTS, d] partial sums
-    int h = blockIdx.x;
-    int j = threadIdx.x;              // value index
-    int p = threadIdx.y;              // key part
-    int tid = p * blockDim.x + j;
-    int nthreads = blockDim.x * blockDim.y;
-    const float* sh_in = state_in + (size_t)h * d * d;
-    float* sh = state_out + (size_t)h * d * d;
-    for (int i = tid; i < d * d; i += nthreads) s[i] = sh_in[i];
-    int c = heads * d;
+    // 2. The recurrence (the block's writes above are visible after the barrier at the top of each token).
     for (int t = 0; t < n_tok; t++) {
         size_t off = (size_t)t * c + (size_t)h * d;
         __syncthreads();
@@ -125,7 +168,7 @@ extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out
         }
         __syncthreads();
         float u = 0.f;
-        if (j < d) {
+        if (live) {
             for (int kk = p; kk < d; kk += KDA_PARTS) {
                 float x = s[kk * d + j] * dec[kk];
                 s[kk * d + j] = x;
@@ -136,7 +179,7 @@ extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out
         __syncthreads();
         float b = beta[(size_t)t * heads + h];
         float o = 0.f;
-        if (j < d) {
+        if (live) {
             float uu = 0.f;
             for (int i = 0; i < KDA_PARTS; i++) uu += red[i * d + j];
             float delta = b * (v[off + j] - uu);
@@ -147,16 +190,35 @@ extern "C" __global__ void kda_recurrent(const float* state_in, float* state_out
             }
         }
         __syncthreads();
-        if (j < d) red[p * d + j] = o;
+        if (live) red[p * d + j] = o;
         __syncthreads();
-        if (j < d && p == 0) {
+        if (live && p == 0) {
             float oo = 0.f;
             for (int i = 0; i < KDA_PARTS; i++) oo += red[i * d + j];
             out[off + j] = oo;
         }
     }
     __syncthreads();
-    for (int i = tid; i < d * d; i += nthreads) sh[i] = s[i];
+
+    // 3. The gated norm of every token's row, tokens across the parts.
+    for (int t0 = 0; t0 < n_tok; t0 += KDA_PARTS) {
+        int t = t0 + p;
+        bool mine = live && t < n_tok;
+        size_t off = (size_t)t * c + ch;
+        float x = mine ? out[off] : 0.f;
+        float ss = part_sum(x * x, scratch);
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        if (mine) out[off] = (x * inv) * norm_w[j] * sigmoidf_(gate[off]);
+    }
+
+    // The new state.
+    if ((d & 3) == 0) {
+        const float4* src = (const float4*)s;
+        float4* dst = (float4*)sh;
+        for (int i = tid; i < d * d / 4; i += nthreads) dst[i] = src[i];
+    } else {
+        for (int i = tid; i < d * d; i += nthreads) sh[i] = s[i];
+    }
 }
 
 // MLA's RMSNorms on rows (the CPU's `ops::rms_norm_row`): one block per row t; the row's first `normed` values
@@ -183,7 +245,7 @@ extern "C" __global__ void mla_norm_rows(const float* src, int src_stride, float
 // q: [T, H, nope + rope]; cache: [N, kvl + rope] (c normalised, k_pe raw), rows past.. are this call's tokens;
 // w_uk_t: [H, kvl, nope]; w_uv: [H, vd, kvl]; scores: scratch [H, T, N]; gate, out: [T, H, vd].
 #define MLA_THREADS 512
-#define MLA_RPW 4
+#define MLA_RPW 8
 
 // y[r] = W[r, :] . v for the `rows` rows of W [rows, n] (global, read once, streamed past L1) and v [n] (shared),
 // by every warp of the block: each warp takes MLA_RPW rows at a time and loads all of their 16-byte words before it

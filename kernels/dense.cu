@@ -5,6 +5,11 @@
 // memory, small and L1-resident) serves all the warp's rows. Tokens go in tiles of DENSE_TT, so a weight row is
 // read once per tile. Requires cols % 4 == 0 (f32) or cols % 8 == 0 (bf16); the Rust side keeps other shapes on
 // the CPU.
+//
+// Split: the `split` warps (1, 2, 4 or 8) of a row group each take one contiguous part of the columns, and the
+// parts' sums are added in order through shared memory. A product of few rows then still spreads over enough
+// warps to fill every SM for the same number of rounds (without it, a [12288, 7168] product is 1.45 waves of
+// blocks and its last wave runs half empty). A row's sum depends on its matrix's split only.
 
 #define DENSE_WARPS 8
 #define DENSE_RPW 4
@@ -26,15 +31,21 @@ __device__ __forceinline__ void dense_widen(uint4 p, float* wv) {
     }
 }
 
-// The rows of block `block` of one matrix's product.
+// The rows of block `block` of one matrix's product, its columns in `split` parts (a divisor of DENSE_WARPS).
+// Every thread of the block must call it (it synchronises the block when split > 1).
 template <bool BF16>
 __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int rows, int cols, int n_tok,
-                                int block) {
+                                int block, int split) {
     constexpr int PER = BF16 ? 8 : 4;  // weights per 16-byte word
+    __shared__ float part_sums[DENSE_WARPS][DENSE_RPW][DENSE_TT];
     int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    int row0 = (block * DENSE_WARPS + warp) * DENSE_RPW;
-    if (row0 >= rows) return;
+    int group = warp / split, part = warp % split;
+    int row0 = (block * (DENSE_WARPS / split) + group) * DENSE_RPW;
+    if (split == 1 && row0 >= rows) return;
     int words = cols / PER;
+    int chunk = (words + split - 1) / split;
+    int w0 = min(part * chunk, words), w1 = min(w0 + chunk, words);
+    if (row0 >= rows) w1 = w0;  // a group past the end only joins the barriers
     // Rows past the end read the last row (their sums are not written).
     const uint4* wr[DENSE_RPW];
 #pragma unroll
@@ -47,19 +58,19 @@ __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int row
         for (int r = 0; r < DENSE_RPW; r++)
 #pragma unroll
             for (int t = 0; t < DENSE_TT; t++) acc[r][t] = 0.f;
-        for (int i0 = lane; i0 < words; i0 += WARP * DENSE_UNROLL) {
+        for (int i0 = w0 + lane; i0 < w1; i0 += WARP * DENSE_UNROLL) {
             uint4 p[DENSE_UNROLL][DENSE_RPW];
 #pragma unroll
             for (int u = 0; u < DENSE_UNROLL; u++) {
                 int i = i0 + u * WARP;
 #pragma unroll
                 for (int r = 0; r < DENSE_RPW; r++)
-                    p[u][r] = i < words ? __ldcs(wr[r] + i) : make_uint4(0u, 0u, 0u, 0u);
+                    p[u][r] = i < w1 ? __ldcs(wr[r] + i) : make_uint4(0u, 0u, 0u, 0u);
             }
 #pragma unroll
             for (int u = 0; u < DENSE_UNROLL; u++) {
                 int i = i0 + u * WARP;
-                if (i >= words) break;
+                if (i >= w1) break;
                 float wv[DENSE_RPW][PER];
 #pragma unroll
                 for (int r = 0; r < DENSE_RPW; r++) dense_widen<BF16>(p[u][r], wv[r]);
@@ -84,38 +95,61 @@ __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int row
                 }
             }
         }
+        if (split == 1) {
 #pragma unroll
-        for (int t = 0; t < DENSE_TT; t++) {
-            if (t < count) {
+            for (int t = 0; t < DENSE_TT; t++) {
+                if (t < count) {
 #pragma unroll
-                for (int r = 0; r < DENSE_RPW; r++) {
-                    float v = warp_sum(acc[r][t]);
-                    if (lane == 0 && row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
+                    for (int r = 0; r < DENSE_RPW; r++) {
+                        float v = warp_sum(acc[r][t]);
+                        if (lane == 0 && row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
+                    }
                 }
             }
+            continue;
         }
+#pragma unroll
+        for (int t = 0; t < DENSE_TT; t++) {
+#pragma unroll
+            for (int r = 0; r < DENSE_RPW; r++) {
+                float v = warp_sum(acc[r][t]);
+                if (lane == 0) part_sums[warp][r][t] = v;
+            }
+        }
+        __syncthreads();
+        // The group's first warp adds its parts in order, a lane per (row, token).
+        if (part == 0) {
+            for (int k = lane; k < DENSE_RPW * DENSE_TT; k += WARP) {
+                int r = k / DENSE_TT, t = k % DENSE_TT;
+                float v = 0.f;
+                for (int q = 0; q < split; q++) v += part_sums[warp + q][r][t];
+                if (t < count && row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
+            }
+        }
+        __syncthreads();
     }
 }
 
 extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
-    dense_gemm_f32(const float* w, const float* x, float* y, int rows, int cols, int n_tok) {
-    dense_gemm_impl<false>(w, x, y, rows, cols, n_tok, blockIdx.x);
+    dense_gemm_f32(const float* w, const float* x, float* y, int rows, int cols, int n_tok, int split) {
+    dense_gemm_impl<false>(w, x, y, rows, cols, n_tok, blockIdx.x, split);
 }
 
 extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
-    dense_gemm_bf16(const u16* w, const float* x, float* y, int rows, int cols, int n_tok) {
-    dense_gemm_impl<true>(w, x, y, rows, cols, n_tok, blockIdx.x);
+    dense_gemm_bf16(const u16* w, const float* x, float* y, int rows, int cols, int n_tok, int split) {
+    dense_gemm_impl<true>(w, x, y, rows, cols, n_tok, blockIdx.x, split);
 }
 
 // Several matrices of one kind and width that read the same input x, in one launch (passed by value; the layout
-// matches `DenseJobs` in crates/quant/src/cuda/dense.rs): matrix j owns blocks first[j] .. first[j + 1]. Each row's
-// sum is the one-matrix kernel's, so the results are the same bits; one launch instead of several saves the
-// launches and the tail of each.
+// matches `DenseJobs` in crates/quant/src/cuda/dense.rs): matrix j owns blocks first[j] .. first[j + 1] and splits
+// its columns in split[j] parts. Each row's sum is the one-matrix kernel's, so the results are the same bits; one
+// launch instead of several saves the launches and the tail of each.
 #define DENSE_MAX_JOBS 8
 struct DenseJobs {
     const void* w[DENSE_MAX_JOBS];
     float* y[DENSE_MAX_JOBS];
     int rows[DENSE_MAX_JOBS];
+    int split[DENSE_MAX_JOBS];
     int first[DENSE_MAX_JOBS + 1];
     int n;
 };
@@ -124,7 +158,7 @@ template <bool BF16>
 __device__ void dense_gemm_multi_impl(const DenseJobs& jobs, const float* x, int cols, int n_tok) {
     int b = blockIdx.x, j = 0;
     while (j + 1 < jobs.n && b >= jobs.first[j + 1]) j++;
-    dense_gemm_impl<BF16>(jobs.w[j], x, jobs.y[j], jobs.rows[j], cols, n_tok, b - jobs.first[j]);
+    dense_gemm_impl<BF16>(jobs.w[j], x, jobs.y[j], jobs.rows[j], cols, n_tok, b - jobs.first[j], jobs.split[j]);
 }
 
 extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)

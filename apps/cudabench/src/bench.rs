@@ -440,11 +440,15 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
 /// The dense (spine) GEMM of `DeviceMatrix::gemm_device` on bf16 matrices of K3's attention shapes, for each token
 /// count, against a device copy of the same bytes in the same process (read + write counted, as for the MoE
 /// kernels). Prints one JSON line per shape and token count.
-pub fn dense_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
+pub fn dense_bw(tokens: &[usize], reps: usize, splits: &[usize]) -> anyhow::Result<()> {
     use deltafin_quant::cuda::dense::DeviceMatrix;
     use deltafin_quant::{DenseData, DenseMatrix};
     let gpu = Gpu::shared()?;
-    println!("device: {}", gpu.name());
+    println!(
+        "device: {} ({} dense GEMM blocks at once)",
+        gpu.name(),
+        gpu.dense_slots()
+    );
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     // KDA's q, k, v and output gate (also the four in one launch, as a layer runs them); the output projection of
     // KDA and MLA; MLA's q_b.
@@ -461,35 +465,43 @@ pub fn dense_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
                 .map(|_| 0x3c00 | (rng.random::<u16>() & 0x80ff))
                 .collect();
             let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into()))?;
-            if !m.attach_cuda(&gpu)? {
-                bail!("{name}: the matrix did not go to the GPU");
-            }
-            mats.push(m.cuda().context("device copy")?.clone());
+            mats.push(
+                DeviceMatrix::upload(&gpu, &m)?
+                    .with_context(|| format!("{name}: the matrix did not go to the GPU"))?,
+            );
         }
-        let dms: Vec<&DeviceMatrix> = mats.iter().map(|m| &**m).collect();
         let bytes = count * rows * cols * 2;
         let (k_us, m_us) = copy_us(&gpu, bytes, reps)?;
         let copy_bw = 2.0 * bytes as f64 / (k_us.min(m_us) * 1e-6);
-        for &t in tokens {
-            let x: Vec<f32> = (0..t * cols).map(|_| rng.random::<f32>() - 0.5).collect();
-            let xd = gpu.upload(&x)?;
-            let mut ys = (0..count)
-                .map(|_| gpu.zeros::<f32>(t * rows))
-                .collect::<Result<Vec<_>, _>>()?;
-            let ms = time_ms(&gpu, reps, || {
-                let mut refs: Vec<&mut _> = ys.iter_mut().collect();
-                DeviceMatrix::gemm_many_device(&dms, &xd, t, &mut refs)?;
-                Ok(())
-            })?;
-            let bw = bytes as f64 / (ms * 1e-3);
-            println!(
-                "{{\"shape\":\"{name}\",\"rows\":{rows},\"cols\":{cols},\"matrices\":{count},\"tokens\":{t},\
-                 \"us\":{:.1},\"weight_gb_s\":{:.0},\"copy_gb_s\":{:.0},\"of_copy\":{:.3}}}",
-                ms * 1e3,
-                bw / 1e9,
-                copy_bw / 1e9,
-                bw / copy_bw
-            );
+        for &split in splits {
+            let fixed = (split != 0).then_some(split);
+            for m in &mut mats {
+                m.set_split(fixed)?;
+            }
+            let dms: Vec<&DeviceMatrix> = mats.iter().collect();
+            for &t in tokens {
+                let x: Vec<f32> = (0..t * cols).map(|_| rng.random::<f32>() - 0.5).collect();
+                let xd = gpu.upload(&x)?;
+                let mut ys = (0..count)
+                    .map(|_| gpu.zeros::<f32>(t * rows))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let ms = time_ms(&gpu, reps, || {
+                    let mut refs: Vec<&mut _> = ys.iter_mut().collect();
+                    DeviceMatrix::gemm_many_device(&dms, &xd, t, &mut refs)?;
+                    Ok(())
+                })?;
+                let bw = bytes as f64 / (ms * 1e-3);
+                println!(
+                    "{{\"shape\":\"{name}\",\"rows\":{rows},\"cols\":{cols},\"matrices\":{count},\
+                     \"split\":\"{}\",\"tokens\":{t},\"us\":{:.1},\"weight_gb_s\":{:.0},\
+                     \"copy_gb_s\":{:.0},\"of_copy\":{:.3}}}",
+                    fixed.map_or("launch's".to_string(), |s| s.to_string()),
+                    ms * 1e3,
+                    bw / 1e9,
+                    copy_bw / 1e9,
+                    bw / copy_bw
+                );
+            }
         }
     }
     Ok(())

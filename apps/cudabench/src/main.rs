@@ -58,6 +58,9 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 50)]
         reps: usize,
+        /// Column splits to time (0: the one the shape gets by default).
+        #[arg(long, default_value = "0", value_delimiter = ',')]
+        splits: Vec<usize>,
     },
     /// Write a synthetic model.
     Synth {
@@ -124,7 +127,11 @@ fn main() -> anyhow::Result<()> {
                 gpu_cache_gb,
             } => bench::decode(&model, &devs, prompt_len, tokens, runs, gpu_cache_gb),
             Cmd::UploadBw { mib, reps } => bench::upload_bw(mib, reps),
-            Cmd::DenseBw { tokens, reps } => bench::dense_bw(&tokens, reps),
+            Cmd::DenseBw {
+                tokens,
+                reps,
+                splits,
+            } => bench::dense_bw(&tokens, reps, &splits),
             Cmd::Synth { .. } => Ok(()),
         }
     }

@@ -330,49 +330,84 @@ fn mxfp4_products_match_reference_with_extreme_scales() {
     }
 }
 
+/// Every column split (`DeviceMatrix::set_split`) against the CPU's reference, for rows that do not fill a block,
+/// columns that do not fill a part and token counts around the kernel's tile.
 #[test]
 fn dense_gemm_matches_cpu() {
+    use deltafin_quant::cuda::dense::{DeviceMatrix, SPLITS};
     let gpu = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    for (rows, cols, t_len) in [(100, 64, 1), (257, 1024, 9), (3, 96, 64)] {
+    for (rows, cols, t_len) in [(100, 64, 1), (257, 1024, 9), (3, 96, 64), (40, 2056, 3)] {
         let f32s: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
         let bf16s: Vec<u16> = f32s.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
         for data in [DenseData::F32(f32s.clone()), DenseData::Bf16(bf16s.into())] {
             let m = DenseMatrix::new(rows, cols, data).expect("matrix");
-            assert!(m.attach_cuda(&gpu).expect("upload"));
+            let mut dev = DeviceMatrix::upload(&gpu, &m)
+                .expect("upload")
+                .expect("a shape the kernel takes");
             let x: Vec<f32> = (0..t_len * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
             let reference = m.gemm_ref(&x, t_len).expect("cpu");
-            let got = m.cuda().expect("device copy").gemm(&x, t_len).expect("gpu");
-            for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
-                let row = i % rows;
-                let mag: f32 = (0..cols)
-                    .map(|c| (m.row_f32(row)[c] * x[(i / rows) * cols + c]).abs())
-                    .sum();
-                assert!(
-                    (g - r).abs() <= 1e-5 * mag,
-                    "{rows}x{cols} T={t_len} out {i}: {g} vs {r}"
-                );
+            for split in SPLITS {
+                dev.set_split(Some(split)).expect("split");
+                let got = dev.gemm(&x, t_len).expect("gpu");
+                assert_eq!(got.len(), reference.len());
+                for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
+                    let row = i % rows;
+                    let mag: f32 = (0..cols)
+                        .map(|c| (m.row_f32(row)[c] * x[(i / rows) * cols + c]).abs())
+                        .sum();
+                    assert!(
+                        (g - r).abs() <= 1e-5 * mag,
+                        "{rows}x{cols} T={t_len} split {split} out {i}: {g} vs {r}"
+                    );
+                }
             }
         }
     }
+    assert!(
+        DeviceMatrix::upload(
+            &gpu,
+            &DenseMatrix::new(2, 8, DenseData::F32(vec![0.0; 16])).expect("m")
+        )
+        .expect("upload")
+        .expect("shape")
+        .set_split(Some(3))
+        .is_err()
+    );
+}
+
+/// A launch splits its columns only while it makes fewer than two waves of blocks (at one token, only past one
+/// wave), and no part gets fewer than two warp steps of a row.
+#[test]
+fn dense_launch_split_by_size() {
+    use deltafin_quant::cuda::dense::launch_split;
+    // An H200 holds 132 SMs x 2 blocks; K3's rows are 896 words (7168 bf16) or 1536 (12288).
+    assert_eq!(launch_split(384, 896, 1, 264), 2);
+    assert_eq!(launch_split(384, 896, 3, 264), 2);
+    assert_eq!(launch_split(224, 1536, 1, 264), 1);
+    assert_eq!(launch_split(224, 1536, 3, 264), 4);
+    assert_eq!(launch_split(1536, 896, 3, 264), 1);
+    assert_eq!(launch_split(576, 192, 3, 264), 1);
+    assert_eq!(launch_split(2, 256, 2, 264), 2);
+    assert_eq!(launch_split(2, 100, 2, 264), 1);
 }
 
 /// Several matrices in one launch (`gemm_many_device`) give the one-matrix kernel's bits, for row counts that do
-/// not fill a block and for token counts below, at and above the kernel's token tile; a mix of kinds falls back to
-/// one launch each.
+/// not fill a block, token counts below, at and above the kernel's token tile and matrices of different column
+/// splits; a mix of kinds falls back to one launch each.
 #[test]
 fn dense_gemm_many_matches_one_at_a_time() {
-    use deltafin_quant::cuda::dense::DeviceMatrix;
+    use deltafin_quant::cuda::dense::{DeviceMatrix, SPLITS};
     let gpu = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let cols = 512;
     for t_len in [1, 3, 8, 11] {
         for bf16 in [false, true] {
-            let ms: Vec<DenseMatrix> = [100usize, 33, 257, 1, 64]
+            let devs: Vec<DeviceMatrix> = [100usize, 33, 257, 1, 64]
                 .iter()
                 .enumerate()
                 .map(|(j, &rows)| {
@@ -391,16 +426,18 @@ fn dense_gemm_many_matches_one_at_a_time() {
                         DenseData::F32(vals)
                     };
                     let m = DenseMatrix::new(rows, cols, data).expect("matrix");
-                    assert!(m.attach_cuda(&gpu).expect("upload"));
-                    m
+                    let mut d = DeviceMatrix::upload(&gpu, &m)
+                        .expect("upload")
+                        .expect("shape");
+                    d.set_split(Some(SPLITS[j % SPLITS.len()])).expect("split");
+                    d
                 })
                 .collect();
+            let devs: Vec<&DeviceMatrix> = devs.iter().collect();
             let x: Vec<f32> = (0..t_len * cols)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
             let xd = gpu.upload(&x).expect("x");
-            let devs: Vec<&DeviceMatrix> =
-                ms.iter().map(|m| &**m.cuda().expect("device")).collect();
             for group in [&devs[..4], &devs[..]] {
                 let mut ys: Vec<_> = group
                     .iter()
@@ -414,8 +451,9 @@ fn dense_gemm_many_matches_one_at_a_time() {
                     let (a, b) = (gpu.download(y).expect("a"), gpu.download(&one).expect("b"));
                     assert!(
                         a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
-                        "{}x{cols} T={t_len} bf16={bf16}: one launch differs from one a matrix",
-                        m.rows()
+                        "{}x{cols} T={t_len} bf16={bf16} split {}: one launch differs from one a matrix",
+                        m.rows(),
+                        m.split(t_len)
                     );
                 }
             }

@@ -1,10 +1,11 @@
 //! KDA on the GPU: a whole layer per call with the activations on the device from the input row to the output row.
 //!
 //! One upload (the normed input `[T, hidden]`) and one download (the output `[T, hidden]`) per layer: the six input
-//! projections, the decay gate's `f_b`, the short conv with its windows, the L2 norms and gates
-//! (`kda_prepare`), the delta-rule recurrence (`kda_recurrent`), the gated RMSNorm (`kda_gated_norm`) and the
-//! output projection all run on the compute stream. The recurrent matrices and the conv windows of the new state
-//! stay on the device ([`DeviceKdaState`]); the host copies them only when something reads them there.
+//! projections in one launch, then one launch for the rest of the layer up to its output projection (`kda_layer`,
+//! a block per head: the decay gate's second low-rank product `f_b`, the short conv with its windows, the L2 norms
+//! and gates, the delta-rule recurrence and the gated RMSNorm), then the output projection, all on the compute
+//! stream. The recurrent matrices and the conv windows of the new state stay on the device ([`DeviceKdaState`]);
+//! the host copies them only when something reads them there.
 //!
 //! Device allocations cost 5–20 µs each on the H200 (more than a layer's small kernels), so the intermediates live
 //! in one model-wide [`KdaScratch`] reused by every layer and call, and the buffers of dropped states go back to
@@ -23,9 +24,13 @@ use crate::state::KdaState;
 
 /// Widest head the recurrence kernel takes (a thread per value channel, four key parts).
 const MAX_HEAD_DIM: usize = 256;
-/// KDA per-head shared memory of `kda_recurrent`: the state, q, k, exp(g) and the partial sums of 4 key parts.
+/// Key parts of `kda_layer` (`KDA_PARTS` in `kernels/attention.cu`).
+const PARTS: usize = 4;
+
+/// KDA per-head shared memory of `kda_layer`: the state, q, k, exp(g), the partial sums of the key parts and a
+/// warp's worth of reduction scratch per part.
 fn recurrence_smem_bytes(d: usize) -> usize {
-    (d * d + 3 * d + 4 * d) * 4
+    (d * d + 3 * d + PARTS * d + PARTS * 32) * 4
 }
 
 /// Whether a layer with heads of width `d` and a conv of `kern` taps fits the kernels on `gpu`.
@@ -108,7 +113,6 @@ struct Buffers {
     k_raw: Option<CudaSlice<f32>>,
     v_raw: Option<CudaSlice<f32>>,
     f_a: Option<CudaSlice<f32>>,
-    g_raw: Option<CudaSlice<f32>>,
     b_raw: Option<CudaSlice<f32>>,
     og: Option<CudaSlice<f32>>,
     og_low: Option<CudaSlice<f32>>,
@@ -159,7 +163,7 @@ impl KdaScratch {
     }
 }
 
-/// The small per-layer vectors `kda_prepare` and `kda_gated_norm` read, on the device.
+/// The small per-layer vectors `kda_layer` reads, on the device.
 pub(crate) struct KdaParams {
     gpu: Arc<Gpu>,
     scratch: Arc<KdaScratch>,
@@ -264,7 +268,6 @@ pub(crate) fn kda_forward(
         k_raw,
         v_raw,
         f_a,
-        g_raw,
         b_raw,
         og,
         og_low,
@@ -318,8 +321,6 @@ pub(crate) fn kda_forward(
         )
         .map_err(|e| ModelError::Device(format!("cuda: KDA projections: {e}")))?;
     }
-    let g_raw = sized(gpu, g_raw, t_len * c)?;
-    gemm(m.f_b, f_a, g_raw)?;
     if let (DeviceGate::LowRank { up, .. }, Some(low)) = (&m.gate, low) {
         gemm(up, low, og)?;
     }
@@ -366,18 +367,36 @@ pub(crate) fn kda_forward(
     let g = sized(gpu, g, t_len * c)?;
     let beta = sized(gpu, beta, t_len * h)?;
     let mut new_win = scratch.take(gpu, 3 * window_len)?;
-    let block_x = d.div_ceil(32) as u32 * 32;
-    let per_token_head = LaunchConfig {
-        grid_dim: (t_len as u32, h as u32, 1),
-        block_dim: (block_x, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let out = sized(gpu, out, t_len * c)?;
+    // The decay gate's second low-rank product runs inside `kda_layer`, a row of f_b per channel.
+    if m.f_b.rows() != c || m.f_b.cols() != m.f_a.rows() {
+        return Err(ModelError::Device(format!(
+            "KDA f_b is [{}, {}], the layer needs [{c}, {}]",
+            m.f_b.rows(),
+            m.f_b.cols(),
+            m.f_a.rows()
+        )));
+    }
+    let (f_b, f_b_bf16) = m
+        .f_b
+        .values_for_kernel()
+        .map_err(|e| ModelError::Device(format!("cuda: KDA f_b: {e}")))?;
+    let (f_b_bf16, rank) = (i32::from(f_b_bf16), m.f_b.cols() as i32);
     let (t_i, h_i, d_i, k_i) = (t_len as i32, h as i32, d as i32, kern as i32);
     let (bounded, lb) = match dims.lower_bound {
         Some(lb) => (1i32, lb),
         None => (0i32, 0.0f32),
     };
-    let f = gpu.function("kda_prepare").map_err(cuda_err)?;
+    let cfg = LaunchConfig {
+        grid_dim: (h as u32, 1, 1),
+        block_dim: (d.div_ceil(32) as u32 * 32, PARTS as u32, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let s_in = match &s_old {
+        Some(p) => deltafin_quant::cuda::device_address(stream, p.buf()?),
+        None => deltafin_quant::cuda::device_address(stream, &s),
+    };
+    let f = gpu.function("kda_layer").map_err(cuda_err)?;
     let mut launch = stream.launch_builder(f);
     launch
         .arg(&*q_raw)
@@ -385,72 +404,40 @@ pub(crate) fn kda_forward(
         .arg(&*v_raw)
         .arg(win.buf()?)
         .arg(&params.taps)
-        .arg(&*g_raw)
+        .arg(&*f_a)
+        .arg(&f_b)
+        .arg(&f_b_bf16)
+        .arg(&rank)
         .arg(&params.dt_bias)
         .arg(&params.a_exp)
         .arg(&*b_raw)
+        .arg(&*og)
+        .arg(&params.o_norm)
+        .arg(&s_in)
+        .arg(&mut s)
         .arg(&mut *q)
         .arg(&mut *k)
         .arg(&mut *v)
         .arg(&mut *g)
         .arg(&mut *beta)
         .arg(&mut new_win)
+        .arg(&mut *out)
         .arg(&t_i)
         .arg(&h_i)
         .arg(&d_i)
         .arg(&k_i)
         .arg(&bounded)
-        .arg(&lb);
-    // SAFETY: the raw projections, g_raw, q, k, v and g hold at least [t_len, c]; b_raw and beta [t_len, h]; win
-    // and new_win are [3, kern-1, c]; taps [3, c, kern]; dt_bias [c]; a_exp [h] (uploaded from the layer's checked
-    // shapes); the grid is (t_len, h) with at least d threads a block, and every index the kernel forms stays inside
-    // those shapes.
-    unsafe { launch.launch(per_token_head) }
-        .map_err(|e| ModelError::Device(format!("cuda: kda_prepare: {e}")))?;
-
-    let out = sized(gpu, out, t_len * c)?;
-    let f = gpu.function("kda_recurrent").map_err(cuda_err)?;
-    let cfg = LaunchConfig {
-        grid_dim: (h as u32, 1, 1),
-        block_dim: (d as u32, 4, 1),
-        shared_mem_bytes: smem as u32,
-    };
-    let s_in = match &s_old {
-        Some(p) => deltafin_quant::cuda::device_address(stream, p.buf()?),
-        None => deltafin_quant::cuda::device_address(stream, &s),
-    };
-    let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&s_in)
-        .arg(&mut s)
-        .arg(&*q)
-        .arg(&*k)
-        .arg(&*v)
-        .arg(&*g)
-        .arg(&*beta)
-        .arg(&mut *out)
-        .arg(&t_i)
-        .arg(&h_i)
-        .arg(&d_i);
-    // SAFETY: s and s_old are [h, d, d] (the kernel reads a head's old block whole before it writes the new one, so
-    // passing `s` twice is sound); q, k, v, g and out hold at least [t_len, c]; beta [t_len, h]; the block has d*4
-    // threads and `smem` bytes (checked against the device's limit by `fits`).
-    unsafe { launch.launch(cfg) }
-        .map_err(|e| ModelError::Device(format!("cuda: kda_recurrent: {e}")))?;
-
-    let f = gpu.function("kda_gated_norm").map_err(cuda_err)?;
-    let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&mut *out)
-        .arg(&*og)
-        .arg(&params.o_norm)
-        .arg(&h_i)
-        .arg(&d_i)
+        .arg(&lb)
         .arg(&dims.eps);
-    // SAFETY: out and og hold at least [t_len, c], o_norm is [d]; the grid is (t_len, h) with at least d threads a
-    // block.
-    unsafe { launch.launch(per_token_head) }
-        .map_err(|e| ModelError::Device(format!("cuda: kda_gated_norm: {e}")))?;
+    // SAFETY: the raw projections, the gate, q, k, v, g and out hold at least [t_len, c]; f_a [t_len, rank]; f_b
+    // is [c, rank] of its kind with whole 16-byte words a row (checked above and by its upload); b_raw and beta
+    // [t_len, h]; win and new_win are [3, kern-1, c]; taps [3, c, kern]; dt_bias [c]; a_exp [h]; o_norm [d]
+    // (uploaded from the layer's checked shapes); s and s_old are [h, d, d] (the kernel reads a head's old block
+    // whole before it writes the new one, so passing `s` twice is sound). The grid is one block per head of
+    // (d rounded up to a warp) x PARTS threads with `smem` bytes (checked against the device's limit by `fits`),
+    // and every index the kernel forms stays inside those shapes.
+    unsafe { launch.launch(cfg) }
+        .map_err(|e| ModelError::Device(format!("cuda: kda_layer: {e}")))?;
 
     let yd = sized(gpu, y, n_out)?;
     gemm(m.o, out, yd)?;

@@ -1,17 +1,54 @@
 //! Dense weights resident on the GPU and their GEMM (`kernels/dense.cu`), plus the slot on [`DenseMatrix`] that
 //! holds a matrix's device copy.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
 
-use super::{Gpu, div_ceil, driver_err};
+use super::{Gpu, driver_err};
 use crate::dense::{DenseData, DenseMatrix};
 use crate::error::{QuantError, Result};
 
 /// Warps per block and rows per warp of `dense_gemm_*` (must match `kernels/dense.cu`).
 const DENSE_WARPS: usize = 8;
 const DENSE_RPW: usize = 4;
+/// Threads per block of `dense_gemm_*`.
+pub(crate) const BLOCK_THREADS: usize = DENSE_WARPS * 32;
+/// The column splits the kernel takes (divisors of its warps).
+pub const SPLITS: [usize; 4] = [1, 2, 4, 8];
+/// Fewest 16-byte words of a row per column part (two of a warp's steps).
+const MIN_PART_WORDS: usize = 128;
+/// Waves of blocks below which a launch splits its columns. Measured on an H200 (`deltafin-cudabench dense-bw
+/// --splits 1,2,4,8`, 2026-12-04): a lone `[12288, 7168]` product (1.45 waves) went from 0.74 to 0.83 of the copy
+/// rate split in two at one token and from 0.56 to 0.69 at three; four of them in one launch (5.8 waves) lost with
+/// any split; `[7168, 12288]` (0.85 waves) ran 2-3% slower split at one token and 16% faster split in four at three.
+const SPLIT_WAVES: usize = 2;
+
+/// The column split of a launch of `blocks` blocks (unsplit) over rows of `words` 16-byte words for `tokens` input
+/// rows, on a device that holds `slots` blocks at once: the fewest parts that make [`SPLIT_WAVES`] waves, as long
+/// as each part keeps [`MIN_PART_WORDS`]; none for one token when every block runs at once anyway.
+pub fn launch_split(blocks: usize, words: usize, tokens: usize, slots: usize) -> usize {
+    if tokens <= 1 && blocks <= slots {
+        return 1;
+    }
+    let mut split = 1;
+    for s in SPLITS {
+        if s > 1 && words / s < MIN_PART_WORDS {
+            break;
+        }
+        split = s;
+        if blocks * s >= SPLIT_WAVES * slots {
+            break;
+        }
+    }
+    split
+}
+
+/// Blocks of a `[rows, ·]` product split `split` ways.
+fn blocks_for(rows: usize, split: usize) -> usize {
+    rows.div_ceil(DENSE_WARPS * DENSE_RPW / split)
+}
 
 /// The most matrices [`DeviceMatrix::gemm_many_device`] puts in one launch (`DENSE_MAX_JOBS` in the kernel).
 pub const MAX_JOBS: usize = 8;
@@ -24,6 +61,7 @@ struct DenseJobs {
     w: [u64; MAX_JOBS],
     y: [u64; MAX_JOBS],
     rows: [i32; MAX_JOBS],
+    split: [i32; MAX_JOBS],
     first: [i32; MAX_JOBS + 1],
     n: i32,
 }
@@ -45,6 +83,16 @@ enum Kind {
     Bf16,
 }
 
+impl Kind {
+    /// Values per 16-byte word.
+    fn lanes(self) -> usize {
+        match self {
+            Kind::F32 => 4,
+            Kind::Bf16 => 8,
+        }
+    }
+}
+
 /// A dense `[rows, cols]` weight copied to the GPU once (f32 or bf16; row-wise int8 is uploaded dequantised to
 /// f32).
 pub struct DeviceMatrix {
@@ -55,6 +103,12 @@ pub struct DeviceMatrix {
     rows: usize,
     cols: usize,
     kind: Kind,
+    /// A column split fixed for every launch ([`Self::set_split`]); otherwise each launch picks its own
+    /// ([`launch_split`]).
+    split: Option<usize>,
+    /// Set once the upload behind `ready` is known to be done, so later products skip the wait (each wait is a
+    /// driver call on the path from a layer's input to its first kernel).
+    uploaded: AtomicBool,
 }
 
 impl std::fmt::Debug for DeviceMatrix {
@@ -75,8 +129,7 @@ impl DeviceMatrix {
             DenseData::Bf16(_) => Kind::Bf16,
             DenseData::F32(_) | DenseData::Int8 { .. } => Kind::F32,
         };
-        let lanes = if kind == Kind::F32 { 4 } else { 8 };
-        if m.rows() == 0 || m.cols() == 0 || !m.cols().is_multiple_of(lanes) {
+        if m.rows() == 0 || m.cols() == 0 || !m.cols().is_multiple_of(kind.lanes()) {
             return Ok(None);
         }
         // f32 and bf16 values go up from where they lie (the device is little-endian, like every host this
@@ -96,7 +149,68 @@ impl DeviceMatrix {
             rows: m.rows(),
             cols: m.cols(),
             kind,
+            split: None,
+            uploaded: AtomicBool::new(false),
         }))
+    }
+
+    /// 16-byte words of a row.
+    fn words(&self) -> usize {
+        self.cols / self.kind.lanes()
+    }
+
+    /// The column split a launch of this matrix alone uses for `tokens` input rows.
+    pub fn split(&self, tokens: usize) -> usize {
+        self.split.unwrap_or_else(|| {
+            launch_split(
+                blocks_for(self.rows, 1),
+                self.words(),
+                tokens,
+                self.gpu.dense_slots(),
+            )
+        })
+    }
+
+    /// Fixes the column split of every launch (one of [`SPLITS`]; benchmarks and tests compare them), or with
+    /// `None` leaves it to each launch again. The sums change with it.
+    pub fn set_split(&mut self, split: Option<usize>) -> Result<()> {
+        if let Some(s) = split.filter(|s| !SPLITS.contains(s)) {
+            return Err(QuantError::BadInput {
+                expected: 1,
+                actual: s,
+            });
+        }
+        self.split = split;
+        Ok(())
+    }
+
+    /// The device address of the values and whether they are bf16 bits (else f32; either way whole 16-byte words a
+    /// row), for a kernel that reads a small matrix itself; the compute stream first waits for the upload if it
+    /// may still be running.
+    pub fn values_for_kernel(&self) -> Result<(u64, bool)> {
+        let stream = self.gpu.stream();
+        self.wait_uploaded(stream)?;
+        Ok((
+            super::device_address(stream, &self.buf),
+            self.kind == Kind::Bf16,
+        ))
+    }
+
+    /// Makes `stream` wait for the matrix's upload while it may still be running.
+    fn wait_uploaded(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
+        let Some(ev) = &self.ready else {
+            return Ok(());
+        };
+        if self.uploaded.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if ev.is_complete() {
+            self.uploaded.store(true, Ordering::Release);
+            return Ok(());
+        }
+        stream
+            .wait(ev)
+            .map_err(|e| driver_err("waiting for a weight upload", e))
     }
 
     /// The device holding the matrix.
@@ -137,20 +251,27 @@ impl DeviceMatrix {
             Kind::Bf16 => "dense_gemm_bf16",
         };
         let f = self.gpu.function(name)?;
-        if let Some(ev) = &self.ready {
-            self.gpu
-                .stream()
-                .wait(ev)
-                .map_err(|e| driver_err("waiting for a weight upload", e))?;
-        }
-        let (rows, cols, t) = (self.rows as i32, self.cols as i32, t_rows as i32);
+        self.wait_uploaded(self.gpu.stream())?;
+        let split = self.split(t_rows);
+        let (rows, cols, t, split_i) = (
+            self.rows as i32,
+            self.cols as i32,
+            t_rows as i32,
+            split as i32,
+        );
         let cfg = LaunchConfig {
-            grid_dim: (div_ceil(self.rows, DENSE_WARPS * DENSE_RPW), 1, 1),
-            block_dim: ((DENSE_WARPS * 32) as u32, 1, 1),
+            grid_dim: (blocks_for(self.rows, split) as u32, 1, 1),
+            block_dim: (BLOCK_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.gpu.stream().launch_builder(f);
-        b.arg(&self.buf).arg(x).arg(y).arg(&rows).arg(&cols).arg(&t);
+        b.arg(&self.buf)
+            .arg(x)
+            .arg(y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&t)
+            .arg(&split_i);
         // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size), t_rows*cols
         // floats of x and writes t_rows*rows floats of y; both lengths were checked above.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
@@ -158,8 +279,9 @@ impl DeviceMatrix {
     }
 
     /// `ys[j] = x · msⱼᵀ` for several matrices reading the same device rows `x [t_rows, cols]`, queued as one
-    /// launch when they share a device, kind and width (at most [`MAX_JOBS`]), else one launch each. The bits are
-    /// those of [`Self::gemm_device`] either way.
+    /// launch when they share a device, kind and width (at most [`MAX_JOBS`]), else one launch each. The column
+    /// split of a matrix without a fixed one is the launch's ([`launch_split`] of all its blocks); with the same
+    /// split, the bits are those of [`Self::gemm_device`].
     pub fn gemm_many_device(
         ms: &[&DeviceMatrix],
         x: &CudaSlice<f32>,
@@ -199,9 +321,13 @@ impl DeviceMatrix {
             w: [0; MAX_JOBS],
             y: [0; MAX_JOBS],
             rows: [0; MAX_JOBS],
+            split: [1; MAX_JOBS],
             first: [0; MAX_JOBS + 1],
             n: ms.len() as i32,
         };
+        // Matrices without a fixed split take the launch's.
+        let unsplit: usize = ms.iter().map(|m| blocks_for(m.rows, 1)).sum();
+        let split = launch_split(unsplit, first.words(), t_rows, gpu.dense_slots());
         let mut blocks = 0usize;
         for (j, (m, y)) in ms.iter().zip(ys.iter()).enumerate() {
             if y.len() < t_rows * m.rows {
@@ -210,16 +336,14 @@ impl DeviceMatrix {
                     actual: y.len(),
                 });
             }
-            if let Some(ev) = &m.ready {
-                stream
-                    .wait(ev)
-                    .map_err(|e| driver_err("waiting for a weight upload", e))?;
-            }
+            m.wait_uploaded(stream)?;
+            let s = m.split.unwrap_or(split);
             jobs.w[j] = super::device_address(stream, &m.buf);
             jobs.y[j] = super::device_address(stream, &**y);
             jobs.rows[j] = m.rows as i32;
+            jobs.split[j] = s as i32;
             jobs.first[j] = blocks as i32;
-            blocks += m.rows.div_ceil(DENSE_WARPS * DENSE_RPW);
+            blocks += blocks_for(m.rows, s);
         }
         jobs.first[ms.len()] = blocks as i32;
         let name = match first.kind {
@@ -229,7 +353,7 @@ impl DeviceMatrix {
         let f = gpu.function(name)?;
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
-            block_dim: ((DENSE_WARPS * 32) as u32, 1, 1),
+            block_dim: (BLOCK_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (cols, t) = (cols as i32, t_rows as i32);
@@ -237,7 +361,7 @@ impl DeviceMatrix {
         b.arg(&jobs).arg(x).arg(&cols).arg(&t);
         // SAFETY: every job's matrix is `rows * cols` values of the shared kind at `w`, and its `y` holds at least
         // t_rows * rows floats (checked above); x holds t_rows * cols floats; job j owns the blocks first[j] ..
-        // first[j + 1], each covering DENSE_WARPS * DENSE_RPW of its rows as in the one-matrix kernel.
+        // first[j + 1], each covering DENSE_WARPS * DENSE_RPW / split[j] of its rows as in the one-matrix kernel.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok(())
     }

@@ -38,7 +38,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 50] = [
+pub(crate) const KERNELS: [(&str, bool); 48] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -84,9 +84,7 @@ pub(crate) const KERNELS: [(&str, bool); 50] = [
     ("dense_gemm_multi_f32", false),
     ("dense_gemm_multi_bf16", false),
     ("copy16", false),
-    ("kda_prepare", false),
-    ("kda_recurrent", true),
-    ("kda_gated_norm", false),
+    ("kda_layer", true),
     ("mla_norm_rows", false),
     ("mla_attend", false),
 ];
@@ -148,6 +146,9 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
     smem_optin: usize,
+    /// Blocks of the dense GEMM the whole device runs at once (SMs × blocks per SM): what its column split is
+    /// chosen against ([`dense::DeviceMatrix`]).
+    dense_slots: usize,
     staging: upload::Staging,
     /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
     /// call (a device allocation costs 5–20 µs, more than a small product).
@@ -232,6 +233,23 @@ impl Gpu {
             }
             functions.insert(name, f);
         }
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(|e| driver_err("reading the SM count", e))?
+            .max(1) as usize;
+        let per_sm = match functions.get("dense_gemm_bf16") {
+            Some(f) => f
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    dense::BLOCK_THREADS as u32,
+                    0,
+                    None,
+                )
+                .map_err(|e| driver_err("reading the dense GEMM's occupancy", e))?
+                .max(1) as usize,
+            None => 1,
+        };
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_err("creating the compute stream", e))?;
@@ -246,10 +264,16 @@ impl Gpu {
             functions,
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
+            dense_slots: sms * per_sm,
             staging: upload::Staging::default(),
             host_gemm: std::sync::Mutex::default(),
             rows: std::sync::Mutex::default(),
         })
+    }
+
+    /// Blocks of the dense GEMM the whole device holds at once.
+    pub fn dense_slots(&self) -> usize {
+        self.dense_slots
     }
 
     /// The device's name and architecture, e.g. `NVIDIA H200 (sm_90)`.
