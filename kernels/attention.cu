@@ -1,26 +1,13 @@
 // Attention on the GPU: KDA (its inputs, the delta-rule recurrence, the gated norm) and absorbed NoPE MLA over the
 // latent cache.
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result. `scratch` is 32
-// floats of shared memory, free again when the call returns.
-__device__ float block_sum(float v, float* scratch) {
-    int lane = threadIdx.x & (WARP - 1), w = threadIdx.x / WARP, nw = blockDim.x / WARP;
-    v = warp_sum(v);
-    __syncthreads();
-    if (lane == 0) scratch[w] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int i = 0; i < nw; i++) s += scratch[i];
-    __syncthreads();
-    return s;
-}
-
 // log(1 + e^x), linear above 20 (the CPU's `ops::softplus`).
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// Sum over the threads of one part of a block laid out as (blockDim.x = a multiple of 32, parts along y): every
-// thread of the part gets the sum. `scratch` is 32 floats of shared memory per part, free again when the call
-// returns; every thread of the block must call it (it synchronises the block).
+// Sum over the threads of one part of a block laid out as (blockDim.x = a multiple of 32, at most 1024; parts
+// along y, one part for a 1-D block): every thread of the part gets the sum. `scratch` is 32 floats of shared
+// memory per part, free again when the call returns; every thread of the block must call it (it synchronises the
+// block).
 __device__ float part_sum(float v, float* scratch) {
     int lane = threadIdx.x & (WARP - 1), w = threadIdx.x / WARP, nw = blockDim.x / WARP;
     float* mine = scratch + threadIdx.y * WARP;
@@ -39,10 +26,10 @@ __device__ float part_sum(float v, float* scratch) {
 //
 // 1. Inputs (the CPU's `Kda::head_inputs`, up to summation order), tokens t = p, p + KDA_PARTS, ... in parallel:
 //    q, k, v = SiLU of the short causal conv over (old window ++ raw rows); q and k L2-normalised over the head (q
-//    also scaled by d^-1/2); the decay gate from z = f_b . f_a (the low-rank product's second half, a row of f_b
-//    per channel: bf16 bits or f32) plus dt_bias, K3's bounded form
-//    `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's `-a softplus(z)`; beta = sigma(b_raw). Token 0's
-//    threads also write the next windows: the last K-1 rows of (old window ++ raw).
+//    also scaled by d^-1/2); the decay gate from z = f_b . f_a + dt_bias (f_b . f_a is the low-rank product's second
+//    half, a row of f_b per channel, bf16 bits or f32), K3's bounded form `lower_bound * sigma(a z)` when
+//    `bounded`, else Kimi Linear's `-a softplus(z)`; beta = sigma(b_raw). Token 0's threads also write the next
+//    windows: the last K-1 rows of (old window ++ raw).
 // 2. The recurrence, the head's state S [D_k, D_v] in shared memory. Per token:
 //      S <- diag(exp g) S;  u = S^T k;  delta = beta (v - u);  S <- S + k delta^T;  o = S^T q.
 //    Thread (j, p) owns value column j for the key rows p, p + KDA_PARTS, ...; the sums over keys are reduced
@@ -50,19 +37,18 @@ __device__ float part_sum(float v, float* scratch) {
 // 3. The gated RMSNorm of each token's output row over the head (the CPU's `Kda::gated_norm_row`), in place:
 //    o <- (o * inv_rms(o)) * w * sigma(gate).
 // raw_*: [T, C]; win, new_win: [3, K-1, C] (q, k, v); taps: [3, C, K] (oldest tap first); f_a: [T, R]; f_b: [C, R]
-// (R % 8 == 0 for bf16, % 4 for f32: whole 16-byte words); gate: [T, C];
-// dt_bias: [C]; a_exp: [H]; b_raw, beta: [T, H]; norm_w: [d]; q, k, v, g, out: [T, C] (q, k, v, g scratch written
-// in step 1 and read in step 2); state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the
-// same buffer: a head's old block is read whole before its new one is written).
+// (R % 8 == 0 for bf16, % 4 for f32: whole 16-byte words); gate: [T, C]; dt_bias: [C]; a_exp: [H]; b_raw, beta:
+// [T, H]; norm_w: [d]; q, k, v, g, out: [T, C] (q, k, v, g scratch written in step 1 and read in step 2);
+// state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the same buffer: a head's old
+// block is read whole before its new one is written).
 #define KDA_L2_EPS 1e-6f
 #define KDA_PARTS 4
-extern "C" __global__ void __launch_bounds__(1024) kda_layer(const float* raw_q, const float* raw_k, const float* raw_v, const float* win,
-                                     const float* taps, const float* f_a, const void* f_b, int f_b_bf16, int rank,
-                                     const float* dt_bias, const float* a_exp,
-                                     const float* b_raw, const float* gate, const float* norm_w,
-                                     const float* state_in, float* state_out, float* q, float* k, float* v,
-                                     float* g, float* beta, float* new_win, float* out, int n_tok, int heads, int d,
-                                     int kern, int bounded, float lower_bound, float eps) {
+extern "C" __global__ void __launch_bounds__(1024)
+    kda_layer(const float* raw_q, const float* raw_k, const float* raw_v, const float* win, const float* taps,
+              const float* f_a, const void* f_b, int f_b_bf16, int rank, const float* dt_bias, const float* a_exp,
+              const float* b_raw, const float* gate, const float* norm_w, const float* state_in, float* state_out,
+              float* q, float* k, float* v, float* g, float* beta, float* new_win, float* out, int n_tok, int heads,
+              int d, int kern, int bounded, float lower_bound, float eps) {
     extern __shared__ float sm[];
     float* s = sm;                      // [d, d]
     float* kv = s + d * d;              // k [d]
@@ -233,7 +219,7 @@ extern "C" __global__ void mla_norm_rows(const float* src, int src_stride, float
     float* y = dst + (size_t)blockIdx.x * dst_stride;
     float ss = 0.f;
     for (int i = threadIdx.x; i < normed; i += blockDim.x) ss += x[i] * x[i];
-    ss = block_sum(ss, scratch);
+    ss = part_sum(ss, scratch);
     float inv = 1.0f / sqrtf(ss / (float)normed + eps);
     for (int i = threadIdx.x; i < normed; i += blockDim.x) y[i] = x[i] * inv * w[i];
     for (int i = threadIdx.x; i < copied; i += blockDim.x) y[normed + i] = x[normed + i];
