@@ -4,11 +4,13 @@
 #   kernels  cuda_kernels: every MoE kernel family and the dense GEMM against the scalar references
 #   fixtures cuda_fixtures: CUDA logits against the CPU f32 path on every fixture
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
+#   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
 #   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
-#            (GiB; "all" for the default, every layer on the GPU)
+#            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4)
 #   cpu      the same on the CPU, for the greedy tokens
-# Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT.
+# Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
+# and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
 set -u
 OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-kernels fixtures moebw}
@@ -19,10 +21,11 @@ chmod +x bin/*
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export LD_LIBRARY_PATH=/opt/torch/.venv/lib/python3.12/site-packages/nvidia/cu13/lib
 # The test binaries find the fixtures at the path they were built in.
-mkdir -p /work/main && ln -sfn "$PWD/tests" /work/main/tests
+mkdir -p /work/main && [ -e /work/main/tests ] || ln -sfn "$PWD/tests" /work/main/tests
 DATA=${DATA:-/root/dfdata}; mkdir -p "$DATA"
 T0=$(date +%s)
-step() { echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
+step() { tar czf "$OUT/results.tgz.tmp" -C "$OUT" --exclude results.tgz --exclude results.tgz.tmp . 2>/dev/null;
+  mv "$OUT/results.tgz.tmp" "$OUT/results.tgz"; echo "== $1 ($(( $(date +%s) - T0 )) s)"; }
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # Runs a command and prints its peak RSS (the children's maximum resident set).
 peak() { python3 -c 'import resource,subprocess,sys; r=subprocess.run(sys.argv[1:]).returncode; print("exit", r, "peak_rss_gib", round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/2**20, 2))' "$@"; }
@@ -39,6 +42,11 @@ if has moebw; then
   timeout 200 bin/deltafin-cudabench moe-bw --reps ${REPS:-50} --kernels ${KERNELS:-tensor,tiles,gemm} \
     --tokens ${TOKENS:-1,2,4,8,16,32,64} | tee "$OUT/moe_bw.txt"
 fi
+if has densebw; then
+  step "dense-bw"
+  timeout 120 bin/deltafin-cudabench dense-bw --tokens ${DTOKENS:-1,3} --reps 50 --splits ${SPLITS:-0,1} \
+    | tee "$OUT/dense_bw.txt"
+fi
 if has make; then
   step "make full-size sparse model"
   [ -d "$DATA/k3s" ] || timeout 300 bin/xtask make-synthetic --preset k3 --sparse --out "$DATA/k3s"
@@ -47,9 +55,11 @@ fi
 if has cuda; then
   for v in ${VRAMS:-all}; do
     vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
-    step "cuda run, K3_RAM_GB=$RAM, VRAM budget $v"
-    K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
-      --max-new 4 --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_$v.txt"
+    for i in $(seq 1 "${RUNS:-1}"); do
+      step "cuda run $i, K3_RAM_GB=$RAM, VRAM budget $v"
+      K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
+        --max-new "${MAXNEW:-4}" --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_${v}_$i.txt"
+    done
   done
 fi
 if has cpu; then
