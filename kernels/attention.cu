@@ -21,6 +21,16 @@ __device__ float part_sum(float v, float* scratch) {
     return s;
 }
 
+// Copies n floats from src to dst with the block's `nthreads` threads (this one is `tid`), 16 bytes at a time when
+// n is a multiple of 4 (both pointers then 16-byte aligned, as a head's block of a KDA state is).
+__device__ __forceinline__ void block_copy(float* dst, const float* src, int n, int tid, int nthreads) {
+    if ((n & 3) == 0) {
+        for (int i = tid; i < n / 4; i += nthreads) ((float4*)dst)[i] = ((const float4*)src)[i];
+    } else {
+        for (int i = tid; i < n; i += nthreads) dst[i] = src[i];
+    }
+}
+
 // One KDA layer after its input products, one block per head h = blockIdx.x, in one launch. Thread (j, p) =
 // (threadIdx.x, threadIdx.y): channel j of the head (blockDim.x = d rounded up to a warp), part p of KDA_PARTS.
 //
@@ -62,16 +72,10 @@ extern "C" __global__ void __launch_bounds__(1024)
     bool live = j < d;
     int ch = h * d + j;
 
-    // The old state into shared memory, 16 bytes at a time where the head's block allows it.
+    // The old state into shared memory.
     const float* sh_in = state_in + (size_t)h * d * d;
     float* sh = state_out + (size_t)h * d * d;
-    if ((d & 3) == 0) {
-        const float4* src = (const float4*)sh_in;
-        float4* dst = (float4*)s;
-        for (int i = tid; i < d * d / 4; i += nthreads) dst[i] = src[i];
-    } else {
-        for (int i = tid; i < d * d; i += nthreads) s[i] = sh_in[i];
-    }
+    block_copy(s, sh_in, d * d, tid, nthreads);
 
     // 1. Inputs.
     const float* raws[3] = {raw_q, raw_k, raw_v};
@@ -198,13 +202,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
 
     // The new state.
-    if ((d & 3) == 0) {
-        const float4* src = (const float4*)s;
-        float4* dst = (float4*)sh;
-        for (int i = tid; i < d * d / 4; i += nthreads) dst[i] = src[i];
-    } else {
-        for (int i = tid; i < d * d; i += nthreads) sh[i] = s[i];
-    }
+    block_copy(sh, s, d * d, tid, nthreads);
 }
 
 // MLA's RMSNorms on rows (the CPU's `ops::rms_norm_row`): one block per row t; the row's first `normed` values

@@ -95,27 +95,20 @@ __device__ void dense_gemm_impl(const void* w, const float* x, float* y, int row
                 }
             }
         }
-        if (split == 1) {
-#pragma unroll
-            for (int t = 0; t < DENSE_TT; t++) {
-                if (t < count) {
-#pragma unroll
-                    for (int r = 0; r < DENSE_RPW; r++) {
-                        float v = warp_sum(acc[r][t]);
-                        if (lane == 0 && row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
-                    }
-                }
-            }
-            continue;
-        }
+        // Each warp's sums: straight into y when the columns are whole, else into shared memory for the group.
 #pragma unroll
         for (int t = 0; t < DENSE_TT; t++) {
+            if (t < count) {
 #pragma unroll
-            for (int r = 0; r < DENSE_RPW; r++) {
-                float v = warp_sum(acc[r][t]);
-                if (lane == 0) part_sums[warp][r][t] = v;
+                for (int r = 0; r < DENSE_RPW; r++) {
+                    float v = warp_sum(acc[r][t]);
+                    if (lane != 0) continue;
+                    if (split > 1) part_sums[warp][r][t] = v;
+                    else if (row0 + r < rows) y[(size_t)(t0 + t) * rows + row0 + r] = v;
+                }
             }
         }
+        if (split == 1) continue;
         __syncthreads();
         // The group's first warp adds its parts in order, a lane per (row, token).
         if (part == 0) {
@@ -142,8 +135,8 @@ extern "C" __global__ void __launch_bounds__(DENSE_WARPS * WARP)
 
 // Several matrices of one kind and width that read the same input x, in one launch (passed by value; the layout
 // matches `DenseJobs` in crates/quant/src/cuda/dense.rs): matrix j owns blocks first[j] .. first[j + 1] and splits
-// its columns in split[j] parts. Each row's sum is the one-matrix kernel's, so the results are the same bits; one
-// launch instead of several saves the launches and the tail of each.
+// its columns in split[j] parts. Each row's sum is the one-matrix kernel's at the same split, so the results are
+// the same bits; one launch instead of several saves the launches and the tail of each.
 #define DENSE_MAX_JOBS 8
 struct DenseJobs {
     const void* w[DENSE_MAX_JOBS];

@@ -58,7 +58,7 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 50)]
         reps: usize,
-        /// Column splits to time (0: the one the shape gets by default).
+        /// Column splits to time (0: each launch's own choice, as the engine runs it).
         #[arg(long, default_value = "0", value_delimiter = ',')]
         splits: Vec<usize>,
     },
