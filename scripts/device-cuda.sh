@@ -7,7 +7,8 @@
 #   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
 #   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
-#            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4)
+#            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4);
+#            $BINS names the carried builds to alternate (default: deltafin)
 #   cpu      the same on the CPU, for the greedy tokens
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
 # and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
@@ -56,9 +57,11 @@ if has cuda; then
   for v in ${VRAMS:-all}; do
     vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
     for i in $(seq 1 "${RUNS:-1}"); do
-      step "cuda run $i, K3_RAM_GB=$RAM, VRAM budget $v"
-      K3_RAM_GB=$RAM peak timeout 400 bin/deltafin run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
-        --max-new "${MAXNEW:-4}" --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_${v}_$i.txt"
+      for b in ${BINS:-deltafin}; do
+        step "cuda run $i of $b, K3_RAM_GB=$RAM, VRAM budget $v"
+        K3_RAM_GB=$RAM peak timeout 400 bin/$b run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
+          --max-new "${MAXNEW:-4}" --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_${v}_${b}_$i.txt"
+      done
     done
   done
 fi

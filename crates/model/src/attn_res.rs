@@ -5,6 +5,7 @@
 //! only, never across positions, so it needs no cache.
 
 use candle_core::Tensor;
+use deltafin_quant::dot::dot_f32;
 
 use crate::error::Result;
 use crate::ops::inv_rms;
@@ -46,10 +47,10 @@ impl ResMix {
                 .chain(std::iter::once(&cur_v[span.clone()]))
                 .collect();
             logits.clear();
+            // `Σ (v·inv)·w` as `inv · Σ v·w` in the `dot` contract's order: the same value up to rounding, in
+            // SIMD (a left-to-right sum took about 14 µs a candidate at K3's width).
             for v in &cands {
-                let inv = inv_rms(v, self.eps);
-                let s: f32 = v.iter().zip(&self.score).map(|(x, w)| (x * inv) * w).sum();
-                logits.push(s);
+                logits.push(inv_rms(v, self.eps) * dot_f32(v, &self.score));
             }
             let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let exps: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
