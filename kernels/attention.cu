@@ -72,10 +72,24 @@ extern "C" __global__ void __launch_bounds__(1024)
     bool live = j < d;
     int ch = h * d + j;
 
-    // The old state into shared memory.
+    // The old state into shared memory: asynchronously where the head's block is whole 16-byte words (it lands while
+    // step 1 runs; each thread waits for its copies before step 2's first barrier), else plainly.
     const float* sh_in = state_in + (size_t)h * d * d;
     float* sh = state_out + (size_t)h * d * d;
-    block_copy(s, sh_in, d * d, tid, nthreads);
+    bool async_state = (d & 3) == 0;
+    if (async_state) {
+        u32 base = smem_addr(s);
+        for (int i = tid; i < d * d / 4; i += nthreads) cp_async16<false>(base + 16 * i, sh_in + 4 * i, 16);
+        cp_async_commit();
+    } else {
+        block_copy(s, sh_in, d * d, tid, nthreads);
+    }
+    // This channel's row of f_b asked of L2 now: step 1 reads it after the conv and the norms.
+    if (live && p == 0) {
+        int bytes = rank * (f_b_bf16 ? 2 : 4);
+        const char* row = (const char*)f_b + (size_t)ch * bytes;
+        for (int off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    }
 
     // 1. Inputs.
     const float* raws[3] = {raw_q, raw_k, raw_v};
@@ -147,7 +161,9 @@ extern "C" __global__ void __launch_bounds__(1024)
         if (j == 0 && t < n_tok) beta[(size_t)t * heads + h] = sigmoidf_(b_raw[(size_t)t * heads + h]);
     }
 
-    // 2. The recurrence (the block's writes above are visible after the barrier at the top of each token).
+    // 2. The recurrence (the block's writes above, and the state's copies, are visible after the barrier at the top of
+    // each token).
+    if (async_state) cp_async_wait_all();
     for (int t = 0; t < n_tok; t++) {
         size_t off = (size_t)t * c + (size_t)h * d;
         __syncthreads();

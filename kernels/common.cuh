@@ -43,3 +43,37 @@ __device__ __forceinline__ float glu(int kind, float beta, float lin_beta, float
     if (kind == 2) return g;
     return u;
 }
+
+// Shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Asynchronous copies global -> shared (sm_80 and later), waited for by cp_async_wait / cp_async_wait_all in the
+// issuing thread; a barrier after the wait makes them visible to the block.
+//
+// 16 bytes, bypassing L1 (with HINT an L2 miss fetches the surrounding 256 bytes); `bytes` = 0 writes zeros and
+// reads nothing.
+template <bool HINT>
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
+    if (HINT)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Asynchronous 4-byte copy global -> shared; `bytes` = 0 writes zeros.
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }

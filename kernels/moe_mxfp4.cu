@@ -440,37 +440,6 @@ __device__ void stage_hilo(uint4* xs, const float* src, const int rows[TT], int 
     __syncthreads();
 }
 
-// Shared-memory address of a generic pointer into shared memory.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// Asynchronous 16-byte copy global -> shared (bypassing L1; an L2 miss fetches the surrounding 256 bytes, four
-// batches of the row); `bytes` = 0 writes zeros and reads nothing.
-template <bool HINT>
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 bytes) {
-    if (HINT)
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-    else
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-// Asynchronous 4-byte copy global -> shared; `bytes` = 0 writes zeros.
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
-
 // This lane's weight stream: for each stream i and row r (g, g + 8), the global address of its 16-byte chunk of
 // batch 0 (group c) and of the aligned 4-byte word holding that group's scale byte (the byte sits at bit
 // sshift[i][r]). Batch b adds 64 and 4 bytes. Each lane owns its ring slots: [stage][i][r][lane] 16 bytes of
@@ -786,7 +755,6 @@ __device__ __forceinline__ void gemm_stage_b(uint4* buf, const uint4* frag, cons
 // cross L2 half as often as with 4, and a tile holds up to 64 tokens (a weight is read once per 64 tokens).
 
 #define FOLD_WARPS 8
-
 
 // d = a * b on two fp16 lanes, rounded to nearest (exact here: see above).
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {

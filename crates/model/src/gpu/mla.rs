@@ -178,10 +178,12 @@ impl MlaGpu {
             y,
             timer,
         } = &mut *guard;
-        let timer = started_timer(gpu, timer)?;
+        // The row goes into pinned memory before the device's time starts, as in KDA.
         let mut rows = gpu.row_copies();
         let xd = sized(gpu, x_buf, x.len())?;
-        rows.upload(x, xd).map_err(cuda_err)?;
+        let staged = rows.stage(x).map_err(cuda_err)?;
+        let timer = started_timer(gpu, timer)?;
+        rows.send(staged, xd).map_err(cuda_err)?;
         let xd: &CudaSlice<f32> = xd;
         // The products of the input row in one launch: the query's first projection, the compressed KV and the
         // output gate.

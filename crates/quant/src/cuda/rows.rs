@@ -72,6 +72,12 @@ pub(crate) struct RowStaging {
     down: Option<HostBuf>,
 }
 
+/// A row copied into the up buffer by [`RowCopies::stage`], not yet sent. Staged rows keep their place for the
+/// guard's life (offsets only rise).
+#[derive(Debug)]
+#[must_use = "a staged row is sent with RowCopies::send"]
+pub struct Staged(Range<usize>);
+
 /// The device's row buffers, held until dropped. Uploads and downloads go at rising offsets for the guard's life,
 /// so a queued copy never shares memory with a later one and every download stays readable.
 pub struct RowCopies<'a> {
@@ -133,27 +139,47 @@ impl RowCopies<'_> {
 
     /// Queues the copy of `src` into the start of `dst` on the compute stream (`src` may be reused at once).
     pub fn upload(&mut self, src: &[f32], dst: &mut CudaSlice<f32>) -> Result<()> {
-        if dst.len() < src.len() {
-            return Err(QuantError::BadInput {
-                expected: src.len(),
-                actual: dst.len(),
-            });
-        }
-        if src.is_empty() {
-            return Ok(());
-        }
+        let staged = self.stage(src)?;
+        self.send(staged, dst)
+    }
+
+    /// Copies `src` into the pinned buffer (host work only); [`Self::send`] queues its copy to the device. Apart so
+    /// that a caller timing the device can stage its row before the device's time starts.
+    pub fn stage(&mut self, src: &[f32]) -> Result<Staged> {
         let at = self.up_used;
         self.room(true, at + src.len())?;
         let Some(buf) = self.bufs.up.as_mut() else {
             return Err(QuantError::Cuda("row staging buffer missing".to_string()));
         };
-        let host = &mut buf.as_mut_slice()?[at..at + src.len()];
-        host.copy_from_slice(src);
+        buf.as_mut_slice()?[at..at + src.len()].copy_from_slice(src);
+        self.up_used = at + src.len();
+        Ok(Staged(at..at + src.len()))
+    }
+
+    /// Queues the copy of a row staged by [`Self::stage`] into the start of `dst` on the compute stream.
+    pub fn send(&mut self, staged: Staged, dst: &mut CudaSlice<f32>) -> Result<()> {
+        let Staged(r) = staged;
+        if dst.len() < r.len() {
+            return Err(QuantError::BadInput {
+                expected: r.len(),
+                actual: dst.len(),
+            });
+        }
+        if r.is_empty() {
+            return Ok(());
+        }
+        let Some(buf) = self.bufs.up.as_mut() else {
+            return Err(QuantError::Cuda("row staging buffer missing".to_string()));
+        };
+        let n = r.len();
+        let host = buf
+            .as_mut_slice()?
+            .get(r)
+            .ok_or_else(|| QuantError::Cuda("staged row out of range".to_string()))?;
         self.gpu
             .stream
-            .memcpy_htod(&*host, &mut dst.slice_mut(0..src.len()))
+            .memcpy_htod(host, &mut dst.slice_mut(0..n))
             .map_err(|e| driver_err("row upload", e))?;
-        self.up_used = at + src.len();
         self.pending = true;
         Ok(())
     }
