@@ -33,6 +33,10 @@ pub struct BenchArgs {
     /// follows it. The buffer stays allocated during decoding and is left out of `peak_rss_bytes`.
     #[arg(long, default_value_t = 0.0)]
     membw_per_token_gib: f64,
+    /// MiB to copy on the GPU (device to device, `--dev cuda` builds only) before the model is opened and after
+    /// decoding, for the device memory bound of the same run (0: skip).
+    #[arg(long, default_value_t = 0)]
+    hbm_mib: usize,
     /// Experts to read through the engine's read path before decoding, for the storage read bound of the same run
     /// (0: skip).
     #[arg(long, default_value_t = 0)]
@@ -99,6 +103,10 @@ struct Report {
     /// All-core memory read rate measured in the same process just before the model is opened (bytes/s; the best
     /// of three reads).
     membw_bytes_per_s: f64,
+    /// The GPU's memory rate (a device-to-device copy, reads and writes counted; bytes/s) measured before the
+    /// model is opened and after decoding (0 when `--hbm-mib` is 0).
+    hbm_before_bytes_per_s: f64,
+    hbm_after_bytes_per_s: f64,
     /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
     open_s: f64,
     open_read_bytes: u64,
@@ -161,6 +169,21 @@ fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
     s.prefetch.unwrap_or_default()
 }
 
+/// The GPU's copy rate over `mib` MiB (bytes/s, reads and writes; 0 for 0 MiB), median of 20 copies each way.
+fn hbm_rate(mib: usize) -> anyhow::Result<f64> {
+    if mib == 0 {
+        return Ok(0.0);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        Ok(deltafin_runtime::device_copy_rate(mib << 20, 20)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        anyhow::bail!("--hbm-mib needs a build with the `cuda` feature")
+    }
+}
+
 /// Runs `deltafin bench-decode`.
 pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let options = args.engine.options(dev)?;
@@ -174,6 +197,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    let hbm_before = hbm_rate(args.hbm_mib)?;
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
         deltafin_runtime::membw::ReadBuffer::new(
             (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
@@ -260,6 +284,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         },
     )?;
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
+    let hbm_after = hbm_rate(args.hbm_mib)?;
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -325,6 +350,8 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         head_s: p.head.as_secs_f64(),
         threads: deltafin_runtime::compute_threads(),
         membw_bytes_per_s: membw_rate,
+        hbm_before_bytes_per_s: hbm_before,
+        hbm_after_bytes_per_s: hbm_after,
         disk_bytes_per_s: disk_rate,
         open_s,
         open_read_bytes,

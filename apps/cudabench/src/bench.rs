@@ -5,8 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, bail};
+use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use deltafin_quant::cuda::copy_rate::{CopyTimes, copy_times, median_event_ms};
 use deltafin_quant::cuda::moe::{self, ExpertPtrs, Glu, MoeKernel, MoeShape, SlotRef};
 use deltafin_quant::cuda::{Gpu, device_address};
 use deltafin_runtime::{DevicePref, Engine, EngineOptions, argmax};
@@ -22,29 +23,9 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Times `f` (queued on the compute stream) `reps` times with device events; the median in milliseconds.
-fn time_ms(
-    gpu: &Gpu,
-    reps: usize,
-    mut f: impl FnMut() -> anyhow::Result<()>,
-) -> anyhow::Result<f64> {
-    let ctx = gpu.context();
-    let mut times = Vec::with_capacity(reps);
-    // Warm-up long enough (~0.3 s of work) for the SM clock to leave its idle level.
-    let t = Instant::now();
-    while t.elapsed().as_secs_f64() < 0.3 {
-        f()?;
-        gpu.synchronize()?;
-    }
-    for _ in 0..reps {
-        let a = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let b = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        a.record(gpu.stream())?;
-        f()?;
-        b.record(gpu.stream())?;
-        times.push(a.elapsed_ms(&b)? as f64);
-    }
-    Ok(median(&mut times))
+/// [`median_event_ms`] for closures that answer `anyhow` errors.
+fn time_ms(gpu: &Gpu, reps: usize, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    median_event_ms(gpu, reps, f)
 }
 
 struct DeviceExpert {
@@ -86,33 +67,6 @@ impl DeviceExpert {
     }
 }
 
-/// Device-to-device copy of `bytes` through the `copy16` kernel and through `cuMemcpyDtoD`: (kernel µs, memcpy
-/// µs), medians of `reps` event-timed copies.
-fn copy_us(gpu: &Gpu, bytes: usize, reps: usize) -> anyhow::Result<(f64, f64)> {
-    let n16 = bytes / 16;
-    let src = gpu.upload(&vec![0x5au8; n16 * 16])?;
-    let mut dst = gpu.zeros::<u8>(n16 * 16)?;
-    let copy = gpu.function("copy16")?;
-    let copy_ms = time_ms(gpu, reps, || {
-        let cfg = LaunchConfig {
-            grid_dim: (132 * 16, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let n = n16 as u64;
-        let mut b = gpu.stream().launch_builder(copy);
-        b.arg(&src).arg(&mut dst).arg(&n);
-        // SAFETY: both buffers hold n16 16-byte words.
-        unsafe { b.launch(cfg) }?;
-        Ok(())
-    })?;
-    let memcpy_ms = time_ms(gpu, reps, || {
-        gpu.stream().memcpy_dtod(&src, &mut dst)?;
-        Ok(())
-    })?;
-    Ok((copy_ms * 1e3, memcpy_ms * 1e3))
-}
-
 /// MoE kernels on `n_experts` experts of K3's shape, each multiplying `t` tokens, against a device copy of the
 /// same bytes (timed before and after the kernels). Each kernel family's output is compared with the first
 /// family's (relative L2 difference of y).
@@ -138,7 +92,11 @@ pub fn moe_bw(
         .sum();
 
     let report_copy = |when: &str| -> anyhow::Result<f64> {
-        let (k_us, m_us) = copy_us(&gpu, weight_bytes, reps)?;
+        let CopyTimes {
+            kernel_us: k_us,
+            memcpy_us: m_us,
+            ..
+        } = copy_times(&gpu, weight_bytes, reps)?;
         let (k_bw, m_bw) = (
             2.0 * weight_bytes as f64 / (k_us * 1e-6),
             2.0 * weight_bytes as f64 / (m_us * 1e-6),
@@ -471,8 +429,7 @@ pub fn dense_bw(tokens: &[usize], reps: usize, splits: &[usize]) -> anyhow::Resu
             );
         }
         let bytes = count * rows * cols * 2;
-        let (k_us, m_us) = copy_us(&gpu, bytes, reps)?;
-        let copy_bw = 2.0 * bytes as f64 / (k_us.min(m_us) * 1e-6);
+        let copy_bw = copy_times(&gpu, bytes, reps)?.rate();
         for &split in splits {
             let fixed = (split != 0).then_some(split);
             for m in &mut mats {

@@ -26,6 +26,9 @@ mod spine_batch;
 pub use budget::MemoryPlan;
 pub use constraint::TokenMask;
 pub use deltafin_model::{DeviceOptions, DevicePref};
+/// The GPU's memory bound benchmarks measure against: a device copy's rate (bytes/s, reads and writes).
+#[cfg(feature = "cuda")]
+pub use deltafin_quant::cuda::copy_rate::copy_rate as device_copy_rate;
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
 pub use deltafin_quant::{flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};

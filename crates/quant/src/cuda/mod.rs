@@ -7,8 +7,10 @@
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
 //! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream),
-//! [`rows`] (a layer's activation rows up and down through reused pinned buffers).
+//! [`rows`] (a layer's activation rows up and down through reused pinned buffers), [`copy_rate`] (event timing and
+//! the device copy rate benchmarks are held against).
 
+pub mod copy_rate;
 pub mod dense;
 pub mod moe;
 pub mod rows;

@@ -1,0 +1,111 @@
+//! The device's memory bound, measured: event-timed launches and the rate of a device-to-device copy.
+//!
+//! Benchmarks hold kernels against [`copy_rate`] measured in the same process (HBM's rate moves with clocks and
+//! temperature, so a datasheet figure or another run's number is not the bound of this one).
+
+use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{Gpu, driver_err};
+use crate::error::{QuantError, Result};
+
+/// The warm-up before timed launches: long enough (~0.3 s of work) for the SM clock to leave its idle level.
+const WARM_UP_S: f64 = 0.3;
+
+/// Times `f` (which queues its work on the compute stream) `reps` times between device events after a warm-up;
+/// the median in milliseconds. `reps` of 0 counts as 1.
+pub fn median_event_ms<E: From<QuantError>>(
+    gpu: &Gpu,
+    reps: usize,
+    mut f: impl FnMut() -> std::result::Result<(), E>,
+) -> std::result::Result<f64, E> {
+    let event_err = |e| E::from(driver_err("timing event", e));
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < WARM_UP_S {
+        f()?;
+        gpu.synchronize()?;
+    }
+    let ctx = gpu.context();
+    let mut times = Vec::with_capacity(reps.max(1));
+    for _ in 0..reps.max(1) {
+        // Timing events: cudarc's `new_event(None)` disables timing.
+        let a = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(event_err)?;
+        let b = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(event_err)?;
+        a.record(gpu.stream()).map_err(event_err)?;
+        f()?;
+        b.record(gpu.stream()).map_err(event_err)?;
+        times.push(f64::from(a.elapsed_ms(&b).map_err(event_err)?));
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// A device-to-device copy of one buffer, timed two ways (medians of event-timed copies).
+#[derive(Clone, Copy, Debug)]
+pub struct CopyTimes {
+    /// Bytes copied.
+    pub bytes: usize,
+    /// Through the `copy16` kernel (16-byte words, every multiprocessor), µs.
+    pub kernel_us: f64,
+    /// Through `cuMemcpyDtoD`, µs.
+    pub memcpy_us: f64,
+}
+
+impl CopyTimes {
+    /// The memory rate of the faster copy, reads and writes counted (bytes per second): the bound a kernel that
+    /// streams its weights once is held against.
+    pub fn rate(&self) -> f64 {
+        2.0 * self.bytes as f64 / (self.kernel_us.min(self.memcpy_us) * 1e-6)
+    }
+}
+
+/// Copies `bytes` (rounded down to 16) from one device buffer to another, `reps` times each way.
+pub fn copy_times(gpu: &Gpu, bytes: usize, reps: usize) -> Result<CopyTimes> {
+    let n16 = bytes / 16;
+    if n16 == 0 {
+        return Err(QuantError::Cuda(
+            "a copy-rate probe needs 16 bytes or more".to_string(),
+        ));
+    }
+    let src = gpu.upload(&vec![0x5au8; n16 * 16])?;
+    let mut dst = gpu.zeros::<u8>(n16 * 16)?;
+    let copy = gpu.function("copy16")?;
+    let n = n16 as u64;
+    let kernel_ms = median_event_ms(gpu, reps, || {
+        // Sixteen 256-thread blocks a multiprocessor of the largest parts: the copy loops over the rest.
+        let cfg = LaunchConfig {
+            grid_dim: (132 * 16, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(copy);
+        b.arg(&src).arg(&mut dst).arg(&n);
+        // SAFETY: both buffers hold n16 16-byte words, and copy16 touches no more.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err("copy16 launch", e))?;
+        Ok::<(), QuantError>(())
+    })?;
+    let memcpy_ms = median_event_ms(gpu, reps, || {
+        gpu.stream()
+            .memcpy_dtod(&src, &mut dst)
+            .map_err(|e| driver_err("device-to-device copy", e))
+    })?;
+    Ok(CopyTimes {
+        bytes: n16 * 16,
+        kernel_us: kernel_ms * 1e3,
+        memcpy_us: memcpy_ms * 1e3,
+    })
+}
+
+/// The device's memory rate (reads and writes, bytes per second) of a `bytes` copy on the shared device: see
+/// [`CopyTimes::rate`].
+pub fn copy_rate(bytes: usize, reps: usize) -> Result<f64> {
+    let gpu = Gpu::shared()?;
+    gpu.bind()?;
+    Ok(copy_times(&gpu, bytes, reps)?.rate())
+}
