@@ -125,6 +125,10 @@ struct Report {
     /// experts asked for (per token).
     spine_bytes_touched_per_token: u64,
     expert_bytes_touched_per_token: u64,
+    /// GPU expert cache (`--dev cuda`; zero on the CPU), per decoded tokens: bytes uploaded host → device, and the
+    /// upload helper's wall time (reads, staging copies, queued uploads).
+    gpu_expert_uploaded_bytes: u64,
+    gpu_expert_upload_s: f64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -184,6 +188,16 @@ fn hbm_rate(mib: usize) -> anyhow::Result<f64> {
     }
 }
 
+/// The GPU expert cache's uploaded bytes and upload helper seconds so far ((0, 0) on the CPU).
+fn gpu_uploads(engine: &Engine) -> (u64, f64) {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = engine.expert_cache_stats() {
+        return (g.uploaded_bytes, g.upload_secs);
+    }
+    let _ = engine;
+    (0, 0.0)
+}
+
 /// Runs `deltafin bench-decode`.
 pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let options = args.engine.options(dev)?;
@@ -198,6 +212,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         0.0
     };
     let hbm_before = hbm_rate(args.hbm_mib)?;
+    let mut gpu_upload0 = (0, 0.0);
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
         deltafin_runtime::membw::ReadBuffer::new(
             (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
@@ -271,6 +286,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
                     engine.profile(),
                     engine.spine_reads(),
                 ));
+                gpu_upload0 = gpu_uploads(&engine);
             } else {
                 token_s.push(last.elapsed().as_secs_f64());
             }
@@ -285,6 +301,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     )?;
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
     let hbm_after = hbm_rate(args.hbm_mib)?;
+    let gpu_upload = gpu_uploads(&engine);
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -362,6 +379,8 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         spine_bytes_touched_per_token,
         expert_bytes_touched_per_token,
         spine_wait_s: p.spine_wait.as_secs_f64(),
+        gpu_expert_uploaded_bytes: gpu_upload.0 - gpu_upload0.0,
+        gpu_expert_upload_s: gpu_upload.1 - gpu_upload0.1,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

@@ -238,6 +238,19 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
         per_token(p.expert_compute),
         engine.expert_input()
     );
+    #[cfg(feature = "cuda")]
+    if let Some(g) = engine.expert_cache_stats() {
+        eprintln!(
+            "GPU experts          {} hits, {} misses ({:.1}% hit rate); {:.1} MB/token uploaded, helper {:.4} s/token \
+             (reads, staging copies, queued uploads: {:.1} GB/s)",
+            g.hits,
+            g.misses,
+            100.0 * g.hit_rate(),
+            g.uploaded_bytes as f64 / 1e6 / tokens,
+            g.upload_secs / tokens,
+            g.uploaded_bytes as f64 / 1e9 / g.upload_secs.max(1e-9)
+        );
+    }
     eprintln!(
         "bytes read           {:.1} MB/token from disk ({} reads; spine {:.1} MB/token), {:.1}% expert cache hit rate",
         (x.reader.disk.bytes + engine.spine_reads().bytes) as f64 / 1e6 / tokens,

@@ -2,8 +2,8 @@
 //! through pinned buffers on the upload stream, and the MXFP4 kernels of `deltafin_quant::cuda::moe`.
 //!
 //! One MoE call: route (CPU) → look every chosen expert up in the cache → a helper thread reads the missing ones
-//! from the [`ExpertSource`] (host RAM or disk), copies each into a pinned staging buffer (in parallel) and queues
-//! its upload on the upload stream, while the calling thread runs the caller's overlap work (the shared experts)
+//! from the [`ExpertSource`] (host RAM or disk), copies each into a pinned staging buffer as its read lands (in
+//! parallel pieces, while the source reads the next) and queues its upload on the upload stream, while the calling thread runs the caller's overlap work (the shared experts)
 //! on the compute stream → the compute stream waits for the uploads → gate/up + SiTU and down for all experts in
 //! two launches → combine in the router's order → one download.
 //!
@@ -420,64 +420,80 @@ impl GpuExperts {
         let gpu = &self.gpu;
         gpu.bind().map_err(cuda_err)?;
         let ids: Vec<usize> = misses.iter().map(|&(e, _)| e).collect();
-        let loaded = source.load_experts(layer, &ids)?;
         let copy = gpu.copy_stream();
         let dev_err = |what: &str, e: cudarc::driver::DriverError| {
             ModelError::Device(format!("cuda: {what}: {e}"))
         };
         let mut bytes = 0u64;
-        for (i, (w, &(e, slot))) in loaded.iter().zip(misses).enumerate() {
-            let ExpertWeights::Mxfp4(p) = &**w else {
-                return Ok(None);
-            };
-            let bad = |msg: String| ModelError::BadWeight {
-                name: format!("layer {layer} expert {e}"),
-                msg,
-            };
-            for (k, r) in p.parts.iter().enumerate() {
-                if r.len() != self.lens[k] || r.end > p.bytes.len() {
-                    return Err(bad(format!(
-                        "tensor {k} has {} bytes, the config implies {}",
-                        r.len(),
-                        self.lens[k]
-                    )));
+        let mut staged = 0usize;
+        let mut mxfp4 = true;
+        // Each expert goes into a staging buffer and up as soon as its read lands, while the source reads the next.
+        source.for_each_expert(layer, &ids, &mut |ready| {
+            for (i, w) in ready {
+                let ExpertWeights::Mxfp4(p) = &*w else {
+                    mxfp4 = false;
+                    return Ok(());
+                };
+                let &(e, slot) = misses.get(i).ok_or_else(|| {
+                    ModelError::Device(format!(
+                        "expert source handed over position {i} of {}",
+                        misses.len()
+                    ))
+                })?;
+                let bad = |msg: String| ModelError::BadWeight {
+                    name: format!("layer {layer} expert {e}"),
+                    msg,
+                };
+                for (k, r) in p.parts.iter().enumerate() {
+                    if r.len() != self.lens[k] || r.end > p.bytes.len() {
+                        return Err(bad(format!(
+                            "tensor {k} has {} bytes, the config implies {}",
+                            r.len(),
+                            self.lens[k]
+                        )));
+                    }
                 }
-            }
-            let stage = &mut staging[i % staging.len()];
-            if let Some(ev) = stage.done.take() {
-                ev.synchronize()
-                    .map_err(|err| dev_err("waiting for a staging buffer", err))?;
-            }
-            let dst = stage
-                .buf
-                .as_mut_slice()
-                .map_err(|err| dev_err("staging buffer", err))?;
-            // Split the slot into its six tensors (each at its aligned offset) and copy them in parallel pieces.
-            let mut pieces: Vec<(&[u8], &mut [u8])> = Vec::new();
-            let mut rest: &mut [u8] = dst;
-            let mut consumed = 0;
-            for (k, r) in p.parts.iter().enumerate() {
-                let (_, tail) = rest.split_at_mut(self.offsets[k] - consumed);
-                let (part, tail) = tail.split_at_mut(self.lens[k]);
-                consumed = self.offsets[k] + self.lens[k];
-                rest = tail;
-                let src = &p.bytes[r.clone()];
-                for (s, d) in src.chunks(COPY_PIECE).zip(part.chunks_mut(COPY_PIECE)) {
-                    pieces.push((s, d));
+                let stage = &mut staging[staged % staging.len()];
+                staged += 1;
+                if let Some(ev) = stage.done.take() {
+                    ev.synchronize()
+                        .map_err(|err| dev_err("waiting for a staging buffer", err))?;
                 }
+                let dst = stage
+                    .buf
+                    .as_mut_slice()
+                    .map_err(|err| dev_err("staging buffer", err))?;
+                // Split the slot into its six tensors (each at its aligned offset) and copy them in parallel pieces.
+                let mut pieces: Vec<(&[u8], &mut [u8])> = Vec::new();
+                let mut rest: &mut [u8] = dst;
+                let mut consumed = 0;
+                for (k, r) in p.parts.iter().enumerate() {
+                    let (_, tail) = rest.split_at_mut(self.offsets[k] - consumed);
+                    let (part, tail) = tail.split_at_mut(self.lens[k]);
+                    consumed = self.offsets[k] + self.lens[k];
+                    rest = tail;
+                    let src = &p.bytes[r.clone()];
+                    for (s, d) in src.chunks(COPY_PIECE).zip(part.chunks_mut(COPY_PIECE)) {
+                        pieces.push((s, d));
+                    }
+                }
+                pieces
+                    .into_par_iter()
+                    .for_each(|(s, d)| d.copy_from_slice(s));
+                let off = slot * self.slot_bytes;
+                let mut view = pool.slice_mut(off..off + self.slot_bytes);
+                copy.memcpy_htod(&stage.buf, &mut view)
+                    .map_err(|err| dev_err("expert upload", err))?;
+                stage.done = Some(
+                    copy.record_event(None)
+                        .map_err(|err| dev_err("recording an upload", err))?,
+                );
+                bytes += self.slot_bytes as u64;
             }
-            pieces
-                .into_par_iter()
-                .for_each(|(s, d)| d.copy_from_slice(s));
-            let off = slot * self.slot_bytes;
-            let mut view = pool.slice_mut(off..off + self.slot_bytes);
-            copy.memcpy_htod(&stage.buf, &mut view)
-                .map_err(|err| dev_err("expert upload", err))?;
-            stage.done = Some(
-                copy.record_event(None)
-                    .map_err(|err| dev_err("recording an upload", err))?,
-            );
-            bytes += self.slot_bytes as u64;
+            Ok(())
+        })?;
+        if !mxfp4 {
+            return Ok(None);
         }
         let done = copy
             .record_event(None)
