@@ -9,6 +9,8 @@
 #   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
 #            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4);
 #            $BINS names the carried builds to alternate (default: deltafin)
+#   bench    `deltafin bench-decode --dev cuda` on it (decoded tokens only, 8 by default: $TOKENS_BD), every layer on
+#            the GPU, the HBM copy rate measured in the same process (--hbm-mib 1024), $RUNS times for each of $BINS
 #   cpu      the same on the CPU, for the greedy tokens
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
 # and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
@@ -62,6 +64,24 @@ if has cuda; then
         K3_RAM_GB=$RAM peak timeout 400 bin/$b run --dev cuda "${vram[@]}" --model "$DATA/k3s" --prompt-ids 1,2,3 \
           --max-new "${MAXNEW:-4}" --ignore-eos --json --stats 2>&1 | tee "$OUT/cuda_run_${v}_${b}_$i.txt"
       done
+    done
+  done
+fi
+if has bench; then
+  for i in $(seq 1 "${RUNS:-1}"); do
+    for b in ${BINS:-deltafin}; do
+      step "bench-decode run $i of $b, K3_RAM_GB=$RAM"
+      K3_RAM_GB=$RAM timeout 200 bin/$b bench-decode --dev cuda --model "$DATA/k3s" --ram-gb "$RAM" \
+        --tokens "${TOKENS_BD:-8}" --prompt-len 3 --membw-gib 0 --hbm-mib 1024 > "$OUT/bench_${b}_$i.json"
+      python3 - "$OUT/bench_${b}_$i.json" <<'PY'
+import json, statistics, sys
+d = json.load(open(sys.argv[1])); n = d["tokens"]; rate = (d["hbm_before_bytes_per_s"] + d["hbm_after_bytes_per_s"]) / 2
+bound = 72.96e9 / rate  # attention's GPU-resident weights per token at K3's size (docs/PERFORMANCE.md)
+print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['attention_s'] / n * 1e3:.2f} ms, GPU "
+      f"{d['attn_device_s'] / n * 1e3:.2f} ms = {d['attn_device_s'] / n / bound:.3f}x of {bound * 1e3:.2f} ms at "
+      f"{rate / 1e12:.3f} TB/s; experts up {d['gpu_expert_uploaded_bytes'] / n / 1e9:.2f} GB/token in "
+      f"{d['gpu_expert_upload_s'] / n:.3f} s")
+PY
     done
   done
 fi
