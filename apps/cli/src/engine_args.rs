@@ -2,9 +2,11 @@
 //! way they become [`EngineOptions`]: a flag, else its `K3_*` variable (read by [`EngineOptions::from_env`]), else
 //! the default.
 
+use std::path::{Path, PathBuf};
+
 use anyhow::Context;
 use clap::Args;
-use deltafin_runtime::{DevicePref, EngineOptions, PinLayers, SpineMode};
+use deltafin_runtime::{DevicePref, Engine, EngineOptions, PinLayers, SpineMode};
 
 /// Engine flags; each overrides the `K3_*` variable named in its help.
 #[derive(Args, Debug, Default, Clone)]
@@ -54,6 +56,23 @@ pub fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 impl EngineArgs {
+    /// Opens the model in `model` (the installed demo model when `None`) with [`Self::options`], with the open's
+    /// progress bar on a terminal; gives the directory opened with the engine.
+    pub fn open(
+        &self,
+        model: Option<&Path>,
+        dev: Option<DevicePref>,
+    ) -> anyhow::Result<(PathBuf, Engine)> {
+        let dir = match model {
+            Some(dir) => dir.to_path_buf(),
+            None => crate::demo::default_model_dir()?,
+        };
+        let engine =
+            Engine::open_with_progress(&dir, self.options(dev)?, crate::progress::open_bar())
+                .with_context(|| format!("opening model {}", dir.display()))?;
+        Ok((dir, engine))
+    }
+
     /// The engine options: these flags over the `K3_*` variables over the defaults; `dev` is the global `--dev`.
     pub fn options(&self, dev: Option<DevicePref>) -> anyhow::Result<EngineOptions> {
         // A variable whose flag is given is not read at all: the flag wins even over a malformed value.

@@ -2,9 +2,9 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::{Args, ValueEnum};
-use deltafin_runtime::{DevicePref, Engine};
+use deltafin_runtime::DevicePref;
 
 use crate::engine_args::EngineArgs;
 use serde::Serialize;
@@ -54,9 +54,7 @@ pub fn run(args: NllArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         bail!("nll prints JSON only: pass --json");
     }
     let ids = parse_ids(&args.ids)?;
-    let options = args.engine.options(dev)?;
-    let engine = Engine::open_with_progress(&args.model, options, crate::progress::open_bar())
-        .with_context(|| format!("opening model {}", args.model.display()))?;
+    let (_, engine) = args.engine.open(Some(&args.model), dev)?;
     let mut session = engine.session();
     let rows: Vec<Vec<f32>> = match args.mode {
         Mode::Prefill => {

@@ -83,13 +83,7 @@ struct RunReport {
 
 /// Runs `deltafin run`.
 pub fn run(args: RunArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
-    let model_dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => demo::default_model_dir()?,
-    };
-    let options = args.engine.options(dev)?;
-    let engine = Engine::open_with_progress(&model_dir, options, crate::progress::open_bar())
-        .with_context(|| format!("opening model {}", model_dir.display()))?;
+    let (model_dir, engine) = args.engine.open(args.model.as_deref(), dev)?;
     if let Some(missing) = engine.missing_experts() {
         eprintln!(
             "warning: streaming install: {} experts ({:.1} GB) are not local yet and will be fetched as \

@@ -4,10 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use deltafin_runtime::{DevicePref, Engine};
+use deltafin_runtime::DevicePref;
 use deltafin_server::{AppState, ServerConfig};
 
-use crate::demo;
 use crate::engine_args::EngineArgs;
 
 /// Arguments of `deltafin serve`.
@@ -52,13 +51,7 @@ pub struct ServeArgs {
 
 /// Runs `deltafin serve` until Ctrl-C or SIGTERM.
 pub fn run(args: ServeArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
-    let model_dir = match &args.model {
-        Some(dir) => dir.clone(),
-        None => demo::default_model_dir()?,
-    };
-    let options = args.engine.options(dev)?;
-    let engine = Engine::open_with_progress(&model_dir, options, crate::progress::open_bar())
-        .with_context(|| format!("opening model {}", model_dir.display()))?;
+    let (model_dir, engine) = args.engine.open(args.model.as_deref(), dev)?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
         model_dir
             .canonicalize()
