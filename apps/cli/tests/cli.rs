@@ -151,6 +151,31 @@ fn bad_arguments_fail_with_a_message() {
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
 
+/// `bench-decode --hbm-mib` in a build without CUDA says so before it opens anything.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn hbm_probe_needs_cuda() {
+    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
+        .args([
+            "bench-decode",
+            "--model",
+            "/nonexistent/model",
+            "--membw-gib",
+            "0",
+            "--hbm-mib",
+            "64",
+        ])
+        .output()
+        .expect("run deltafin");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--hbm-mib needs a build with the `cuda` feature"),
+        "stderr: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+}
+
 /// A snapshot saved by one process and loaded by another continues exactly like an uninterrupted run.
 #[test]
 fn snapshot_continues_in_a_new_process() {

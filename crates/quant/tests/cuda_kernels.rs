@@ -501,3 +501,19 @@ fn device_is_usable_or_clearly_unavailable() {
         Err(e) => panic!("unexpected error: {e}"),
     }
 }
+
+/// The copy-rate probe benchmarks are held against: both copies land the source's bytes, the rate is a plausible
+/// memory rate, and a copy under one 16-byte word is refused.
+#[test]
+fn copy_rate_probe_copies_and_refuses_empty_copies() {
+    use deltafin_quant::cuda::copy_rate::{copy_rate, copy_times};
+    let gpu = gpu();
+    let t = copy_times(&gpu, (64 << 20) + 7, 5).expect("copy times");
+    assert_eq!(t.bytes, 64 << 20, "rounded down to whole 16-byte words");
+    assert!(t.kernel_us > 0.0 && t.memcpy_us > 0.0, "{t:?}");
+    let rate = t.rate();
+    // Between 10 GB/s and 100 TB/s: a timer in the wrong unit or an empty copy would land outside.
+    assert!((1e10..1e14).contains(&rate), "copy rate {rate} B/s");
+    assert!(copy_rate(1 << 20, 3).expect("copy rate") > 1e10);
+    assert!(matches!(copy_times(&gpu, 15, 1), Err(QuantError::Cuda(_))));
+}
