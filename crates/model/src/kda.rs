@@ -203,13 +203,24 @@ impl Kda {
         let windows = old.conv()?;
         let conv: [Vec<f32>; 3] = std::array::from_fn(|i| advance_window(&windows[i], &p.raw[i]));
 
-        let old_s = old.s()?;
-        let mut s_new = crate::state::state_buffer(old_s.len());
+        // A new conversation's state is not read: its matrices are zeros (and its untouched pages would be mapped
+        // to the kernel's zero page by the reads, making the first writes into them copy-on-write faults later).
+        let old_s = if old.is_zero() { None } else { Some(old.s()?) };
+        let s_len = h * d * d;
+        if let Some(o) = old_s
+            && o.len() != s_len
+        {
+            return Err(ModelError::Device(format!(
+                "a KDA state of {} values where the layer has {s_len}",
+                o.len()
+            )));
+        }
+        let mut s_new = crate::state::state_buffer(s_len);
         let per_head: Vec<Vec<f32>> = s_new
             .par_chunks_mut(d * d)
-            .zip(old_s.par_chunks(d * d))
             .enumerate()
-            .map(|(head, (s, s_prev))| {
+            .map(|(head, s)| {
+                let s_prev = old_s.map(|o| &o[head * d * d..(head + 1) * d * d]);
                 let inp = self.head_inputs(windows, &p, head);
                 let mut out = recurrence_head(s, s_prev, &inp, t_len, d);
                 self.gated_norm_head(&mut out, &p.og, head);
@@ -424,14 +435,14 @@ fn l2_normalize(x: &mut [f32]) {
 }
 
 /// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
-/// `s_prev` and ends as the head's new state; returns the output rows `[T, D]`.
+/// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`.
 ///
 /// [`recurrence_loop`] on the widest vectors the CPU has: an AVX-512 build of the same code where the CPU supports it
 /// (its loops are element-wise, with no sums across a row, so every width gives the same bits; tested below): the
 /// baseline x86-64 build vectorises them only 4 wide.
 fn recurrence_head(
     s: &mut [f32],
-    s_prev: &[f32],
+    s_prev: Option<&[f32]>,
     inp: &HeadInputs,
     t_len: usize,
     d: usize,
@@ -452,7 +463,7 @@ fn recurrence_head(
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn recurrence_avx512(
     s: &mut [f32],
-    s_prev: &[f32],
+    s_prev: Option<&[f32]>,
     inp: &HeadInputs,
     t_len: usize,
     d: usize,
@@ -467,13 +478,16 @@ unsafe fn recurrence_avx512(
 #[inline(always)]
 fn recurrence_loop(
     s: &mut [f32],
-    s_prev: &[f32],
+    s_prev: Option<&[f32]>,
     inp: &HeadInputs,
     t_len: usize,
     d: usize,
 ) -> Vec<f32> {
-    if t_len == 0 {
-        s.copy_from_slice(s_prev);
+    match s_prev {
+        Some(prev) if t_len == 0 => s.copy_from_slice(prev),
+        // Zeros, decayed in place below: `0 · decay`, the same bits as decaying a zero state read from memory.
+        None => s.fill(0.0),
+        Some(_) => {}
     }
     let mut out = vec![0.0f32; t_len * d];
     let mut u = vec![0.0f32; d];
@@ -488,8 +502,10 @@ fn recurrence_loop(
         u.fill(0.0);
         for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
             let decay = inp.g[t * d + i].exp();
-            if t == 0 {
-                decay_row_from(s_row, &s_prev[i * d..(i + 1) * d], decay);
+            if t == 0
+                && let Some(prev) = s_prev
+            {
+                decay_row_from(s_row, &prev[i * d..(i + 1) * d], decay);
             } else {
                 s_row.iter_mut().for_each(|x| *x *= decay);
             }
@@ -570,11 +586,39 @@ mod tests {
         };
         let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
         let (mut a, mut b) = (vec![0.0f32; d * d], vec![0.0f32; d * d]);
-        let out_a = recurrence_head(&mut a, &prev, &inp, t_len, d);
-        let out_b = recurrence_loop(&mut b, &prev, &inp, t_len, d);
+        let out_a = recurrence_head(&mut a, Some(&prev), &inp, t_len, d);
+        let out_b = recurrence_loop(&mut b, Some(&prev), &inp, t_len, d);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&out_a), bits(&out_b));
         assert_eq!(bits(&a), bits(&b));
         assert!(out_a.iter().chain(&a).all(|x| x.is_finite()) && out_a.iter().any(|&x| x != 0.0));
+    }
+
+    /// The zero state (`None`, not read) gives the bits of a zero state read from memory, into a buffer holding
+    /// garbage, at one token, several, and none.
+    #[test]
+    fn zero_state_is_not_read_and_gives_the_same_bits() {
+        let d = 16;
+        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
+        let zeros = vec![0.0f32; d * d];
+        for t_len in [0, 1, 5] {
+            let inp = HeadInputs {
+                q: (0..t_len * d).map(|i| val(i, 0.29)).collect(),
+                k: (0..t_len * d).map(|i| val(i, 0.19)).collect(),
+                v: (0..t_len * d).map(|i| val(i, 0.41)).collect(),
+                g: (0..t_len * d).map(|i| -val(i, 0.05).abs()).collect(),
+                beta: (0..t_len).map(|t| 0.2 + 0.1 * t as f32).collect(),
+            };
+            let (mut a, mut b) = (vec![f32::NAN; d * d], vec![7.0f32; d * d]);
+            let out_a = recurrence_head(&mut a, None, &inp, t_len, d);
+            let out_b = recurrence_head(&mut b, Some(&zeros), &inp, t_len, d);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out_a), bits(&out_b), "{t_len} tokens");
+            assert_eq!(bits(&a), bits(&b), "{t_len} tokens");
+            assert!(a.iter().all(|x| x.is_finite()), "{t_len} tokens");
+            if t_len > 0 {
+                assert!(out_a.iter().any(|&x| x != 0.0), "{t_len} tokens");
+            }
+        }
     }
 }

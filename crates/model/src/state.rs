@@ -68,7 +68,6 @@ impl KdaState {
     }
 
     /// Whether the state is known to be all zeros (a new conversation's).
-    #[cfg(feature = "cuda")]
     pub(crate) fn is_zero(&self) -> bool {
         self.zero
     }
@@ -142,10 +141,11 @@ impl PartialEq for KdaState {
 }
 
 impl Drop for KdaState {
-    /// The host matrices go back to the idle buffers (see `state_buffer`).
+    /// The host matrices go back to the idle buffers (see `state_buffer`), except a zero state's: its pages may be
+    /// untouched or mapped to the kernel's zero page, so a pass writing into them would fault each one in.
     fn drop(&mut self) {
         let s = self.s.take().unwrap_or_default();
-        if s.is_empty() {
+        if s.is_empty() || self.zero {
             return;
         }
         let mut idle = IDLE_STATE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
