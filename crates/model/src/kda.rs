@@ -572,18 +572,26 @@ mod tests {
         }
     }
 
+    /// Smooth inputs of `t_len` tokens for one head of width `d`: q, k, v from sines of frequencies `f[0..3]`, decay
+    /// gates (at most 0) from `f[3]`, β rising from `beta0` by 0.1 a token.
+    fn test_inputs(t_len: usize, d: usize, f: [f32; 4], beta0: f32) -> HeadInputs {
+        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
+        let rows = |k: f32| (0..t_len * d).map(|i| val(i, k)).collect();
+        HeadInputs {
+            q: rows(f[0]),
+            k: rows(f[1]),
+            v: rows(f[2]),
+            g: (0..t_len * d).map(|i| -val(i, f[3]).abs()).collect(),
+            beta: (0..t_len).map(|t| beta0 + 0.1 * t as f32).collect(),
+        }
+    }
+
     /// The dispatched recurrence (AVX-512 where the CPU has it) and the portable build give the same bits.
     #[test]
     fn recurrence_builds_agree() {
         let (d, t_len) = (24, 7);
         let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
-        let inp = HeadInputs {
-            q: (0..t_len * d).map(|i| val(i, 0.31)).collect(),
-            k: (0..t_len * d).map(|i| val(i, 0.17)).collect(),
-            v: (0..t_len * d).map(|i| val(i, 0.23)).collect(),
-            g: (0..t_len * d).map(|i| -val(i, 0.07).abs()).collect(),
-            beta: (0..t_len).map(|t| 0.1 + 0.1 * t as f32).collect(),
-        };
+        let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
         let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
         let (mut a, mut b) = (vec![0.0f32; d * d], vec![0.0f32; d * d]);
         let out_a = recurrence_head(&mut a, Some(&prev), &inp, t_len, d);
@@ -599,16 +607,9 @@ mod tests {
     #[test]
     fn zero_state_is_not_read_and_gives_the_same_bits() {
         let d = 16;
-        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
         let zeros = vec![0.0f32; d * d];
         for t_len in [0, 1, 5] {
-            let inp = HeadInputs {
-                q: (0..t_len * d).map(|i| val(i, 0.29)).collect(),
-                k: (0..t_len * d).map(|i| val(i, 0.19)).collect(),
-                v: (0..t_len * d).map(|i| val(i, 0.41)).collect(),
-                g: (0..t_len * d).map(|i| -val(i, 0.05).abs()).collect(),
-                beta: (0..t_len).map(|t| 0.2 + 0.1 * t as f32).collect(),
-            };
+            let inp = test_inputs(t_len, d, [0.29, 0.19, 0.41, 0.05], 0.2);
             let (mut a, mut b) = (vec![f32::NAN; d * d], vec![7.0f32; d * d]);
             let out_a = recurrence_head(&mut a, None, &inp, t_len, d);
             let out_b = recurrence_head(&mut b, Some(&zeros), &inp, t_len, d);

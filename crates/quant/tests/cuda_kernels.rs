@@ -502,8 +502,8 @@ fn device_is_usable_or_clearly_unavailable() {
     }
 }
 
-/// The copy-rate probe benchmarks are held against: both copies land the source's bytes, the rate is a plausible
-/// memory rate, and a copy under one 16-byte word is refused.
+/// The copy-rate probe benchmarks are held against: the size is rounded down to whole 16-byte words, both copies are
+/// timed, the rate is a plausible memory rate, and a copy under one word is refused.
 #[test]
 fn copy_rate_probe_copies_and_refuses_empty_copies() {
     use deltafin_quant::cuda::copy_rate::{copy_rate, copy_times};

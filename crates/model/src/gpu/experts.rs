@@ -1,11 +1,11 @@
 //! Routed experts on the GPU: a device-memory expert cache (frequency and recency) in front of host RAM, uploads
 //! through pinned buffers on the upload stream, and the MXFP4 kernels of `deltafin_quant::cuda::moe`.
 //!
-//! One MoE call: route (CPU) → look every chosen expert up in the cache → a helper thread reads the missing ones
-//! from the [`ExpertSource`] (host RAM or disk), copies each into a pinned staging buffer as its read lands (in
-//! parallel pieces, while the source reads the next) and queues its upload on the upload stream, while the calling thread runs the caller's overlap work (the shared experts)
-//! on the compute stream → the compute stream waits for the uploads → gate/up + SiTU and down for all experts in
-//! two launches → combine in the router's order → one download.
+//! One MoE call: route (CPU) → look every chosen expert up in the cache → a helper thread reads the missing ones from
+//! the [`ExpertSource`] (host RAM or disk), copies each into a pinned staging buffer as its read lands (in parallel
+//! pieces, while the source reads the next) and queues its upload on the upload stream, while the calling thread runs
+//! the caller's overlap work (the shared experts) on the compute stream → the compute stream waits for the uploads →
+//! gate/up + SiTU and down for all experts in two launches → combine in the router's order → one download.
 //!
 //! Cache slots hold an expert's six tensors at 256-byte aligned offsets. Eviction takes the unpinned slot with the
 //! fewest uses, the least recently used among equals; use counts are halved every `8 × capacity` lookups so old
