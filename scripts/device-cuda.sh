@@ -80,7 +80,8 @@ bound = 72.96e9 / rate  # attention's GPU-resident weights per token at K3's siz
 print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['attention_s'] / n * 1e3:.2f} ms, GPU "
       f"{d['attn_device_s'] / n * 1e3:.2f} ms = {d['attn_device_s'] / n / bound:.3f}x of {bound * 1e3:.2f} ms at "
       f"{rate / 1e12:.3f} TB/s; experts up {d['gpu_expert_uploaded_bytes'] / n / 1e9:.2f} GB/token in "
-      f"{d['gpu_expert_upload_s'] / n:.3f} s")
+      f"{d['gpu_expert_upload_s'] / n:.3f} s ({d.get('gpu_expert_direct_bytes', 0) / max(d['gpu_expert_uploaded_bytes'], 1):.0%} "
+      f"without staging); open {d.get('open_s', 0):.1f} s")
 PY
     done
   done

@@ -11,10 +11,12 @@ use deltafin_tests::{Golden, fixture, max_abs_diff};
 /// Max |Δlogit| allowed between CUDA and the CPU.
 const TOL: f32 = 1e-3;
 
-/// Opens `dir` on `pref`, with at most `gpu_layers` layers kept on the GPU (the rest streamed).
-fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>) -> Engine {
+/// Opens `dir` on `pref`, with at most `gpu_layers` layers kept on the GPU (the rest streamed), experts uploaded
+/// through a staging copy when `staged`.
+fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>, staged: bool) -> Engine {
     let mut o = EngineOptions::default().with_device(pref);
     o.device.gpu_layers = gpu_layers;
+    o.device.stage_expert_uploads = staged;
     let e = Engine::open(dir, o).expect("fixture opens");
     if pref == DevicePref::Cuda {
         assert!(e.device_name().starts_with("cuda"), "{}", e.device_name());
@@ -23,17 +25,18 @@ fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>) -> Engine {
 }
 
 fn check(name: &str) {
-    check_with(name, None);
+    check_with(name, None, false);
 }
 
-/// As [`check`], with at most `gpu_layers` layers on the GPU: the others are uploaded at every forward pass.
-fn check_with(name: &str, gpu_layers: Option<usize>) {
+/// As [`check`], with at most `gpu_layers` layers on the GPU (the others are uploaded at every forward pass), and
+/// routed experts uploaded through a staging copy when `staged` (else straight from page-locked read buffers).
+fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
     let dir = fixture(name);
     let g = Golden::load(&dir).expect("golden");
     let ids = g.ids("input_ids").expect("ids");
     let prompt = g.ids("greedy_prompt").expect("prompt");
-    let cpu = open(&dir, DevicePref::Cpu, None);
-    let gpu = open(&dir, DevicePref::Cuda, gpu_layers);
+    let cpu = open(&dir, DevicePref::Cpu, None, false);
+    let gpu = open(&dir, DevicePref::Cuda, gpu_layers, staged);
     if let Some(n) = gpu_layers {
         let want: Vec<usize> = (n..cpu.config().n_layers).collect();
         assert_eq!(gpu.streamed_layers(), want, "{name}: streamed layers");
@@ -102,6 +105,21 @@ fn check_with(name: &str, gpu_layers: Option<usize>) {
         .expect("cuda greedy");
     eprintln!("{name}: greedy {tb:?}");
     assert_eq!(ta, tb, "{name}: greedy tokens differ");
+
+    // The K3 fixtures' experts are MXFP4, so they ran in the GPU expert cache; every upload took the path asked for.
+    let up = gpu.expert_cache_stats().expect("a GPU expert cache");
+    eprintln!(
+        "{name}: {} expert bytes uploaded, {} straight from page-locked read buffers",
+        up.uploaded_bytes, up.uploaded_direct_bytes
+    );
+    if name.starts_with("k3") {
+        assert!(up.uploaded_bytes > 0, "{name}: no expert went up: {up:?}");
+        let want = if staged { 0 } else { up.uploaded_bytes };
+        assert_eq!(
+            up.uploaded_direct_bytes, want,
+            "{name}: staged {staged}: {up:?}"
+        );
+    }
 }
 
 #[test]
@@ -109,11 +127,17 @@ fn k3_tiny_a_cuda_matches_cpu() {
     check("k3/k3-tiny-a");
 }
 
+/// Experts uploaded through the staging copy (pageable read buffers) give the same logits as those uploaded in place.
+#[test]
+fn staged_expert_uploads_match_cpu() {
+    check_with("k3/k3-tiny-b", None, true);
+}
+
 /// Spine layers streamed to the GPU at every pass (one layer resident, or none) give the resident path's logits.
 #[test]
 fn streamed_gpu_layers_match_cpu() {
-    check_with("k3/k3-tiny-a", Some(1));
-    check_with("kimi-linear/qlora", Some(0));
+    check_with("k3/k3-tiny-a", Some(1), false);
+    check_with("kimi-linear/qlora", Some(0), false);
 }
 
 #[test]

@@ -126,9 +126,11 @@ struct Report {
     spine_bytes_touched_per_token: u64,
     expert_bytes_touched_per_token: u64,
     /// GPU expert cache (`--dev cuda`; zero on the CPU), per decoded tokens: bytes uploaded host → device, and the
-    /// upload helper's wall time (reads, staging copies, queued uploads).
+    /// upload helper's wall time (reads, staging copies, queued uploads); of the bytes, those uploaded straight from
+    /// page-locked read buffers.
     gpu_expert_uploaded_bytes: u64,
     gpu_expert_upload_s: f64,
+    gpu_expert_direct_bytes: u64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -188,14 +190,15 @@ fn hbm_rate(mib: usize) -> anyhow::Result<f64> {
     }
 }
 
-/// The GPU expert cache's uploaded bytes and upload helper seconds so far ((0, 0) on the CPU).
-fn gpu_uploads(engine: &Engine) -> (u64, f64) {
+/// The GPU expert cache's uploaded bytes, upload helper seconds and bytes uploaded without staging so far (zeros on
+/// the CPU).
+fn gpu_uploads(engine: &Engine) -> (u64, f64, u64) {
     #[cfg(feature = "cuda")]
     if let Some(g) = engine.expert_cache_stats() {
-        return (g.uploaded_bytes, g.upload_secs);
+        return (g.uploaded_bytes, g.upload_secs, g.uploaded_direct_bytes);
     }
     let _ = engine;
-    (0, 0.0)
+    (0, 0.0, 0)
 }
 
 /// Runs `deltafin bench-decode`.
@@ -212,7 +215,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         0.0
     };
     let hbm_before = hbm_rate(args.hbm_mib)?;
-    let mut gpu_upload0 = (0, 0.0);
+    let mut gpu_upload0 = (0, 0.0, 0);
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
         deltafin_runtime::membw::ReadBuffer::new(
             (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
@@ -381,6 +384,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         spine_wait_s: p.spine_wait.as_secs_f64(),
         gpu_expert_uploaded_bytes: gpu_upload.0 - gpu_upload0.0,
         gpu_expert_upload_s: gpu_upload.1 - gpu_upload0.1,
+        gpu_expert_direct_bytes: gpu_upload.2 - gpu_upload0.2,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

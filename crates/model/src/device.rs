@@ -58,6 +58,10 @@ pub struct DeviceOptions {
     /// At most this many spine layers stay on the GPU (the first ones); the rest are streamed even when the
     /// budget would hold them (default: as many as fit).
     pub gpu_layers: Option<usize>,
+    /// Routed experts go up through a pinned staging copy even where their read buffers could be page-locked.
+    /// Default `false`: the expert read pool's buffers are page-locked and experts go up straight from them (tests
+    /// set it to run the staging path too).
+    pub stage_expert_uploads: bool,
 }
 
 impl DeviceOptions {

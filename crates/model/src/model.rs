@@ -341,6 +341,12 @@ impl Model {
         self.gpu.as_ref().map(|g| g.experts.stats())
     }
 
+    /// The GPU the model runs on (`None` on the CPU).
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Arc<deltafin_quant::cuda::Gpu>> {
+        self.gpu.as_ref().map(|g| &g.gpu)
+    }
+
     /// How routed experts read their inputs on the CPU: exact f32 (the default, which matches the f32
     /// reference) or rounded to bf16 as the reference's native dtype does (about 1.5× the MXFP4 kernels' compute
     /// rate on CPUs with AVX-512 BF16). The CUDA expert path always reads f32.

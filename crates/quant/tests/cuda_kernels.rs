@@ -517,3 +517,48 @@ fn copy_rate_probe_copies_and_refuses_empty_copies() {
     assert!(copy_rate(1 << 20, 3).expect("copy rate") > 1e10);
     assert!(matches!(copy_times(&gpu, 15, 1), Err(QuantError::Cuda(_))));
 }
+
+/// A host range page-locked in place: `is_pinned` answers for ranges inside it only, a copy out of it lands intact
+/// on the device, and after `unpin_host` it is ordinary memory again.
+#[test]
+fn pinned_host_ranges_upload_in_place() {
+    let gpu = gpu();
+    let len = 4 << 20;
+    // SAFETY: a fresh private anonymous mapping, unmapped at the end of the test and used only here.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    // SAFETY: the mapping is `len` bytes, readable and writable, and nothing else refers to it.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(base.cast::<u8>(), len) };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = (i * 7 + i / 4099) as u8;
+    }
+    let before = gpu.pinned_bytes();
+    // SAFETY: the mapping stays until after `unpin_host` below, and overlaps nothing registered.
+    unsafe { gpu.pin_host(base as usize, len) }.expect("pin");
+    assert_eq!(gpu.pinned_bytes() - before, len as u64);
+    assert!(gpu.is_pinned(&bytes[..]) && gpu.is_pinned(&bytes[12_345..3 << 20]));
+    let outside = vec![0u8; 64];
+    assert!(!gpu.is_pinned(&outside));
+    let src = &bytes[4097..4097 + (3 << 20)];
+    let mut dev = gpu.zeros::<u8>(src.len()).expect("device buffer");
+    gpu.copy_stream().memcpy_htod(src, &mut dev).expect("copy");
+    gpu.copy_stream().synchronize().expect("wait");
+    assert!(gpu.download(&dev).expect("download") == src, "bytes differ");
+    gpu.unpin_host(base as usize).expect("unpin");
+    assert!(!gpu.is_pinned(&bytes[..]));
+    gpu.unpin_host(base as usize)
+        .expect("unpinning twice does nothing");
+    // SAFETY: pinning nothing is refused before any memory is touched.
+    assert!(unsafe { gpu.pin_host(base as usize, 0) }.is_err());
+    // SAFETY: the mapping made above, no longer registered or referred to.
+    unsafe { libc::munmap(base, len) };
+}

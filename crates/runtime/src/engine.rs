@@ -211,6 +211,11 @@ impl Engine {
         );
         tracing::info!("memory budget {plan}");
         let cache_budget = plan.expert_cache;
+        // On a GPU the expert read buffers are page-locked, so experts go up straight from where they were read.
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = model.gpu().filter(|_| !options.device.stage_expert_uploads) {
+            pool.buffer_hook = Some(Arc::new(crate::gpu_pins::GpuPins::new(gpu)));
+        }
         let reader = SpanReader::new(&files, stream, &pool, true)?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&config_bytes);

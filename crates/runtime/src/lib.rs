@@ -12,6 +12,8 @@ pub mod engine;
 pub mod error;
 pub mod expert_cache;
 pub mod expert_store;
+#[cfg(feature = "cuda")]
+mod gpu_pins;
 pub mod memory;
 pub mod ngram;
 pub mod options;

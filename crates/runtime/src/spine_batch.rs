@@ -90,6 +90,7 @@ impl LayerReader {
             pool: ReadPool::new(&ReadPoolOptions {
                 threads: SPINE_READ_THREADS,
                 max_idle_buffers: SPINE_IDLE_BUFFERS,
+                buffer_hook: None,
             })?,
             shards: open(files)?,
             int8: match int8 {

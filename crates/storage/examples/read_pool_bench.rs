@@ -34,6 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pool = ReadPool::new(&ReadPoolOptions {
         threads,
         max_idle_buffers: 2 * threads + LAYER_BATCH,
+        buffer_hook: None,
     })?;
     let mut seed = 0x2545_f491_4f6c_dd1du64 ^ std::process::id() as u64;
     let mut next_offset = || {

@@ -9,7 +9,9 @@
 //!
 //! A layer's experts are submitted as one batch ([`ReadPool::submit`]) and come back on a channel as
 //! each read finishes, so the caller can start on the first expert while the others are in flight.
-//! I/O buffers are kept in a free list and reused: a [`PooledBuf`] goes back to the list when dropped.
+//! I/O buffers are kept in a free list and reused: a [`PooledBuf`] goes back to the list when dropped. A
+//! [`BufferHook`] hears of every buffer mapped and unmapped (a GPU page-locks them, so its DMA engine reads experts
+//! straight out of the buffers they were read into).
 
 #[cfg(not(unix))]
 use std::alloc::Layout;
@@ -124,10 +126,23 @@ fn open_direct(_path: &Path) -> Option<File> {
     None
 }
 
+/// Hears of every I/O buffer a read pool maps and unmaps, for example to page-lock the buffers for a GPU's DMA
+/// engine. Buffers are long-lived (reused through the pool's free list), so a costly registration is paid once per
+/// buffer, not per read.
+pub trait BufferHook: Send + Sync + std::fmt::Debug {
+    /// The buffer at address `addr`, `len` bytes (page-aligned, zero-filled, not yet read into), was just mapped. A
+    /// hook that cannot do its work leaves the buffer as it is: reads into it work the same.
+    fn mapped(&self, addr: usize, len: usize);
+    /// The buffer mapped at `addr` is about to be unmapped; nobody holds its bytes any more.
+    fn unmapping(&self, addr: usize, len: usize);
+}
+
 /// A zero-initialised buffer aligned to [`HUGE_PAGE`] (so to [`DIRECT_ALIGN`] as well).
 struct AlignedBuf {
     ptr: NonNull<u8>,
     cap: usize,
+    /// Told before the buffer is unmapped (it was told of the mapping).
+    hook: Option<Arc<dyn BufferHook>>,
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
@@ -194,7 +209,11 @@ impl AlignedBuf {
         unsafe {
             libc::madvise(ptr.as_ptr().cast(), cap, libc::MADV_HUGEPAGE);
         }
-        Ok(Self { ptr, cap })
+        Ok(Self {
+            ptr,
+            cap,
+            hook: None,
+        })
     }
 
     /// A zeroed buffer of at least `len` bytes (rounded up to [`BUF_GRANULE`]), aligned to [`HUGE_PAGE`].
@@ -207,7 +226,21 @@ impl AlignedBuf {
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr)
             .ok_or_else(|| io::Error::new(io::ErrorKind::OutOfMemory, "buffer allocation"))?;
-        Ok(Self { ptr, cap })
+        Ok(Self {
+            ptr,
+            cap,
+            hook: None,
+        })
+    }
+
+    /// [`Self::new`], with `hook` told of the mapping now and of the unmapping when the buffer is dropped.
+    fn with_hook(len: usize, hook: Option<&Arc<dyn BufferHook>>) -> io::Result<Self> {
+        let mut buf = Self::new(len)?;
+        if let Some(h) = hook {
+            h.mapped(buf.ptr.as_ptr() as usize, buf.cap);
+            buf.hook = Some(Arc::clone(h));
+        }
+        Ok(buf)
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -223,6 +256,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if let Some(h) = self.hook.take() {
+            h.unmapping(self.ptr.as_ptr() as usize, self.cap);
+        }
         #[cfg(unix)]
         // SAFETY: mapped in `new` with exactly this length, and not used after this.
         unsafe {
@@ -244,6 +280,7 @@ struct BufferPool {
     free: Mutex<Vec<AlignedBuf>>,
     max_idle: usize,
     allocated: AtomicU64,
+    hook: Option<Arc<dyn BufferHook>>,
 }
 
 impl BufferPool {
@@ -281,7 +318,7 @@ impl BufferPool {
             }
         }
         self.allocated.fetch_add(1, Ordering::Relaxed);
-        AlignedBuf::new(len)
+        AlignedBuf::with_hook(len, self.hook.as_ref())
     }
 
     fn give_back(&self, buf: AlignedBuf) {
@@ -428,6 +465,8 @@ pub struct ReadPoolOptions {
     pub threads: usize,
     /// Buffers kept for reuse when idle.
     pub max_idle_buffers: usize,
+    /// Told of every buffer mapped and unmapped (none by default).
+    pub buffer_hook: Option<Arc<dyn BufferHook>>,
 }
 
 impl Default for ReadPoolOptions {
@@ -437,6 +476,7 @@ impl Default for ReadPoolOptions {
         Self {
             threads: 4,
             max_idle_buffers: 24,
+            buffer_hook: None,
         }
     }
 }
@@ -467,6 +507,7 @@ impl ReadPool {
                 free: Mutex::new(Vec::new()),
                 max_idle: options.max_idle_buffers,
                 allocated: AtomicU64::new(0),
+                hook: options.buffer_hook.clone(),
             }),
             counters: Counters::default(),
         });
@@ -737,6 +778,7 @@ mod tests {
             free: Mutex::new(Vec::new()),
             max_idle: 2,
             allocated: AtomicU64::new(0),
+            hook: None,
         };
         let a = pool.take(10).expect("alloc");
         assert_eq!(a.ptr.as_ptr() as usize % HUGE_PAGE, 0);

@@ -2,10 +2,12 @@
 //! through pinned buffers on the upload stream, and the MXFP4 kernels of `deltafin_quant::cuda::moe`.
 //!
 //! One MoE call: route (CPU) → look every chosen expert up in the cache → a helper thread reads the missing ones from
-//! the [`ExpertSource`] (host RAM or disk), copies each into a pinned staging buffer as its read lands (in parallel
-//! pieces, while the source reads the next) and queues its upload on the upload stream, while the calling thread runs
-//! the caller's overlap work (the shared experts) on the compute stream → the compute stream waits for the uploads →
-//! gate/up + SiTU and down for all experts in two launches → combine in the router's order → one download.
+//! the [`ExpertSource`] (host RAM or disk) and queues each one's upload on the upload stream as its read lands, while
+//! the calling thread runs the caller's overlap work (the shared experts) on the compute stream → the compute stream
+//! waits for the uploads → gate/up + SiTU and down for all experts in two launches → combine in the router's order →
+//! one download. An expert whose bytes lie in page-locked memory (a read-pool buffer the runtime registered with
+//! [`Gpu::pin_host`]) goes up straight from there, held until its copy is done; any other is first copied into a
+//! pinned staging buffer (in parallel pieces, while the source reads the next).
 //!
 //! Cache slots hold an expert's six tensors at 256-byte aligned offsets. Eviction takes the unpinned slot with the
 //! fewest uses, the least recently used among equals; use counts are halved every `8 × capacity` lookups so old
@@ -48,6 +50,8 @@ pub struct ExpertCacheStats {
     pub evictions: u64,
     /// Bytes uploaded host → device.
     pub uploaded_bytes: u64,
+    /// Of those, bytes that went up straight from page-locked read buffers (no staging copy).
+    pub uploaded_direct_bytes: u64,
     /// Wall time of the upload helper (host reads, staging copies and queued DMA), summed.
     pub upload_secs: f64,
 }
@@ -136,6 +140,29 @@ impl std::fmt::Debug for GpuExperts {
 struct Uploaded {
     done: Option<CudaEvent>,
     bytes: u64,
+    /// Bytes that went up without a staging copy.
+    direct_bytes: u64,
+    /// The experts whose copies read their host bytes in place.
+    held: DmaHold,
+}
+
+/// Experts whose uploads read their host bytes in place (page-locked read buffers): held until the upload stream
+/// has copied them. Dropping the hold waits for the upload stream first, so no error path can hand a buffer back to
+/// the read pool (to be read into, or unmapped) while the DMA engine still reads it.
+struct DmaHold {
+    copy: Arc<cudarc::driver::CudaStream>,
+    held: Vec<Arc<ExpertWeights>>,
+}
+
+impl Drop for DmaHold {
+    fn drop(&mut self) {
+        if !self.held.is_empty()
+            && let Err(e) = self.copy.synchronize()
+        {
+            // The stream is broken, so no copy is running any more either; the bytes can go.
+            tracing::warn!("waiting for expert uploads before releasing their buffers: {e}");
+        }
+    }
 }
 
 impl GpuExperts {
@@ -276,6 +303,9 @@ impl GpuExperts {
         let mut y = gpu.zeros::<f32>(n_pairs * width).map_err(cuda_err)?;
         let mut overlap = Some(overlap);
         let mut overlap_out = None;
+        // Experts uploaded in place stay held until the download below has waited for every kernel (and so for
+        // every upload the kernels waited for).
+        let mut holds = Vec::new();
         for chunk in ids.chunks(capacity) {
             // Slots for this chunk: hits first, then room for the misses.
             let mut slots = Vec::with_capacity(chunk.len());
@@ -349,12 +379,14 @@ impl GpuExperts {
                 st.map.insert((layer, e), s);
             }
             st.stats.uploaded_bytes += uploaded.bytes;
+            st.stats.uploaded_direct_bytes += uploaded.direct_bytes;
             st.stats.upload_secs += started.elapsed().as_secs_f64();
             if let Some(ev) = &uploaded.done {
                 gpu.stream()
                     .wait(ev)
                     .map_err(|e| ModelError::Device(format!("cuda: waiting for uploads: {e}")))?;
             }
+            holds.push(uploaded.held);
             let pool = st
                 .pool
                 .as_ref()
@@ -377,6 +409,7 @@ impl GpuExperts {
         }
         let out = moe::combine(gpu, &y, &tok_pair, &tok_w, t_len, k, width).map_err(cuda_err)?;
         let mut combined = gpu.download(&out).map_err(cuda_err)?;
+        drop(holds);
         combined.truncate(t_len * width);
         drop(st);
         let overlap_out = match (overlap_out, overlap) {
@@ -411,20 +444,27 @@ impl GpuExperts {
         pool: &mut CudaSlice<u8>,
         staging: &mut [Staging],
     ) -> Result<Option<Uploaded>> {
+        let gpu = &self.gpu;
+        let copy = gpu.copy_stream();
+        let mut held = DmaHold {
+            copy: Arc::clone(copy),
+            held: Vec::new(),
+        };
         if misses.is_empty() {
             return Ok(Some(Uploaded {
                 done: None,
                 bytes: 0,
+                direct_bytes: 0,
+                held,
             }));
         }
-        let gpu = &self.gpu;
         gpu.bind().map_err(cuda_err)?;
         let ids: Vec<usize> = misses.iter().map(|&(e, _)| e).collect();
-        let copy = gpu.copy_stream();
         let dev_err = |what: &str, e: cudarc::driver::DriverError| {
             ModelError::Device(format!("cuda: {what}: {e}"))
         };
         let mut bytes = 0u64;
+        let mut direct_bytes = 0u64;
         let mut staged = 0usize;
         let mut mxfp4 = true;
         // Each expert goes into a staging buffer and up as soon as its read lands, while the source reads the next.
@@ -453,6 +493,21 @@ impl GpuExperts {
                         )));
                     }
                 }
+                let off = slot * self.slot_bytes;
+                if gpu.is_pinned(&p.bytes) {
+                    // Straight from the read buffer, in as few copies as the layouts allow.
+                    for (k, len) in self.contiguous_runs(&p.parts) {
+                        let src = &p.bytes[p.parts[k].start..p.parts[k].start + len];
+                        let dst = off + self.offsets[k];
+                        let mut view = pool.slice_mut(dst..dst + len);
+                        copy.memcpy_htod(src, &mut view)
+                            .map_err(|err| dev_err("expert upload", err))?;
+                    }
+                    held.held.push(Arc::clone(&w));
+                    bytes += self.slot_bytes as u64;
+                    direct_bytes += self.slot_bytes as u64;
+                    continue;
+                }
                 let stage = &mut staging[staged % staging.len()];
                 staged += 1;
                 if let Some(ev) = stage.done.take() {
@@ -480,7 +535,6 @@ impl GpuExperts {
                 pieces
                     .into_par_iter()
                     .for_each(|(s, d)| d.copy_from_slice(s));
-                let off = slot * self.slot_bytes;
                 let mut view = pool.slice_mut(off..off + self.slot_bytes);
                 copy.memcpy_htod(&stage.buf, &mut view)
                     .map_err(|err| dev_err("expert upload", err))?;
@@ -501,6 +555,28 @@ impl GpuExperts {
         Ok(Some(Uploaded {
             done: Some(done),
             bytes,
+            direct_bytes,
+            held,
         }))
+    }
+
+    /// The copies that move an expert's six tensors (at `parts` of its span) into a slot: `(first tensor, bytes)`
+    /// for each run of tensors whose gaps in the span equal their gaps in the slot, so one copy moves the whole run
+    /// (K3's six tensors lie back to back in both: one copy).
+    fn contiguous_runs(&self, parts: &[std::ops::Range<usize>; 6]) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for k in 0..6 {
+            let joins = runs.last().is_some_and(|&(first, _)| {
+                parts[k].start >= parts[first].start
+                    && parts[k].start - parts[first].start == self.offsets[k] - self.offsets[first]
+            });
+            match runs.last_mut() {
+                Some((first, len)) if joins => {
+                    *len = self.offsets[k] - self.offsets[*first] + self.lens[k]
+                }
+                _ => runs.push((k, self.lens[k])),
+            }
+        }
+        runs
     }
 }

@@ -7,11 +7,13 @@
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
 //! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream),
+//! `host_pins` (host buffers page-locked in place, so uploads from them need no staging),
 //! [`rows`] (a layer's activation rows up and down through reused pinned buffers), [`copy_rate`] (event timing and
 //! the device copy rate benchmarks are held against).
 
 pub mod copy_rate;
 pub mod dense;
+mod host_pins;
 pub mod moe;
 pub mod rows;
 mod upload;
@@ -152,6 +154,7 @@ pub struct Gpu {
     /// chosen against ([`dense::DeviceMatrix`]).
     dense_slots: usize,
     staging: upload::Staging,
+    host_pins: host_pins::HostPins,
     /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
     /// call (a device allocation costs 5–20 µs, more than a small product).
     pub(crate) host_gemm: std::sync::Mutex<dense::HostGemmBuffers>,
@@ -268,6 +271,7 @@ impl Gpu {
             smem_optin,
             dense_slots: sms * per_sm,
             staging: upload::Staging::default(),
+            host_pins: host_pins::HostPins::default(),
             host_gemm: std::sync::Mutex::default(),
             rows: std::sync::Mutex::default(),
         })

@@ -8,7 +8,12 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use deltafin_storage::{PoolFile, ReadPool, ReadPoolOptions, ReadRequest, StorageError};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use deltafin_storage::{
+    BufferHook, PoolFile, ReadPool, ReadPoolOptions, ReadRequest, StorageError,
+};
 
 /// Deterministic pseudo-random bytes (xorshift), so a misplaced read cannot match by accident.
 fn noise(len: usize, mut seed: u64) -> Vec<u8> {
@@ -43,6 +48,7 @@ fn check(direct: bool, name: &str) {
     let pool = ReadPool::new(&ReadPoolOptions {
         threads: 3,
         max_idle_buffers: 8,
+        buffer_hook: None,
     })
     .expect("pool");
     let n = data.len() as u64;
@@ -140,6 +146,119 @@ impl DirectFlag for std::fs::OpenOptions {
         const O_DIRECT: i32 = 0o40000;
         self.custom_flags(O_DIRECT)
     }
+}
+
+/// Records the buffers a pool maps and unmaps, as a GPU's page-locking hook would.
+#[derive(Debug, Default)]
+struct Recorder {
+    /// Address -> length of the buffers mapped and not yet unmapped.
+    live: Mutex<BTreeMap<usize, usize>>,
+    mapped: Mutex<usize>,
+    errors: Mutex<Vec<String>>,
+}
+
+impl BufferHook for Recorder {
+    fn mapped(&self, addr: usize, len: usize) {
+        *self.mapped.lock().expect("lock") += 1;
+        if self.live.lock().expect("lock").insert(addr, len).is_some() {
+            self.errors
+                .lock()
+                .expect("lock")
+                .push(format!("{addr:#x} mapped twice"));
+        }
+    }
+    fn unmapping(&self, addr: usize, len: usize) {
+        if self.live.lock().expect("lock").remove(&addr) != Some(len) {
+            self.errors
+                .lock()
+                .expect("lock")
+                .push(format!("{addr:#x}+{len} unmapped unheard of"));
+        }
+    }
+}
+
+impl Recorder {
+    /// Whether `bytes` lie inside one live buffer.
+    fn holds(&self, bytes: &[u8]) -> bool {
+        let start = bytes.as_ptr() as usize;
+        let live = self.live.lock().expect("lock");
+        live.range(..=start)
+            .next_back()
+            .is_some_and(|(&a, &l)| start + bytes.len() <= a + l)
+    }
+}
+
+/// Every span lands in a buffer the hook was told of; each buffer is told once, and told again before it is
+/// unmapped: when the pool's free list overflows and when the pool and the last bytes are dropped.
+#[test]
+fn the_buffer_hook_hears_of_every_buffer() {
+    let data = noise(2 * 1024 * 1024 + 77, 11);
+    let path = scratch_file("hook.bin", &data);
+    let file = Arc::new(PoolFile::open(&path, true).expect("open"));
+    let hook = Arc::new(Recorder::default());
+    let pool = ReadPool::new(&ReadPoolOptions {
+        threads: 2,
+        max_idle_buffers: 1,
+        buffer_hook: Some(hook.clone()),
+    })
+    .expect("pool");
+    let n = data.len() as u64;
+    let spans = [(0, n), (5, 3 << 20 >> 1), (n - 1000, 1000), (4096, 4096)];
+    let mut kept = Vec::new();
+    for round in 0..3 {
+        let requests = spans
+            .iter()
+            .enumerate()
+            .map(|(tag, &(offset, len))| ReadRequest {
+                tag,
+                file: Arc::clone(&file),
+                offset,
+                len,
+                expect_crc: None,
+            })
+            .collect();
+        // Hold every read of a round, so the free list (one buffer) overflows when they come back.
+        let got: Vec<_> = pool.submit(requests).collect();
+        for done in got {
+            let (offset, len) = spans[done.tag];
+            let bytes = done.result.expect("read");
+            assert!(bytes[..] == data[offset as usize..(offset + len) as usize]);
+            assert!(
+                hook.holds(&bytes),
+                "round {round}: span {offset}+{len} outside every hooked buffer"
+            );
+            kept.push(bytes);
+        }
+        if round < 2 {
+            kept.clear();
+        }
+    }
+    assert_eq!(
+        *hook.mapped.lock().expect("lock") as u64,
+        pool.stats().buffers_allocated
+    );
+    assert!(
+        hook.errors.lock().expect("lock").is_empty(),
+        "{:?}",
+        hook.errors
+    );
+    drop(pool);
+    assert!(
+        !hook.live.lock().expect("lock").is_empty(),
+        "the held spans keep their buffers"
+    );
+    drop(kept);
+    assert!(
+        hook.live.lock().expect("lock").is_empty(),
+        "every buffer unmapped: {:?}",
+        hook.live
+    );
+    assert!(
+        hook.errors.lock().expect("lock").is_empty(),
+        "{:?}",
+        hook.errors
+    );
+    std::fs::remove_file(&path).expect("cleanup");
 }
 
 #[test]
