@@ -170,3 +170,11 @@ extern "C" __global__ void copy16(const uint4* src, uint4* dst, size_t n) {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
 }
+
+// Copies n floats from src to dst, either of which may be page-locked host memory addressed through unified
+// addressing: a layer's activation rows go up and down by a kernel on the compute stream, without a round trip through
+// a copy engine (a 28 KB row took 9-19 µs that way on the H200).
+extern "C" __global__ void copy_f32(const float* src, float* dst, size_t n) {
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}

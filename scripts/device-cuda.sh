@@ -82,6 +82,10 @@ print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['atte
       f"{rate / 1e12:.3f} TB/s; experts up {d['gpu_expert_uploaded_bytes'] / n / 1e9:.2f} GB/token in "
       f"{d['gpu_expert_upload_s'] / n:.3f} s ({d.get('gpu_expert_direct_bytes', 0) / max(d['gpu_expert_uploaded_bytes'], 1):.0%} "
       f"without staging); open {d.get('open_s', 0):.1f} s")
+h2d = (d.get("h2d_pinned_before_bytes_per_s", 0) + d.get("h2d_pinned_after_bytes_per_s", 0)) / 2
+if h2d > 0 and d["gpu_expert_upload_s"] > 0:
+    up = d["gpu_expert_uploaded_bytes"] / d["gpu_expert_upload_s"]
+    print(f"pinned link {h2d / 1e9:.1f} GB/s; expert uploads {up / 1e9:.1f} GB/s of helper time = {up / h2d:.2f} of it")
 PY
     done
   done

@@ -33,8 +33,9 @@ pub struct BenchArgs {
     /// follows it. The buffer stays allocated during decoding and is left out of `peak_rss_bytes`.
     #[arg(long, default_value_t = 0.0)]
     membw_per_token_gib: f64,
-    /// MiB to copy on the GPU (device to device, `--dev cuda` builds only) before the model is opened and after
-    /// decoding, for the device memory bound of the same run (0: skip).
+    /// MiB to copy on the GPU (device to device, and host to device from pinned memory; `--dev cuda` builds only)
+    /// before the model is opened and after decoding, for the device memory and upload bounds of the same run (0:
+    /// skip).
     #[arg(long, default_value_t = 0)]
     hbm_mib: usize,
     /// Experts to read through the engine's read path before decoding, for the storage read bound of the same run
@@ -107,6 +108,9 @@ struct Report {
     /// model is opened and after decoding (0 when `--hbm-mib` is 0).
     hbm_before_bytes_per_s: f64,
     hbm_after_bytes_per_s: f64,
+    /// The host-to-device link's rate from pinned memory (bytes/s), measured with the copies above.
+    h2d_pinned_before_bytes_per_s: f64,
+    h2d_pinned_after_bytes_per_s: f64,
     /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
     open_s: f64,
     open_read_bytes: u64,
@@ -175,14 +179,18 @@ fn pf(s: &deltafin_runtime::ExpertStats) -> deltafin_runtime::PrefetchStats {
     s.prefetch.unwrap_or_default()
 }
 
-/// The GPU's copy rate over `mib` MiB (bytes/s, reads and writes; 0 for 0 MiB), median of 20 copies each way.
-fn hbm_rate(mib: usize) -> anyhow::Result<f64> {
+/// The GPU's copy rate over `mib` MiB (bytes/s, reads and writes; median of 20 copies each way) and the link's rate
+/// of `mib` MiB uploads from pinned memory (median of 10); zeros for 0 MiB.
+fn hbm_rate(mib: usize) -> anyhow::Result<(f64, f64)> {
     if mib == 0 {
-        return Ok(0.0);
+        return Ok((0.0, 0.0));
     }
     #[cfg(feature = "cuda")]
     {
-        Ok(deltafin_runtime::device_copy_rate(mib << 20, 20)?)
+        Ok((
+            deltafin_runtime::device_copy_rate(mib << 20, 20)?,
+            deltafin_runtime::pinned_upload_rate(mib << 20, 10)?,
+        ))
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -370,8 +378,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         head_s: p.head.as_secs_f64(),
         threads: deltafin_runtime::compute_threads(),
         membw_bytes_per_s: membw_rate,
-        hbm_before_bytes_per_s: hbm_before,
-        hbm_after_bytes_per_s: hbm_after,
+        hbm_before_bytes_per_s: hbm_before.0,
+        hbm_after_bytes_per_s: hbm_after.0,
+        h2d_pinned_before_bytes_per_s: hbm_before.1,
+        h2d_pinned_after_bytes_per_s: hbm_after.1,
         disk_bytes_per_s: disk_rate,
         open_s,
         open_read_bytes,

@@ -318,11 +318,8 @@ pub fn decode(
     Ok(())
 }
 
-/// Pinned buffer for the link-rate reference of [`upload_bw`].
-const PINNED_REFERENCE: usize = 256 << 20;
-
 /// Host-to-device rates of `mib`-MiB uploads, medians of `reps` after one warm-up each: copies from a pinned buffer
-/// (the link's rate, the bound issue 20 holds uploads to), the engine's staged uploads from pageable memory
+/// (the link's rate, the bound issue 20 holds uploads to; event-timed by `copy_rate::pinned_upload_rate`), the engine's staged uploads from pageable memory
 /// (`Gpu::upload_staged`: CPU copies into two pinned buffers overlapped with their DMA) and plain pageable uploads
 /// (`Gpu::upload`). Prints one JSON line.
 pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
@@ -332,20 +329,6 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
     let host: Vec<u8> = (0..bytes)
         .map(|i| (i.wrapping_mul(31) >> 3) as u8)
         .collect();
-    let stream = gpu.copy_stream();
-    // SAFETY: every byte of the pinned buffer is written below before any copy reads it.
-    let mut pinned = unsafe { gpu.context().alloc_pinned::<u8>(PINNED_REFERENCE) }
-        .context("pinned host memory")?;
-    for (i, b) in pinned
-        .as_mut_slice()
-        .context("pinned host memory")?
-        .iter_mut()
-        .enumerate()
-    {
-        *b = (i.wrapping_mul(31) >> 3) as u8;
-    }
-    // SAFETY: written by the copies before it is read (it is never read).
-    let mut dev = unsafe { stream.alloc::<u8>(PINNED_REFERENCE) }.context("device memory")?;
     let timed = |f: &mut dyn FnMut() -> anyhow::Result<()>| -> anyhow::Result<f64> {
         f()?;
         let mut rates = Vec::with_capacity(reps);
@@ -356,18 +339,7 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
         }
         Ok(median(&mut rates))
     };
-    let pinned_rate = timed(&mut || {
-        let src = pinned.as_slice().context("pinned host memory")?;
-        let mut left = bytes;
-        while left > 0 {
-            let n = left.min(PINNED_REFERENCE);
-            let mut view = dev.slice_mut(0..n);
-            stream.memcpy_htod(&src[..n], &mut view)?;
-            left -= n;
-        }
-        stream.synchronize()?;
-        Ok(())
-    })?;
+    let pinned_rate = deltafin_quant::cuda::copy_rate::pinned_upload_rate(&gpu, bytes, reps)?;
     let staged_rate = timed(&mut || {
         let (buf, done) = gpu.upload_staged(&host)?;
         match done {

@@ -502,11 +502,11 @@ fn device_is_usable_or_clearly_unavailable() {
     }
 }
 
-/// The copy-rate probe benchmarks are held against: the size is rounded down to whole 16-byte words, both copies are
-/// timed, the rate is a plausible memory rate, and a copy under one word is refused.
+/// The copy-rate probes benchmarks are held against: the size is rounded down to whole 16-byte words, both copies are
+/// timed, the rates are plausible memory and link rates, and a copy under one word (or of no bytes) is refused.
 #[test]
 fn copy_rate_probe_copies_and_refuses_empty_copies() {
-    use deltafin_quant::cuda::copy_rate::{copy_rate, copy_times};
+    use deltafin_quant::cuda::copy_rate::{copy_rate, copy_times, pinned_upload_rate};
     let gpu = gpu();
     let t = copy_times(&gpu, (64 << 20) + 7, 5).expect("copy times");
     assert_eq!(t.bytes, 64 << 20, "rounded down to whole 16-byte words");
@@ -516,6 +516,10 @@ fn copy_rate_probe_copies_and_refuses_empty_copies() {
     assert!((1e10..1e14).contains(&rate), "copy rate {rate} B/s");
     assert!(copy_rate(1 << 20, 3).expect("copy rate") > 1e10);
     assert!(matches!(copy_times(&gpu, 15, 1), Err(QuantError::Cuda(_))));
+    // The link: between 1 GB/s and 1 TB/s (PCIe and NVLink-C2C hosts alike); nothing to copy is refused.
+    let link = pinned_upload_rate(&gpu, 16 << 20, 3).expect("upload rate");
+    assert!((1e9..1e12).contains(&link), "upload rate {link} B/s");
+    assert!(matches!(pinned_upload_rate(&gpu, 0, 1), Err(QuantError::Cuda(_))));
 }
 
 /// A host range page-locked in place: `is_pinned` answers for ranges inside it only, a copy out of it lands intact

@@ -31,6 +31,9 @@ pub use deltafin_model::{DeviceOptions, DevicePref};
 /// The GPU's memory bound benchmarks measure against: a device copy's rate (bytes/s, reads and writes).
 #[cfg(feature = "cuda")]
 pub use deltafin_quant::cuda::copy_rate::copy_rate as device_copy_rate;
+/// The host-to-device link's rate from pinned memory (bytes/s), the bound uploads are held against.
+#[cfg(feature = "cuda")]
+pub use deltafin_quant::cuda::copy_rate::upload_rate as pinned_upload_rate;
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
 pub use deltafin_quant::{flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};

@@ -1,7 +1,9 @@
-//! The device's memory bound, measured: event-timed launches and the rate of a device-to-device copy.
+//! The device's bounds, measured: event-timed launches, the rate of a device-to-device copy, and the host-to-device
+//! link's rate from pinned memory.
 //!
-//! Benchmarks hold kernels against [`copy_rate`] measured in the same process (HBM's rate moves with clocks and
-//! temperature, so a datasheet figure or another run's number is not the bound of this one).
+//! Benchmarks hold kernels against [`copy_rate`] and uploads against [`pinned_upload_rate`] measured in the same
+//! process (HBM's rate moves with clocks and temperature, the link's with the host's load, so a datasheet figure or
+//! another run's number is not the bound of this one).
 
 use std::time::Instant;
 
@@ -108,4 +110,54 @@ pub fn copy_rate(bytes: usize, reps: usize) -> Result<f64> {
     let gpu = Gpu::shared()?;
     gpu.bind()?;
     Ok(copy_times(&gpu, bytes, reps)?.rate())
+}
+
+/// The host-to-device link's rate (bytes per second) for copies of `bytes` from one pinned host buffer on the upload
+/// stream: the median of `reps` event-timed copies after one untimed copy. The bound uploads are held against.
+pub fn pinned_upload_rate(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
+    if bytes == 0 {
+        return Err(QuantError::Cuda(
+            "an upload-rate probe needs at least one byte".to_string(),
+        ));
+    }
+    gpu.bind()?;
+    let stream = gpu.copy_stream();
+    // SAFETY: every byte is written just below, before any copy reads it.
+    let mut host = unsafe { gpu.context().alloc_pinned::<u8>(bytes) }
+        .map_err(|e| driver_err("pinned host memory", e))?;
+    host.as_mut_slice()
+        .map_err(|e| driver_err("pinned host memory", e))?
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = (i.wrapping_mul(31) >> 3) as u8);
+    // SAFETY: written by the copies below before anything reads it (nothing does).
+    let mut dev = unsafe { stream.alloc::<u8>(bytes) }
+        .map_err(|e| driver_err("device allocation", e))?;
+    let event_err = |e| driver_err("timing event", e);
+    let ctx = gpu.context();
+    let mut times = Vec::with_capacity(reps.max(1));
+    for i in 0..=reps.max(1) {
+        let a = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(event_err)?;
+        let b = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(event_err)?;
+        a.record(stream).map_err(event_err)?;
+        stream
+            .memcpy_htod(&host, &mut dev)
+            .map_err(|e| driver_err("pinned upload", e))?;
+        b.record(stream).map_err(event_err)?;
+        let ms = f64::from(a.elapsed_ms(&b).map_err(event_err)?);
+        if i > 0 {
+            times.push(ms);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(bytes as f64 / (times[times.len() / 2] * 1e-3))
+}
+
+/// [`pinned_upload_rate`] on the shared device.
+pub fn upload_rate(bytes: usize, reps: usize) -> Result<f64> {
+    pinned_upload_rate(&*Gpu::shared()?, bytes, reps)
 }

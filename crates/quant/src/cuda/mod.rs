@@ -42,7 +42,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 48] = [
+pub(crate) const KERNELS: [(&str, bool); 49] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -88,6 +88,7 @@ pub(crate) const KERNELS: [(&str, bool); 48] = [
     ("dense_gemm_multi_f32", false),
     ("dense_gemm_multi_bf16", false),
     ("copy16", false),
+    ("copy_f32", false),
     ("kda_layer", true),
     ("mla_norm_rows", false),
     ("mla_attend", false),
@@ -153,6 +154,9 @@ pub struct Gpu {
     /// Blocks of the dense GEMM the whole device runs at once (SMs × blocks per SM): what its column split is
     /// chosen against ([`dense::DeviceMatrix`]).
     dense_slots: usize,
+    /// Whether the device shares the host's address space (unified addressing): its kernels then read and write
+    /// page-locked host memory through the host's pointers ([`rows`]).
+    unified: bool,
     staging: upload::Staging,
     host_pins: host_pins::HostPins,
     /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
@@ -255,6 +259,10 @@ impl Gpu {
                 .max(1) as usize,
             None => 1,
         };
+        let unified = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)
+            .map_err(|e| driver_err("reading unified addressing", e))?
+            == 1;
         let stream = ctx
             .new_stream()
             .map_err(|e| driver_err("creating the compute stream", e))?;
@@ -270,6 +278,7 @@ impl Gpu {
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
             dense_slots: sms * per_sm,
+            unified,
             staging: upload::Staging::default(),
             host_pins: host_pins::HostPins::default(),
             host_gemm: std::sync::Mutex::default(),
