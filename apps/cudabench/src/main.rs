@@ -4,6 +4,7 @@
 //!   same process, for several token counts.
 //! - `dense-bw`: the dense (spine) GEMM at K3's attention shapes (and KDA's four input products in one launch)
 //!   against a device copy, for several token counts.
+//! - `kda-bw`: one launch of `kda_layer` (a KDA layer between its products) at K3's shape against a device copy.
 //! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
 //! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
 //!
@@ -11,6 +12,8 @@
 
 #[cfg(feature = "cuda")]
 mod bench;
+#[cfg(feature = "cuda")]
+mod kda;
 
 use clap::{Parser, Subcommand};
 
@@ -61,6 +64,15 @@ enum Cmd {
         /// Column splits to time (0: each launch's own choice, as the engine runs it).
         #[arg(long, default_value = "0", value_delimiter = ',')]
         splits: Vec<usize>,
+    },
+    /// `kda_layer` (a KDA layer between its input and output products) at K3's shape against a device copy.
+    KdaBw {
+        /// Token counts.
+        #[arg(long, default_value = "1,3,64", value_delimiter = ',')]
+        tokens: Vec<usize>,
+        /// Timed repetitions per size (median reported).
+        #[arg(long, default_value_t = 200)]
+        reps: usize,
     },
     /// Write a synthetic model.
     Synth {
@@ -132,6 +144,7 @@ fn main() -> anyhow::Result<()> {
                 reps,
                 splits,
             } => bench::dense_bw(&tokens, reps, &splits),
+            Cmd::KdaBw { tokens, reps } => kda::kda_bw(&tokens, reps),
             Cmd::Synth { .. } => Ok(()),
         }
     }

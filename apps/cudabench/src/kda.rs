@@ -1,0 +1,110 @@
+//! `kda-bw`: one launch of `kda_layer` (everything of a KDA layer between its input and output products) at K3's
+//! shape on random inputs, timed by device events, against a device copy of the bytes it must move (the old state
+//! read, the new one written, `f_b` read) in the same process.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use deltafin_quant::cuda::Gpu;
+use deltafin_quant::cuda::copy_rate::copy_times;
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::bench::time_ms;
+
+/// K3's KDA: heads, head width, conv taps, rank of the decay gate's low-rank product.
+const HEADS: usize = 96;
+const D: usize = 128;
+const KERN: usize = 4;
+const RANK: usize = 128;
+/// Key parts of `kda_layer` (`KDA_PARTS` in `kernels/attention.cu`).
+const PARTS: usize = 4;
+
+/// Times `kda_layer` for each token count; prints one JSON line per count.
+pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
+    let gpu = Gpu::shared()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let c = HEADS * D;
+    let state_bytes = HEADS * D * D * 4;
+    let copy = copy_times(&gpu, state_bytes, reps)?;
+    let mut rand = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(lo..hi)).collect() };
+    let taps = gpu.upload(&rand(3 * c * KERN, -0.5, 0.5))?;
+    let win = gpu.upload(&rand(3 * (KERN - 1) * c, -1.0, 1.0))?;
+    let f_b: Vec<u16> = rand(c * RANK, -0.1, 0.1)
+        .into_iter()
+        .map(|x| (x.to_bits() >> 16) as u16)
+        .collect();
+    let f_b = gpu.upload(&f_b)?;
+    let dt_bias = gpu.upload(&rand(c, -1.0, 1.0))?;
+    let a_exp = gpu.upload(&rand(HEADS, 0.5, 2.0))?;
+    let norm_w = gpu.upload(&rand(D, 0.5, 1.5))?;
+    let state_in = gpu.upload(&rand(HEADS * D * D, -0.1, 0.1))?;
+    let mut state_out = gpu.zeros::<f32>(HEADS * D * D)?;
+    let mut new_win = gpu.zeros::<f32>(3 * (KERN - 1) * c)?;
+    let smem = (D * D + 3 * D + PARTS * D + PARTS * 32) * 4;
+    let f = gpu.function("kda_layer")?;
+    for &t in tokens {
+        let raw_q = gpu.upload(&rand(t * c, -1.0, 1.0))?;
+        let raw_k = gpu.upload(&rand(t * c, -1.0, 1.0))?;
+        let raw_v = gpu.upload(&rand(t * c, -1.0, 1.0))?;
+        let f_a = gpu.upload(&rand(t * RANK, -1.0, 1.0))?;
+        let b_raw = gpu.upload(&rand(t * HEADS, -2.0, 2.0))?;
+        let gate = gpu.upload(&rand(t * c, -2.0, 2.0))?;
+        let mut q = gpu.zeros::<f32>(t * c)?;
+        let mut k = gpu.zeros::<f32>(t * c)?;
+        let mut v = gpu.zeros::<f32>(t * c)?;
+        let mut g = gpu.zeros::<f32>(t * c)?;
+        let mut beta = gpu.zeros::<f32>(t * HEADS)?;
+        let mut out = gpu.zeros::<f32>(t * c)?;
+        let (one, rank, t_i, h_i, d_i, k_i) = (1i32, RANK as i32, t as i32, HEADS as i32, D as i32, KERN as i32);
+        let (lb, eps) = (-5.0f32, 1e-5f32);
+        let cfg = LaunchConfig {
+            grid_dim: (HEADS as u32, 1, 1),
+            block_dim: (D as u32, PARTS as u32, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let us = 1e3
+            * time_ms(&gpu, reps, || {
+                let mut b = gpu.stream().launch_builder(f);
+                b.arg(&raw_q)
+                    .arg(&raw_k)
+                    .arg(&raw_v)
+                    .arg(&win)
+                    .arg(&taps)
+                    .arg(&f_a)
+                    .arg(&f_b)
+                    .arg(&one)
+                    .arg(&rank)
+                    .arg(&dt_bias)
+                    .arg(&a_exp)
+                    .arg(&b_raw)
+                    .arg(&gate)
+                    .arg(&norm_w)
+                    .arg(&state_in)
+                    .arg(&mut state_out)
+                    .arg(&mut q)
+                    .arg(&mut k)
+                    .arg(&mut v)
+                    .arg(&mut g)
+                    .arg(&mut beta)
+                    .arg(&mut new_win)
+                    .arg(&mut out)
+                    .arg(&t_i)
+                    .arg(&h_i)
+                    .arg(&d_i)
+                    .arg(&k_i)
+                    .arg(&one)
+                    .arg(&lb)
+                    .arg(&eps);
+                // SAFETY: every buffer has the shape `kda_layer` documents for T = t, H = 96, D = 128, K = 4, R = 128
+                // (f_b as bf16 bits), and the block and shared memory are what the model launches it with.
+                unsafe { b.launch(cfg) }?;
+                Ok(())
+            })?;
+        let moved = 2 * state_bytes + c * RANK * 2;
+        let bound_us = moved as f64 / copy.rate() * 1e6;
+        let sum: f64 = gpu.download(&out)?.iter().map(|&x| f64::from(x)).sum();
+        println!(
+            "{{\"kernel\":\"kda_layer\",\"tokens\":{t},\"us\":{us:.2},\"copy_bound_us\":{bound_us:.2},\"checksum\":{sum:.6}}}"
+        );
+    }
+    Ok(())
+}
