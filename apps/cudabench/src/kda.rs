@@ -1,6 +1,6 @@
 //! `kda-bw`: one launch of `kda_layer` (everything of a KDA layer between its input and output products) at K3's
 //! shape on random inputs, timed by device events, against a device copy of the bytes it must move (the old state
-//! read, the new one written, `f_b` read) in the same process.
+//! read, the new one written, `f_b` read) in the same process, with a hash of its outputs' bits.
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use deltafin_quant::cuda::Gpu;
@@ -101,9 +101,13 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
             })?;
         let moved = 2 * state_bytes + c * RANK * 2;
         let bound_us = moved as f64 / copy.rate() * 1e6;
-        let sum: f64 = gpu.download(&out)?.iter().map(|&x| f64::from(x)).sum();
+        // FNV-1a over the bits of every output, so two builds of the kernel can be compared bit for bit.
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        for x in [gpu.download(&out)?, gpu.download(&state_out)?, gpu.download(&new_win)?].concat() {
+            hash = (hash ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3);
+        }
         println!(
-            "{{\"kernel\":\"kda_layer\",\"tokens\":{t},\"us\":{us:.2},\"copy_bound_us\":{bound_us:.2},\"checksum\":{sum:.6}}}"
+            "{{\"kernel\":\"kda_layer\",\"tokens\":{t},\"us\":{us:.2},\"copy_bound_us\":{bound_us:.2},\"bits\":\"{hash:016x}\"}}"
         );
     }
     Ok(())
