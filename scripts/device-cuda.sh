@@ -85,7 +85,14 @@ print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['atte
 h2d = (d.get("h2d_pinned_before_bytes_per_s", 0) + d.get("h2d_pinned_after_bytes_per_s", 0)) / 2
 if h2d > 0 and d["gpu_expert_upload_s"] > 0:
     up = d["gpu_expert_uploaded_bytes"] / d["gpu_expert_upload_s"]
-    print(f"pinned link {h2d / 1e9:.1f} GB/s; expert uploads {up / 1e9:.1f} GB/s of helper time = {up / h2d:.2f} of it")
+    dma = d["gpu_expert_uploaded_bytes"] / max(d.get("gpu_expert_upload_dma_s", 0), 1e-9)
+    print(f"pinned link {h2d / 1e9:.1f} GB/s; expert uploads {up / 1e9:.1f} GB/s of helper time = {up / h2d:.2f} of it; "
+          f"DMA {dma / 1e9:.1f} GB/s = {dma / h2d:.2f}")
+    # Issue 20 item 3: s/token against 1.2 x (GPU-resident bytes touched / HBM rate) + the experts' upload at the link.
+    touched = d["spine_bytes_touched_per_token"] + d["expert_bytes_touched_per_token"]
+    goal = 1.2 * touched / rate + d["gpu_expert_uploaded_bytes"] / n / h2d
+    print(f"bound: {touched / 1e9:.1f} GB at HBM + {d['gpu_expert_uploaded_bytes'] / n / 1e9:.1f} GB at the link: goal "
+          f"{goal:.3f} s/token; median s/token / goal = {statistics.median(d['token_s']) / goal:.2f}")
 PY
     done
   done

@@ -135,6 +135,8 @@ struct Report {
     gpu_expert_uploaded_bytes: u64,
     gpu_expert_upload_s: f64,
     gpu_expert_direct_bytes: u64,
+    /// The upload stream's own time for those bytes (device events around each expert's copies): the DMA alone.
+    gpu_expert_upload_dma_s: f64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -198,15 +200,20 @@ fn hbm_rate(mib: usize) -> anyhow::Result<(f64, f64)> {
     }
 }
 
-/// The GPU expert cache's uploaded bytes, upload helper seconds and bytes uploaded without staging so far (zeros on
-/// the CPU).
-fn gpu_uploads(engine: &Engine) -> (u64, f64, u64) {
+/// The GPU expert cache's uploaded bytes, upload helper seconds, bytes uploaded without staging and the upload
+/// stream's seconds for them so far (zeros on the CPU).
+fn gpu_uploads(engine: &Engine) -> (u64, f64, u64, f64) {
     #[cfg(feature = "cuda")]
     if let Some(g) = engine.expert_cache_stats() {
-        return (g.uploaded_bytes, g.upload_secs, g.uploaded_direct_bytes);
+        return (
+            g.uploaded_bytes,
+            g.upload_secs,
+            g.uploaded_direct_bytes,
+            g.upload_dma_secs,
+        );
     }
     let _ = engine;
-    (0, 0.0, 0)
+    (0, 0.0, 0, 0.0)
 }
 
 /// Runs `deltafin bench-decode`.
@@ -223,7 +230,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         0.0
     };
     let hbm_before = hbm_rate(args.hbm_mib)?;
-    let mut gpu_upload0 = (0, 0.0, 0);
+    let mut gpu_upload0 = (0, 0.0, 0, 0.0);
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
         deltafin_runtime::membw::ReadBuffer::new(
             (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
@@ -395,6 +402,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         gpu_expert_uploaded_bytes: gpu_upload.0 - gpu_upload0.0,
         gpu_expert_upload_s: gpu_upload.1 - gpu_upload0.1,
         gpu_expert_direct_bytes: gpu_upload.2 - gpu_upload0.2,
+        gpu_expert_upload_dma_s: gpu_upload.3 - gpu_upload0.3,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

@@ -48,6 +48,10 @@ pub struct EngineArgs {
     /// default 8192].
     #[arg(long)]
     pub context: Option<usize>,
+    /// Expert reads in flight (reader threads): more for several NVMe drives or a fast array [K3_READ_THREADS;
+    /// default 4].
+    #[arg(long)]
+    pub read_threads: Option<usize>,
 }
 
 /// `on`/`off` (also `1`/`0`, `true`/`false`).
@@ -84,6 +88,7 @@ impl EngineArgs {
             "K3_EXPERT_INPUT" => self.expert_input.is_some(),
             "K3_PREFILL_CHUNK" => self.prefill_chunk.is_some(),
             "K3_CONTEXT" => self.context.is_some(),
+            "K3_READ_THREADS" => self.read_threads.is_some(),
             "K3_DEV" => dev.is_some(),
             "K3_VRAM_GB" => self.vram_gb.is_some(),
             "K3_GPU_LAYERS" => self.gpu_layers.is_some(),
@@ -117,6 +122,10 @@ impl EngineArgs {
         if let Some(n) = self.context {
             anyhow::ensure!(n > 0, "--context must be at least 1");
             o.context = n;
+        }
+        if let Some(n) = self.read_threads {
+            anyhow::ensure!(n > 0, "--read-threads must be at least 1");
+            o.read_threads = Some(n);
         }
         if let Some(gb) = self.vram_gb {
             anyhow::ensure!(

@@ -236,14 +236,17 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
     if let Some(g) = engine.expert_cache_stats() {
         eprintln!(
             "GPU experts          {} hits, {} misses ({:.1}% hit rate); {:.1} MB/token uploaded ({:.0}% straight from \
-             page-locked read buffers), helper {:.4} s/token (reads, staging copies, queued uploads: {:.1} GB/s)",
+             page-locked read buffers), helper {:.4} s/token (reads, staging copies, queued uploads: {:.1} GB/s), DMA \
+             {:.4} s/token ({:.1} GB/s)",
             g.hits,
             g.misses,
             100.0 * g.hit_rate(),
             g.uploaded_bytes as f64 / 1e6 / tokens,
             100.0 * g.uploaded_direct_bytes as f64 / g.uploaded_bytes.max(1) as f64,
             g.upload_secs / tokens,
-            g.uploaded_bytes as f64 / 1e9 / g.upload_secs.max(1e-9)
+            g.uploaded_bytes as f64 / 1e9 / g.upload_secs.max(1e-9),
+            g.upload_dma_secs / tokens,
+            g.uploaded_bytes as f64 / 1e9 / g.upload_dma_secs.max(1e-9)
         );
     }
     eprintln!(

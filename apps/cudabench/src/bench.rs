@@ -24,7 +24,11 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// [`median_event_ms`] for closures that answer `anyhow` errors.
-pub(crate) fn time_ms(gpu: &Gpu, reps: usize, f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+pub(crate) fn time_ms(
+    gpu: &Gpu,
+    reps: usize,
+    f: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
     median_event_ms(gpu, reps, f)
 }
 

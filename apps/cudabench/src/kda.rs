@@ -25,7 +25,9 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
     let c = HEADS * D;
     let state_bytes = HEADS * D * D * 4;
     let copy = copy_times(&gpu, state_bytes, reps)?;
-    let mut rand = |n: usize, lo: f32, hi: f32| -> Vec<f32> { (0..n).map(|_| rng.random_range(lo..hi)).collect() };
+    let mut rand = |n: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(lo..hi)).collect()
+    };
     let taps = gpu.upload(&rand(3 * c * KERN, -0.5, 0.5))?;
     let win = gpu.upload(&rand(3 * (KERN - 1) * c, -1.0, 1.0))?;
     let f_b: Vec<u16> = rand(c * RANK, -0.1, 0.1)
@@ -54,7 +56,14 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
         let mut g = gpu.zeros::<f32>(t * c)?;
         let mut beta = gpu.zeros::<f32>(t * HEADS)?;
         let mut out = gpu.zeros::<f32>(t * c)?;
-        let (one, rank, t_i, h_i, d_i, k_i) = (1i32, RANK as i32, t as i32, HEADS as i32, D as i32, KERN as i32);
+        let (one, rank, t_i, h_i, d_i, k_i) = (
+            1i32,
+            RANK as i32,
+            t as i32,
+            HEADS as i32,
+            D as i32,
+            KERN as i32,
+        );
         let (lb, eps) = (-5.0f32, 1e-5f32);
         let cfg = LaunchConfig {
             grid_dim: (HEADS as u32, 1, 1),
@@ -103,7 +112,13 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
         let bound_us = moved as f64 / copy.rate() * 1e6;
         // FNV-1a over the bits of every output, so two builds of the kernel can be compared bit for bit.
         let mut hash = 0xcbf2_9ce4_8422_2325u64;
-        for x in [gpu.download(&out)?, gpu.download(&state_out)?, gpu.download(&new_win)?].concat() {
+        for x in [
+            gpu.download(&out)?,
+            gpu.download(&state_out)?,
+            gpu.download(&new_win)?,
+        ]
+        .concat()
+        {
             hash = (hash ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3);
         }
         println!(

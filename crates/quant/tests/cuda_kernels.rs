@@ -519,7 +519,10 @@ fn copy_rate_probe_copies_and_refuses_empty_copies() {
     // The link: between 1 GB/s and 1 TB/s (PCIe and NVLink-C2C hosts alike); nothing to copy is refused.
     let link = pinned_upload_rate(&gpu, 16 << 20, 3).expect("upload rate");
     assert!((1e9..1e12).contains(&link), "upload rate {link} B/s");
-    assert!(matches!(pinned_upload_rate(&gpu, 0, 1), Err(QuantError::Cuda(_))));
+    assert!(matches!(
+        pinned_upload_rate(&gpu, 0, 1),
+        Err(QuantError::Cuda(_))
+    ));
 }
 
 /// A host range page-locked in place: `is_pinned` answers for ranges inside it only, a copy out of it lands intact

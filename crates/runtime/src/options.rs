@@ -57,6 +57,7 @@ pub const ENGINE_VARS: &[&str] = &[
     "K3_EXPERT_INPUT",
     "K3_PREFILL_CHUNK",
     "K3_CONTEXT",
+    "K3_READ_THREADS",
     "K3_DEV",
     "K3_GPU_CACHE_GB",
     "K3_VRAM_GB",
@@ -76,7 +77,8 @@ pub struct EngineOptions {
     pub ram_gb: Option<f64>,
     /// Which decoder layers stay in RAM (`K3_PIN_LAYERS`, default `auto`); the others are streamed.
     pub pin_layers: PinLayers,
-    /// Reader threads (reads in flight) for expert spans; `None` means the read pool's default.
+    /// Reader threads (reads in flight) for expert spans (`K3_READ_THREADS`); `None` means the read pool's
+    /// default (4: enough for one NVMe drive).
     pub read_threads: Option<usize>,
     /// Look-ahead prefetch of the next MoE layer's guessed experts (`K3_PREFETCH`, default off).
     pub prefetch: bool,
@@ -154,6 +156,9 @@ impl EngineOptions {
         }
         if let Some(v) = var("K3_CONTEXT") {
             o.context = parse_count("K3_CONTEXT", &v)?;
+        }
+        if let Some(v) = var("K3_READ_THREADS") {
+            o.read_threads = Some(parse_count("K3_READ_THREADS", &v)?);
         }
         if let Some(v) = var("K3_DEV") {
             o.device.pref = v
@@ -305,6 +310,7 @@ mod tests {
         assert_eq!(o.spine, SpineMode::Auto);
         assert_eq!(o.prefill_chunk, PrefillChunk::Auto);
         assert_eq!(o.context, DEFAULT_CONTEXT);
+        assert_eq!(o.read_threads, None);
         assert_eq!(o.device.pref, DevicePref::Cpu);
         assert!(!o.prefetch);
     }
@@ -319,6 +325,7 @@ mod tests {
             ("K3_EXPERT_INPUT", "i16"),
             ("K3_PREFILL_CHUNK", "128"),
             ("K3_CONTEXT", "4096"),
+            ("K3_READ_THREADS", "8"),
             ("K3_DEV", "auto"),
             ("K3_GPU_CACHE_GB", "2"),
             ("K3_VRAM_GB", "24"),
@@ -332,6 +339,7 @@ mod tests {
         assert_eq!(o.expert_input, ExpertInput::I16);
         assert_eq!(o.prefill_chunk, PrefillChunk::Tokens(128));
         assert_eq!(o.context, 4096);
+        assert_eq!(o.read_threads, Some(8));
         assert_eq!(o.device.pref, DevicePref::Auto);
         assert_eq!(o.device.gpu_cache_bytes, Some(2 << 30));
         assert_eq!(o.device.vram_bytes, Some(24 << 30));
@@ -349,6 +357,7 @@ mod tests {
             ("K3_EXPERT_INPUT", "f64"),
             ("K3_PREFILL_CHUNK", "0"),
             ("K3_CONTEXT", "x"),
+            ("K3_READ_THREADS", "0"),
             ("K3_DEV", "metal"),
             ("K3_GPU_CACHE_GB", "nan"),
             ("K3_VRAM_GB", "-3"),

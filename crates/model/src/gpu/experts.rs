@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use deltafin_quant::cuda::moe::{self, ExpertPtrs, MoeShape, SlotRef};
-use deltafin_quant::cuda::{Gpu, device_address};
+use deltafin_quant::cuda::{Gpu, StreamTimer, device_address};
 use rayon::prelude::*;
 
 use super::cuda_err;
@@ -54,6 +54,9 @@ pub struct ExpertCacheStats {
     pub uploaded_direct_bytes: u64,
     /// Wall time of the upload helper (host reads, staging copies and queued DMA), summed.
     pub upload_secs: f64,
+    /// The upload stream's own time for the experts' copies (device events around each expert's copies), summed:
+    /// the DMA alone, without the waits for reads between copies.
+    pub upload_dma_secs: f64,
 }
 
 impl ExpertCacheStats {
@@ -84,6 +87,8 @@ struct CacheState {
     tick: u64,
     lookups: u64,
     staging: Vec<Staging>,
+    /// Event pairs timing each expert's copies on the upload stream, reused from call to call.
+    dma_timers: Vec<StreamTimer>,
     stats: ExpertCacheStats,
 }
 
@@ -140,6 +145,8 @@ impl std::fmt::Debug for GpuExperts {
 struct Uploaded {
     done: Option<CudaEvent>,
     bytes: u64,
+    /// Timers of `dma_timers` used (the first ones), one per expert.
+    timed: usize,
     /// Bytes that went up without a staging copy.
     direct_bytes: u64,
     /// The experts whose copies read their host bytes in place.
@@ -306,6 +313,8 @@ impl GpuExperts {
         // Experts uploaded in place stay held until the download below has waited for every kernel (and so for
         // every upload the kernels waited for).
         let mut holds = Vec::new();
+        // DMA timers used so far in this call.
+        let mut timed = 0usize;
         for chunk in ids.chunks(capacity) {
             // Slots for this chunk: hits first, then room for the misses.
             let mut slots = Vec::with_capacity(chunk.len());
@@ -342,8 +351,10 @@ impl GpuExperts {
                 .as_mut()
                 .ok_or_else(|| ModelError::Device("gpu expert cache pool missing".to_string()))?;
             let staging = &mut state.staging;
+            let timers = &mut state.dma_timers;
             let (uploaded, overlap_result) = std::thread::scope(|scope| {
-                let helper = scope.spawn(|| self.upload(layer, &misses, source, pool, staging));
+                let helper = scope
+                    .spawn(|| self.upload(layer, &misses, source, pool, staging, timers, timed));
                 let o = overlap.take().map(|f| f());
                 let u = helper.join().unwrap_or_else(|_| {
                     Err(ModelError::Device(
@@ -387,6 +398,7 @@ impl GpuExperts {
                     .map_err(|e| ModelError::Device(format!("cuda: waiting for uploads: {e}")))?;
             }
             holds.push(uploaded.held);
+            timed += uploaded.timed;
             let pool = st
                 .pool
                 .as_ref()
@@ -410,6 +422,11 @@ impl GpuExperts {
         let out = moe::combine(gpu, &y, &tok_pair, &tok_w, t_len, k, width).map_err(cuda_err)?;
         let mut combined = gpu.download(&out).map_err(cuda_err)?;
         drop(holds);
+        let mut dma = 0.0;
+        for t in &st.dma_timers[..timed] {
+            dma += t.elapsed().map_err(cuda_err)?.as_secs_f64();
+        }
+        st.stats.upload_dma_secs += dma;
         combined.truncate(t_len * width);
         drop(st);
         let overlap_out = match (overlap_out, overlap) {
@@ -443,6 +460,8 @@ impl GpuExperts {
         source: &dyn ExpertSource,
         pool: &mut CudaSlice<u8>,
         staging: &mut [Staging],
+        timers: &mut Vec<StreamTimer>,
+        first_timer: usize,
     ) -> Result<Option<Uploaded>> {
         let gpu = &self.gpu;
         let copy = gpu.copy_stream();
@@ -454,6 +473,7 @@ impl GpuExperts {
             return Ok(Some(Uploaded {
                 done: None,
                 bytes: 0,
+                timed: 0,
                 direct_bytes: 0,
                 held,
             }));
@@ -466,6 +486,7 @@ impl GpuExperts {
         let mut bytes = 0u64;
         let mut direct_bytes = 0u64;
         let mut staged = 0usize;
+        let mut timed = 0usize;
         let mut mxfp4 = true;
         // Each expert goes into a staging buffer and up as soon as its read lands, while the source reads the next.
         source.for_each_expert(layer, &ids, &mut |ready| {
@@ -494,8 +515,14 @@ impl GpuExperts {
                     }
                 }
                 let off = slot * self.slot_bytes;
+                while timers.len() <= first_timer + timed {
+                    timers.push(StreamTimer::new(gpu).map_err(cuda_err)?);
+                }
+                let timer = &timers[first_timer + timed];
+                timed += 1;
                 if gpu.is_pinned(&p.bytes) {
                     // Straight from the read buffer, in as few copies as the layouts allow.
+                    timer.start_on(copy).map_err(cuda_err)?;
                     for (k, len) in self.contiguous_runs(&p.parts) {
                         let src = &p.bytes[p.parts[k].start..p.parts[k].start + len];
                         let dst = off + self.offsets[k];
@@ -503,6 +530,7 @@ impl GpuExperts {
                         copy.memcpy_htod(src, &mut view)
                             .map_err(|err| dev_err("expert upload", err))?;
                     }
+                    timer.stop_on(copy).map_err(cuda_err)?;
                     held.held.push(Arc::clone(&w));
                     bytes += self.slot_bytes as u64;
                     direct_bytes += self.slot_bytes as u64;
@@ -536,8 +564,10 @@ impl GpuExperts {
                     .into_par_iter()
                     .for_each(|(s, d)| d.copy_from_slice(s));
                 let mut view = pool.slice_mut(off..off + self.slot_bytes);
+                timer.start_on(copy).map_err(cuda_err)?;
                 copy.memcpy_htod(&stage.buf, &mut view)
                     .map_err(|err| dev_err("expert upload", err))?;
+                timer.stop_on(copy).map_err(cuda_err)?;
                 stage.done = Some(
                     copy.record_event(None)
                         .map_err(|err| dev_err("recording an upload", err))?,
@@ -555,6 +585,7 @@ impl GpuExperts {
         Ok(Some(Uploaded {
             done: Some(done),
             bytes,
+            timed,
             direct_bytes,
             held,
         }))

@@ -131,8 +131,8 @@ pub fn pinned_upload_rate(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
         .enumerate()
         .for_each(|(i, b)| *b = (i.wrapping_mul(31) >> 3) as u8);
     // SAFETY: written by the copies below before anything reads it (nothing does).
-    let mut dev = unsafe { stream.alloc::<u8>(bytes) }
-        .map_err(|e| driver_err("device allocation", e))?;
+    let mut dev =
+        unsafe { stream.alloc::<u8>(bytes) }.map_err(|e| driver_err("device allocation", e))?;
     let event_err = |e| driver_err("timing event", e);
     let ctx = gpu.context();
     let mut times = Vec::with_capacity(reps.max(1));

@@ -260,7 +260,9 @@ impl Gpu {
             None => 1,
         };
         let unified = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING,
+            )
             .map_err(|e| driver_err("reading unified addressing", e))?
             == 1;
         let stream = ctx
@@ -424,6 +426,20 @@ impl StreamTimer {
     pub fn stop(&self, gpu: &Gpu) -> Result<()> {
         self.end
             .record(&gpu.stream)
+            .map_err(|e| driver_err("recording an event", e))
+    }
+
+    /// Marks where timed work starts on `stream` (another stream than the compute stream: the upload stream).
+    pub fn start_on(&self, stream: &CudaStream) -> Result<()> {
+        self.start
+            .record(stream)
+            .map_err(|e| driver_err("recording an event", e))
+    }
+
+    /// Marks where the work timed from [`Self::start_on`] ends on the same `stream`.
+    pub fn stop_on(&self, stream: &CudaStream) -> Result<()> {
+        self.end
+            .record(stream)
             .map_err(|e| driver_err("recording an event", e))
     }
 

@@ -12,7 +12,9 @@
 use std::ops::Range;
 use std::sync::MutexGuard;
 
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
 
 use super::{Gpu, driver_err};
 use crate::error::{QuantError, Result};
