@@ -127,6 +127,42 @@ fn k3_tiny_a_cuda_matches_cpu() {
     check("k3/k3-tiny-a");
 }
 
+/// Look-ahead prefetch on the GPU path: the next layer's guessed experts are read while this layer uploads, the
+/// guesses are recorded, and decoding gives the CPU's greedy tokens.
+#[test]
+fn prefetch_on_gpu_matches_cpu() {
+    let dir = fixture("k3/k3-tiny-a");
+    let prompt = Golden::load(&dir)
+        .expect("golden")
+        .ids("greedy_prompt")
+        .expect("prompt");
+    let opts = GreedyOptions {
+        max_new: 16,
+        ignore_eos: true,
+    };
+    let cpu = open(&dir, DevicePref::Cpu, None, false);
+    let want = cpu
+        .session()
+        .generate_greedy(&prompt, opts, |_| true)
+        .expect("cpu greedy");
+    let mut o = EngineOptions::default()
+        .with_device(DevicePref::Cuda)
+        .with_prefetch(true);
+    o.device.gpu_layers = None;
+    let gpu = Engine::open(&dir, o).expect("fixture opens");
+    let got = gpu
+        .session()
+        .generate_greedy(&prompt, opts, |_| true)
+        .expect("cuda greedy");
+    assert_eq!(got, want, "greedy tokens with prefetch on the GPU");
+    let pf = gpu.expert_stats().prefetch.expect("prefetch is on");
+    eprintln!("prefetch on the GPU: {pf:?}");
+    assert!(
+        pf.guesses > 0 && pf.wanted > 0,
+        "no guesses were made: {pf:?}"
+    );
+}
+
 /// Experts uploaded through the staging copy (pageable read buffers) give the same logits as those uploaded in place.
 #[test]
 fn staged_expert_uploads_match_cpu() {

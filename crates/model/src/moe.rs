@@ -195,7 +195,7 @@ impl Moe {
         let routing_from = Instant::now();
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
-            && let Some(y) = self.forward_gpu(g, x, experts)?
+            && let Some(y) = self.forward_gpu(g, x, experts, next)?
         {
             return Ok(y);
         }
@@ -298,13 +298,16 @@ impl Moe {
     }
 
     /// The GPU path: routed experts through the device expert cache and the MXFP4 kernels, with the shared
-    /// experts computed while missing experts upload. `None` when the experts are not MXFP4.
+    /// experts computed while missing experts upload. When the source wants guesses, the next MoE layer's guess is
+    /// handed over after the shared experts, by which time the upload helper has long asked for this layer's
+    /// experts (its first step), so the guessed reads queue behind them. `None` when the experts are not MXFP4.
     #[cfg(feature = "cuda")]
     fn forward_gpu(
         &self,
         g: &crate::gpu::GpuExperts,
         x: &Tensor,
         experts: &dyn crate::weights::ExpertSource,
+        next: Option<&Moe>,
     ) -> Result<Option<Tensor>> {
         let routes = self.route(x)?;
         let t_len = routes.len();
@@ -312,7 +315,15 @@ impl Moe {
             Some(l) => linear(x, &l.down)?,
             None => x.clone(),
         };
-        let shared = || self.shared.as_ref().map(|s| s.forward(x)).transpose();
+        let shared = || {
+            let s = self.shared.as_ref().map(|s| s.forward(x)).transpose()?;
+            if let Some(next) = next
+                && experts.wants_prefetch()
+            {
+                experts.prefetch(next.layer, &next.guess(x)?)?;
+            }
+            Ok(s)
+        };
         let Some((combined, shared)) = g.run(self.layer, &values(&z)?, &routes, experts, shared)?
         else {
             return Ok(None);

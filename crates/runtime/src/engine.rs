@@ -210,11 +210,26 @@ impl Engine {
             true,
         );
         tracing::info!("memory budget {plan}");
-        let cache_budget = plan.expert_cache;
-        // On a GPU the expert read buffers are page-locked, so experts go up straight from where they were read.
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut cache_budget = plan.expert_cache;
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = model.gpu().filter(|_| !options.device.stage_expert_uploads) {
-            pool.buffer_hook = Some(Arc::new(crate::gpu_pins::GpuPins::new(gpu)));
+        if let Some(gpu) = model.gpu() {
+            // The plan charged the layers it pins as host memory; those the GPU holds freed their host values
+            // once uploaded, so their share goes to the RAM expert cache (which feeds the GPU's uploads).
+            let freed: u64 = (0..n_layers)
+                .filter(|&l| plan.resident[l] && !streamed.contains(&l))
+                .map(|l| layer_bytes[l])
+                .sum();
+            cache_budget += freed;
+            tracing::info!(
+                "{:.2} GiB of pinned layers live on the GPU; the RAM expert cache gets them: {:.2} GiB",
+                freed as f64 / GIB,
+                cache_budget as f64 / GIB
+            );
+            // The expert read buffers are page-locked, so experts go up straight from where they were read.
+            if !options.device.stage_expert_uploads {
+                pool.buffer_hook = Some(Arc::new(crate::gpu_pins::GpuPins::new(gpu)));
+            }
         }
         let reader = SpanReader::new(&files, stream, &pool, true)?;
         let mut hasher = crc32fast::Hasher::new();

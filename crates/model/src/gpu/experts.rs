@@ -141,6 +141,15 @@ impl std::fmt::Debug for GpuExperts {
     }
 }
 
+/// Where the upload helper puts experts: the cache's slots, the staging buffers, and the DMA timers from
+/// `first_timer` on (those before it time this call's earlier chunks).
+struct UploadTargets<'a> {
+    pool: &'a mut CudaSlice<u8>,
+    staging: &'a mut [Staging],
+    timers: &'a mut Vec<StreamTimer>,
+    first_timer: usize,
+}
+
 /// What the upload helper hands back.
 struct Uploaded {
     done: Option<CudaEvent>,
@@ -353,8 +362,13 @@ impl GpuExperts {
             let staging = &mut state.staging;
             let timers = &mut state.dma_timers;
             let (uploaded, overlap_result) = std::thread::scope(|scope| {
-                let helper = scope
-                    .spawn(|| self.upload(layer, &misses, source, pool, staging, timers, timed));
+                let to = UploadTargets {
+                    pool,
+                    staging,
+                    timers,
+                    first_timer: timed,
+                };
+                let helper = scope.spawn(|| self.upload(layer, &misses, source, to));
                 let o = overlap.take().map(|f| f());
                 let u = helper.join().unwrap_or_else(|_| {
                     Err(ModelError::Device(
@@ -458,11 +472,14 @@ impl GpuExperts {
         layer: usize,
         misses: &[(usize, usize)],
         source: &dyn ExpertSource,
-        pool: &mut CudaSlice<u8>,
-        staging: &mut [Staging],
-        timers: &mut Vec<StreamTimer>,
-        first_timer: usize,
+        to: UploadTargets<'_>,
     ) -> Result<Option<Uploaded>> {
+        let UploadTargets {
+            pool,
+            staging,
+            timers,
+            first_timer,
+        } = to;
         let gpu = &self.gpu;
         let copy = gpu.copy_stream();
         let mut held = DmaHold {
