@@ -91,6 +91,7 @@ impl LayerReader {
                 threads: SPINE_READ_THREADS,
                 max_idle_buffers: SPINE_IDLE_BUFFERS,
                 buffer_hook: None,
+                piece_bytes: deltafin_storage::PIECE_BYTES,
             })?,
             shards: open(files)?,
             int8: match int8 {

@@ -1,11 +1,13 @@
 //! Read-pool throughput on expert-sized spans at random offsets of a large file, for
 //! `scripts/bench-read-pool.sh` (which runs fio on the same file for comparison).
 //!
-//! `read_pool_bench FILE SPAN_LEN THREADS SECONDS [MODE]`: MODE `stream` (default) keeps 2 × THREADS reads
-//! queued, like fio's constant queue depth; `layer` submits batches of 16 spans (a K3 layer's experts)
+//! `read_pool_bench FILE SPAN_LEN THREADS SECONDS [MODE [PIECE_BYTES]]`: MODE `stream` (default) keeps 2 × THREADS
+//! reads queued, like fio's constant queue depth; `layer` submits batches of 16 spans (a K3 layer's experts)
 //! and waits for each batch. Offsets are random and not aligned (real expert spans are not), so every
-//! read covers up to one extra 4 KiB block; only span bytes are counted. Prints one line:
-//! `GB/s=<x> reads=<n> bytes=<n> direct=<bool>`.
+//! read covers up to one extra 4 KiB block; only span bytes are counted. PIECE_BYTES (default 0: whole spans, one
+//! request each, like fio's reads) splits spans over the workers as the engine does. Prints one line:
+//! `GB/s=<x> reads=<n> bytes=<n> direct=<bool>`, in `layer` mode also the mean time from a batch's submission to its
+//! first span and to its last.
 
 use std::sync::Arc;
 use std::sync::mpsc::channel;
@@ -19,13 +21,17 @@ const LAYER_BATCH: usize = 16;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.len() < 4 {
-        return Err("usage: read_pool_bench FILE SPAN_LEN THREADS SECONDS [stream|layer]".into());
+        return Err(
+            "usage: read_pool_bench FILE SPAN_LEN THREADS SECONDS [stream|layer [PIECE_BYTES]]"
+                .into(),
+        );
     }
     let path = std::path::PathBuf::from(&args[0]);
     let span: u64 = args[1].parse()?;
     let threads: usize = args[2].parse()?;
     let seconds: f64 = args[3].parse()?;
     let layer_mode = args.get(4).is_some_and(|m| m == "layer");
+    let piece_bytes: usize = args.get(5).map_or(Ok(0), |p| p.parse())?;
     let file = Arc::new(PoolFile::open(&path, true)?);
     let file_len = std::fs::metadata(&path)?.len();
     if file_len <= span {
@@ -35,6 +41,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         threads,
         max_idle_buffers: 2 * threads + LAYER_BATCH,
         buffer_hook: None,
+        piece_bytes,
     })?;
     let mut seed = 0x2545_f491_4f6c_dd1du64 ^ std::process::id() as u64;
     let mut next_offset = || {
@@ -54,15 +61,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let start = Instant::now();
     let mut bytes = 0u64;
     let mut reads = 0u64;
+    let (mut first_s, mut last_s, mut batches) = (0.0, 0.0, 0u32);
     if layer_mode {
         while start.elapsed() < limit {
             let batch = (0..LAYER_BATCH)
                 .map(|t| request(t, next_offset()))
                 .collect();
-            for done in pool.submit(batch) {
+            let submitted = Instant::now();
+            for (i, done) in pool.submit(batch).enumerate() {
                 bytes += done.result?.len() as u64;
                 reads += 1;
+                if i == 0 {
+                    first_s += submitted.elapsed().as_secs_f64();
+                }
             }
+            last_s += submitted.elapsed().as_secs_f64();
+            batches += 1;
         }
     } else {
         let (tx, rx) = channel();
@@ -81,10 +95,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    println!(
+    print!(
         "GB/s={:.3} reads={reads} bytes={bytes} direct={}",
         bytes as f64 / secs / 1e9,
         file.is_direct()
     );
+    if batches > 0 {
+        let n = f64::from(batches);
+        print!(
+            " first_ms={:.2} last_ms={:.2}",
+            first_s / n * 1e3,
+            last_s / n * 1e3
+        );
+    }
+    println!();
     Ok(())
 }

@@ -36,8 +36,8 @@ pub use error::{Result, StorageError};
 pub use experts::{ExpertFormat, ExpertMap, ExpertPart, ExpertSpan};
 pub use files::{ModelFiles, ShardInfo, TensorInfo};
 pub use read_pool::{
-    Batch, BufferHook, DIRECT_ALIGN, PoolFile, PooledBuf, ReadPool, ReadPoolOptions, ReadRequest,
-    ReadStats, SpanBytes, SpanRead,
+    Batch, BufferHook, DIRECT_ALIGN, PIECE_BYTES, PoolFile, PooledBuf, ReadPool, ReadPoolOptions,
+    ReadRequest, ReadStats, SpanBytes, SpanRead,
 };
 pub use read_rate::expert_spans_read_rate;
 pub use remote::{DEFAULT_ENDPOINT, Hub, HubClient, HubOptions, RangeBody, RepoRef, Secret};

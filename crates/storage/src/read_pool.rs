@@ -8,7 +8,9 @@
 //! to ordinary reads. On macOS `F_NOCACHE` asks for the same thing on an ordinary descriptor.
 //!
 //! A layer's experts are submitted as one batch ([`ReadPool::submit`]) and come back on a channel as
-//! each read finishes, so the caller can start on the first expert while the others are in flight.
+//! each read finishes, so the caller can start on the first expert while the others are in flight. A span longer than
+//! two pieces ([`ReadPoolOptions::piece_bytes`]) is read in pieces by several workers at once (`pieces`), so the
+//! spans of a batch land one after another, each sooner, instead of together after one worker's whole read.
 //! I/O buffers are kept in a free list and reused: a [`PooledBuf`] goes back to the list when dropped. A
 //! [`BufferHook`] hears of every buffer mapped and unmapped (a GPU page-locks them, so its DMA engine reads experts
 //! straight out of the buffers they were read into).
@@ -29,9 +31,15 @@ use std::time::{Duration, Instant};
 use crate::error::{Result, StorageError};
 use crate::pread::read_exact_at;
 
+mod pieces;
+
 /// Alignment of buffer addresses, file offsets and lengths for direct I/O. 4096 covers every logical
 /// block size in use (512-byte and 4K-native disks alike).
 pub const DIRECT_ALIGN: u64 = 4096;
+
+/// Default bytes per piece of a span read by several workers (see [`ReadPoolOptions::piece_bytes`]): large enough
+/// for a disk's full rate per request, small enough that a K3 expert (17.5 MB) is five pieces.
+pub const PIECE_BYTES: usize = 4 << 20;
 
 /// Buffers grow in steps of this many bytes, so spans of slightly different lengths share buffers.
 const BUF_GRANULE: usize = 2 << 20;
@@ -441,10 +449,18 @@ struct Counters {
     wait_ns: AtomicU64,
 }
 
-/// A queued read with the channel its completion goes to.
-struct Job {
-    req: ReadRequest,
-    reply: Sender<SpanRead>,
+/// A queued read.
+enum Job {
+    /// A whole span, read by one worker; its completion goes to `reply`.
+    Whole {
+        req: ReadRequest,
+        reply: Sender<SpanRead>,
+    },
+    /// Piece `index` of a span read by several workers.
+    Piece {
+        split: Arc<pieces::Split>,
+        index: usize,
+    },
 }
 
 struct Queue {
@@ -456,6 +472,8 @@ struct Shared {
     queue: Queue,
     buffers: Arc<BufferPool>,
     counters: Counters,
+    /// Bytes per piece of a split span (0: spans are read whole).
+    piece_bytes: usize,
 }
 
 /// Options of [`ReadPool::new`].
@@ -467,6 +485,9 @@ pub struct ReadPoolOptions {
     pub max_idle_buffers: usize,
     /// Told of every buffer mapped and unmapped (none by default).
     pub buffer_hook: Option<Arc<dyn BufferHook>>,
+    /// A span of at least two pieces of this many bytes (rounded up to [`DIRECT_ALIGN`]) is read in pieces by
+    /// several workers at once; 0 reads every span whole. Default [`PIECE_BYTES`].
+    pub piece_bytes: usize,
 }
 
 impl Default for ReadPoolOptions {
@@ -477,6 +498,7 @@ impl Default for ReadPoolOptions {
             threads: 4,
             max_idle_buffers: 24,
             buffer_hook: None,
+            piece_bytes: PIECE_BYTES,
         }
     }
 }
@@ -510,6 +532,7 @@ impl ReadPool {
                 hook: options.buffer_hook.clone(),
             }),
             counters: Counters::default(),
+            piece_bytes: options.piece_bytes,
         });
         let mut workers = Vec::new();
         for i in 0..options.threads.max(1) {
@@ -530,10 +553,20 @@ impl ReadPool {
     pub fn submit_to(&self, requests: Vec<ReadRequest>, reply: &Sender<SpanRead>) {
         let mut jobs = lock(&self.shared.queue.jobs);
         for req in requests {
-            jobs.0.push_back(Job {
-                req,
-                reply: reply.clone(),
-            });
+            match pieces::Split::plan(&req, self.shared.piece_bytes, reply) {
+                Some(split) => {
+                    for index in 0..split.pieces() {
+                        jobs.0.push_back(Job::Piece {
+                            split: Arc::clone(&split),
+                            index,
+                        });
+                    }
+                }
+                None => jobs.0.push_back(Job::Whole {
+                    req,
+                    reply: reply.clone(),
+                }),
+            }
         }
         drop(jobs);
         self.shared.queue.ready.notify_all();
@@ -629,13 +662,18 @@ fn worker(shared: &Shared) {
                     .unwrap_or_else(|e| e.into_inner());
             }
         };
-        let result = read_span(shared, &job.req);
-        // The caller may have given up on the batch (an earlier error); the buffer then just returns
-        // to the pool when the completion is dropped.
-        let _ = job.reply.send(SpanRead {
-            tag: job.req.tag,
-            result,
-        });
+        match job {
+            Job::Whole { req, reply } => {
+                let result = read_span(shared, &req);
+                // The caller may have given up on the batch (an earlier error); the buffer then just returns
+                // to the pool when the completion is dropped.
+                let _ = reply.send(SpanRead {
+                    tag: req.tag,
+                    result,
+                });
+            }
+            Job::Piece { split, index } => split.read_piece(shared, index),
+        }
     }
 }
 
@@ -668,12 +706,7 @@ fn read_span(shared: &Shared, req: &ReadRequest) -> Result<SpanBytes> {
                     Some((buf, head))
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                    if !req.file.direct_refused.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(
-                            path = %req.file.path.display(),
-                            "direct read refused (EINVAL); reading this file through the page cache"
-                        );
-                    }
+                    refuse_direct(&req.file);
                     shared.buffers.give_back(buf);
                     None
                 }
@@ -702,6 +735,30 @@ fn read_span(shared: &Shared, req: &ReadRequest) -> Result<SpanBytes> {
             (buf, 0)
         }
     };
+    finish_span(shared, req, buf, start, len)
+}
+
+/// Marks `file`'s direct handle refused (`EINVAL` at a read): every later read of it goes through the page cache.
+/// Said once per file.
+fn refuse_direct(file: &PoolFile) {
+    if !file.direct_refused.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            path = %file.path.display(),
+            "direct read refused (EINVAL); reading this file through the page cache"
+        );
+    }
+}
+
+/// A span read into `buf` (`len` bytes from `start`): counted, checked against its CRC when the request carries one,
+/// and handed out.
+fn finish_span(
+    shared: &Shared,
+    req: &ReadRequest,
+    buf: AlignedBuf,
+    start: usize,
+    len: usize,
+) -> Result<SpanBytes> {
+    let c = &shared.counters;
     c.bytes.fetch_add(len as u64, Ordering::Relaxed);
     c.reads.fetch_add(1, Ordering::Relaxed);
     let bytes = PooledBuf {
@@ -736,10 +793,28 @@ fn read_direct(
 ) -> io::Result<()> {
     let align = DIRECT_ALIGN as usize;
     let head = (offset % DIRECT_ALIGN) as usize;
-    let start = offset - head as u64;
     let need = head + len;
     let aligned_len = need.div_ceil(align) * align;
-    let dst = &mut buf.as_mut_slice()[..aligned_len];
+    read_direct_into(
+        direct,
+        buffered,
+        &mut buf.as_mut_slice()[..aligned_len],
+        offset - head as u64,
+        need,
+    )
+}
+
+/// Reads `need` bytes at the aligned offset `start` through the direct handle into `dst` (aligned, `need` rounded up
+/// to [`DIRECT_ALIGN`] long). A short read that leaves the position unaligned (possible only at the end of a file) is
+/// finished through the buffered handle.
+fn read_direct_into(
+    direct: &File,
+    buffered: &File,
+    dst: &mut [u8],
+    start: u64,
+    need: usize,
+) -> io::Result<()> {
+    let align = DIRECT_ALIGN as usize;
     let mut done = 0usize;
     while done < need {
         if !done.is_multiple_of(align) {

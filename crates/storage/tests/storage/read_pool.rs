@@ -37,7 +37,9 @@ fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     path
 }
 
-fn check(direct: bool, name: &str) {
+/// Reads spans of a file through a pool of three workers (spans of two pieces or more split over them when
+/// `piece_bytes` is not 0) and compares every byte with the file, twice.
+fn check(direct: bool, name: &str, piece_bytes: usize) {
     // Odd length, so the last span ends off the 4096 grid.
     let data = noise(3 * 1024 * 1024 + 1234, 0x9e37_79b9_7f4a_7c15);
     let path = scratch_file(name, &data);
@@ -49,6 +51,7 @@ fn check(direct: bool, name: &str) {
         threads: 3,
         max_idle_buffers: 8,
         buffer_hook: None,
+        piece_bytes,
     })
     .expect("pool");
     let n = data.len() as u64;
@@ -106,12 +109,21 @@ fn check(direct: bool, name: &str) {
 
 #[test]
 fn direct_reads_match_buffered_reads() {
-    check(true, "direct.bin");
+    check(true, "direct.bin", 0);
 }
 
 #[test]
 fn buffered_reads_match() {
-    check(false, "buffered.bin");
+    check(false, "buffered.bin", 0);
+}
+
+/// Spans read in pieces by several workers give the same bytes: pieces of one page (spans of hundreds of pieces,
+/// unaligned starts and a tail that ends off the page grid) and of 1 MiB.
+#[test]
+fn spans_read_in_pieces_match() {
+    check(true, "pieces-4k.bin", 4096);
+    check(true, "pieces-1m.bin", 1 << 20);
+    check(false, "pieces-buffered.bin", 4096);
 }
 
 #[cfg(target_os = "linux")]
@@ -200,6 +212,7 @@ fn the_buffer_hook_hears_of_every_buffer() {
         threads: 2,
         max_idle_buffers: 1,
         buffer_hook: Some(hook.clone()),
+        piece_bytes: 64 << 10,
     })
     .expect("pool");
     let n = data.len() as u64;
@@ -266,22 +279,29 @@ fn crc_mismatch_is_reported() {
     let data = noise(10_000, 7);
     let path = scratch_file("crc.bin", &data);
     let file = Arc::new(PoolFile::open(&path, true).expect("open"));
-    let pool = ReadPool::new(&ReadPoolOptions::default()).expect("pool");
-    let good = crc32fast_like(&data[100..200]);
-    let req = |crc| ReadRequest {
-        tag: 0,
-        file: Arc::clone(&file),
-        offset: 100,
-        len: 100,
-        expect_crc: Some(crc),
-    };
-    let ok: Vec<_> = pool.submit(vec![req(good)]).collect();
-    assert!(ok[0].result.is_ok());
-    let bad: Vec<_> = pool.submit(vec![req(good ^ 1)]).collect();
-    assert!(matches!(
-        bad[0].result,
-        Err(StorageError::CorruptSpan { .. })
-    ));
+    // Whole, and in pieces of a page (the span is then three pieces).
+    for piece_bytes in [0, 4096] {
+        let pool = ReadPool::new(&ReadPoolOptions {
+            piece_bytes,
+            ..ReadPoolOptions::default()
+        })
+        .expect("pool");
+        let good = crc32fast_like(&data[100..9100]);
+        let req = |crc| ReadRequest {
+            tag: 0,
+            file: Arc::clone(&file),
+            offset: 100,
+            len: 9000,
+            expect_crc: Some(crc),
+        };
+        let ok: Vec<_> = pool.submit(vec![req(good)]).collect();
+        assert!(ok[0].result.is_ok(), "pieces of {piece_bytes}");
+        let bad: Vec<_> = pool.submit(vec![req(good ^ 1)]).collect();
+        assert!(
+            matches!(bad[0].result, Err(StorageError::CorruptSpan { .. })),
+            "pieces of {piece_bytes}"
+        );
+    }
     std::fs::remove_file(&path).expect("cleanup");
 }
 
