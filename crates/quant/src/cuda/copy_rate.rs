@@ -7,10 +7,9 @@
 
 use std::time::Instant;
 
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
-use super::{Gpu, driver_err};
+use super::{Gpu, StreamTimer, driver_err};
 use crate::error::{QuantError, Result};
 
 /// The warm-up before timed launches: long enough (~0.3 s of work) for the SM clock to leave its idle level.
@@ -23,29 +22,30 @@ pub fn median_event_ms<E: From<QuantError>>(
     reps: usize,
     mut f: impl FnMut() -> std::result::Result<(), E>,
 ) -> std::result::Result<f64, E> {
-    let event_err = |e| E::from(driver_err("timing event", e));
     let t = Instant::now();
     while t.elapsed().as_secs_f64() < WARM_UP_S {
         f()?;
         gpu.synchronize()?;
     }
-    let ctx = gpu.context();
     let mut times = Vec::with_capacity(reps.max(1));
     for _ in 0..reps.max(1) {
-        // Timing events: cudarc's `new_event(None)` disables timing.
-        let a = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(event_err)?;
-        let b = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(event_err)?;
-        a.record(gpu.stream()).map_err(event_err)?;
-        f()?;
-        b.record(gpu.stream()).map_err(event_err)?;
-        times.push(f64::from(a.elapsed_ms(&b).map_err(event_err)?));
+        times.push(event_ms(gpu, gpu.stream(), &mut f)?);
     }
     times.sort_by(f64::total_cmp);
     Ok(times[times.len() / 2])
+}
+
+/// The device time of the work `f` queues on `stream`, in milliseconds, between two events.
+fn event_ms<E: From<QuantError>>(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    f: &mut impl FnMut() -> std::result::Result<(), E>,
+) -> std::result::Result<f64, E> {
+    let timer = StreamTimer::new(gpu)?;
+    timer.start_on(stream)?;
+    f()?;
+    timer.stop_on(stream)?;
+    Ok(timer.elapsed()?.as_secs_f64() * 1e3)
 }
 
 /// A device-to-device copy of one buffer, timed two ways (medians of event-timed copies).
@@ -133,22 +133,13 @@ pub fn pinned_upload_rate(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
     // SAFETY: written by the copies below before anything reads it (nothing does).
     let mut dev =
         unsafe { stream.alloc::<u8>(bytes) }.map_err(|e| driver_err("device allocation", e))?;
-    let event_err = |e| driver_err("timing event", e);
-    let ctx = gpu.context();
     let mut times = Vec::with_capacity(reps.max(1));
     for i in 0..=reps.max(1) {
-        let a = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(event_err)?;
-        let b = ctx
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(event_err)?;
-        a.record(stream).map_err(event_err)?;
-        stream
-            .memcpy_htod(&host, &mut dev)
-            .map_err(|e| driver_err("pinned upload", e))?;
-        b.record(stream).map_err(event_err)?;
-        let ms = f64::from(a.elapsed_ms(&b).map_err(event_err)?);
+        let ms = event_ms(gpu, stream, &mut || {
+            stream
+                .memcpy_htod(&host, &mut dev)
+                .map_err(|e| driver_err("pinned upload", e))
+        })?;
         if i > 0 {
             times.push(ms);
         }

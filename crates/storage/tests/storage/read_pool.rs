@@ -27,6 +27,21 @@ fn noise(len: usize, mut seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// One request per `(offset, len)` of `spans`, tagged with its index.
+fn requests(file: &Arc<PoolFile>, spans: &[(u64, u64)]) -> Vec<ReadRequest> {
+    spans
+        .iter()
+        .enumerate()
+        .map(|(tag, &(offset, len))| ReadRequest {
+            tag,
+            file: Arc::clone(file),
+            offset,
+            len,
+            expect_crc: None,
+        })
+        .collect()
+}
+
 fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("read-pool");
     std::fs::create_dir_all(&dir).expect("scratch dir");
@@ -68,19 +83,9 @@ fn check(direct: bool, name: &str, piece_bytes: usize) {
     ];
     // Twice, so the second round reuses the first round's buffers.
     for round in 0..2 {
-        let requests = spans
-            .iter()
-            .enumerate()
-            .map(|(tag, &(offset, len))| ReadRequest {
-                tag,
-                file: Arc::clone(&file),
-                offset,
-                len,
-                expect_crc: None,
-            })
-            .collect();
+        let batch = requests(&file, &spans);
         let mut seen = 0;
-        for done in pool.submit(requests) {
+        for done in pool.submit(batch) {
             let (offset, len) = spans[done.tag];
             let bytes = done.result.expect("read");
             assert_eq!(bytes.len() as u64, len, "round {round} span {offset}+{len}");
@@ -219,19 +224,9 @@ fn the_buffer_hook_hears_of_every_buffer() {
     let spans = [(0, n), (5, 3 << 20 >> 1), (n - 1000, 1000), (4096, 4096)];
     let mut kept = Vec::new();
     for round in 0..3 {
-        let requests = spans
-            .iter()
-            .enumerate()
-            .map(|(tag, &(offset, len))| ReadRequest {
-                tag,
-                file: Arc::clone(&file),
-                offset,
-                len,
-                expect_crc: None,
-            })
-            .collect();
+        let batch = requests(&file, &spans);
         // Hold every read of a round, so the free list (one buffer) overflows when they come back.
-        let got: Vec<_> = pool.submit(requests).collect();
+        let got: Vec<_> = pool.submit(batch).collect();
         for done in got {
             let (offset, len) = spans[done.tag];
             let bytes = done.result.expect("read");
