@@ -103,6 +103,41 @@ fn every_command_reads_the_variables_and_a_flag_wins() {
     }
 }
 
+/// The expert reads in flight: `K3_READ_THREADS` is read (a bad value is an error naming it), `--read-threads` wins
+/// over it, and no reads in flight at all is refused.
+#[test]
+fn read_threads_come_from_the_flag_or_the_variable() {
+    let model = model();
+    let run = [
+        "run",
+        "--model",
+        &model,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new",
+        "1",
+        "--json",
+    ];
+    let out = deltafin(&run, &[("K3_READ_THREADS", "0")]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("K3_READ_THREADS"),
+        "{}",
+        stderr(&out)
+    );
+    let mut with_flag = run.to_vec();
+    with_flag.extend(["--read-threads", "2"]);
+    let out = deltafin(&with_flag, &[("K3_READ_THREADS", "0")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut zero = run.to_vec();
+    zero.extend(["--read-threads", "0"]);
+    let out = deltafin(&zero, &[]);
+    assert!(
+        !out.status.success() && stderr(&out).contains("--read-threads must be at least 1"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn the_device_flag_wins_over_k3_dev() {
     let model = model();
