@@ -6,7 +6,7 @@
 //! so that an expert costs exactly one read.
 //!
 //! Reading those spans fast is the [`ReadPool`]'s job (a fixed set of threads doing page-cache-bypassing
-//! positional reads into reused aligned buffers). A streaming install ([`StreamInstall`]) keeps shards as
+//! positional reads into reused aligned buffers, long spans in pieces over several threads). A streaming install ([`StreamInstall`]) keeps shards as
 //! sparse files plus a manifest of verified spans ([`SpanManifest`]) and fetches missing experts from the
 //! hub with one HTTP range request each ([`Hub`]); [`SpanReader`] serves either kind of install.
 //! [`install`] holds `setup` and `fetch-experts-all`, shared by `cargo xtask` and the CLI.
