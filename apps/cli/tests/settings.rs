@@ -108,55 +108,48 @@ fn every_command_reads_the_variables_and_a_flag_wins() {
 #[test]
 fn read_threads_come_from_the_flag_or_the_variable() {
     let model = model();
-    let run = [
-        "run",
-        "--model",
-        &model,
-        "--prompt-ids",
-        "1,2,3",
-        "--max-new",
-        "1",
-        "--json",
-    ];
-    let out = deltafin(&run, &[("K3_READ_THREADS", "0")]);
-    assert!(
-        !out.status.success() && stderr(&out).contains("K3_READ_THREADS"),
-        "{}",
-        stderr(&out)
+    let run = short_run(&model);
+    assert_fails_naming(
+        &deltafin(&run, &[("K3_READ_THREADS", "0")]),
+        "K3_READ_THREADS",
     );
-    let mut with_flag = run.to_vec();
+    let mut with_flag = run.clone();
     with_flag.extend(["--read-threads", "2"]);
     let out = deltafin(&with_flag, &[("K3_READ_THREADS", "0")]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let mut zero = run.to_vec();
+    let mut zero = run;
     zero.extend(["--read-threads", "0"]);
-    let out = deltafin(&zero, &[]);
+    assert_fails_naming(&deltafin(&zero, &[]), "--read-threads must be at least 1");
+}
+
+/// `run` of one new token after a two-token prompt; engine flags go after it.
+fn short_run(model: &str) -> Vec<&str> {
+    vec![
+        "run",
+        "--model",
+        model,
+        "--prompt-ids",
+        "1,2",
+        "--max-new",
+        "1",
+        "--json",
+    ]
+}
+
+/// Asserts that `out` is a failure whose message contains `text`.
+fn assert_fails_naming(out: &Output, text: &str) {
     assert!(
-        !out.status.success() && stderr(&out).contains("--read-threads must be at least 1"),
+        !out.status.success() && stderr(out).contains(text),
         "{}",
-        stderr(&out)
+        stderr(out)
     );
 }
 
 #[test]
 fn the_device_flag_wins_over_k3_dev() {
     let model = model();
-    let run = [
-        "run",
-        "--model",
-        &model,
-        "--prompt-ids",
-        "1,2",
-        "--max-new",
-        "1",
-        "--json",
-    ];
-    let out = deltafin(&run, &[("K3_DEV", "metal")]);
-    assert!(
-        !out.status.success() && stderr(&out).contains("K3_DEV"),
-        "{}",
-        stderr(&out)
-    );
+    let run = short_run(&model);
+    assert_fails_naming(&deltafin(&run, &[("K3_DEV", "metal")]), "K3_DEV");
     let mut flagged = vec!["--dev", "cpu"];
     flagged.extend(run);
     let out = deltafin(&flagged, &[("K3_DEV", "metal")]);
