@@ -200,20 +200,42 @@ fn hbm_rate(mib: usize) -> anyhow::Result<(f64, f64)> {
     }
 }
 
-/// The GPU expert cache's uploaded bytes, upload helper seconds, bytes uploaded without staging and the upload
-/// stream's seconds for them so far (zeros on the CPU).
-fn gpu_uploads(engine: &Engine) -> (u64, f64, u64, f64) {
-    #[cfg(feature = "cuda")]
-    if let Some(g) = engine.expert_cache_stats() {
-        return (
-            g.uploaded_bytes,
-            g.upload_secs,
-            g.uploaded_direct_bytes,
-            g.upload_dma_secs,
-        );
+/// The GPU expert cache's upload counters (zeros on the CPU).
+#[derive(Clone, Copy, Default)]
+struct GpuUploads {
+    /// Bytes uploaded, and of them those that went up without staging.
+    bytes: u64,
+    direct_bytes: u64,
+    /// The upload helper's seconds, and the upload stream's own seconds for the copies.
+    helper_s: f64,
+    dma_s: f64,
+}
+
+impl GpuUploads {
+    /// The counters so far.
+    fn of(engine: &Engine) -> Self {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = engine.expert_cache_stats() {
+            return Self {
+                bytes: g.uploaded_bytes,
+                direct_bytes: g.uploaded_direct_bytes,
+                helper_s: g.upload_secs,
+                dma_s: g.upload_dma_secs,
+            };
+        }
+        let _ = engine;
+        Self::default()
     }
-    let _ = engine;
-    (0, 0.0, 0, 0.0)
+
+    /// What was counted between `earlier` and these.
+    fn since(self, earlier: Self) -> Self {
+        Self {
+            bytes: self.bytes - earlier.bytes,
+            direct_bytes: self.direct_bytes - earlier.direct_bytes,
+            helper_s: self.helper_s - earlier.helper_s,
+            dma_s: self.dma_s - earlier.dma_s,
+        }
+    }
 }
 
 /// Runs `deltafin bench-decode`.
@@ -230,7 +252,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         0.0
     };
     let hbm_before = hbm_rate(args.hbm_mib)?;
-    let mut gpu_upload0 = (0, 0.0, 0, 0.0);
+    let mut gpu_upload0 = GpuUploads::default();
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
         deltafin_runtime::membw::ReadBuffer::new(
             (args.membw_per_token_gib * (1u64 << 30) as f64) as usize,
@@ -304,7 +326,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
                     engine.profile(),
                     engine.spine_reads(),
                 ));
-                gpu_upload0 = gpu_uploads(&engine);
+                gpu_upload0 = GpuUploads::of(&engine);
             } else {
                 token_s.push(last.elapsed().as_secs_f64());
             }
@@ -319,7 +341,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     )?;
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
     let hbm_after = hbm_rate(args.hbm_mib)?;
-    let gpu_upload = gpu_uploads(&engine);
+    let gpu_upload = GpuUploads::of(&engine).since(gpu_upload0);
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -399,10 +421,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         spine_bytes_touched_per_token,
         expert_bytes_touched_per_token,
         spine_wait_s: p.spine_wait.as_secs_f64(),
-        gpu_expert_uploaded_bytes: gpu_upload.0 - gpu_upload0.0,
-        gpu_expert_upload_s: gpu_upload.1 - gpu_upload0.1,
-        gpu_expert_direct_bytes: gpu_upload.2 - gpu_upload0.2,
-        gpu_expert_upload_dma_s: gpu_upload.3 - gpu_upload0.3,
+        gpu_expert_uploaded_bytes: gpu_upload.bytes,
+        gpu_expert_upload_s: gpu_upload.helper_s,
+        gpu_expert_direct_bytes: gpu_upload.direct_bytes,
+        gpu_expert_upload_dma_s: gpu_upload.dma_s,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

@@ -132,48 +132,51 @@ fn run_without_a_model_uses_the_demo_and_says_so() {
     assert_eq!(ids_of(&r["new_ids"]), ids_of(&g["greedy_new_tokens"])[..4]);
 }
 
-#[test]
-fn bad_arguments_fail_with_a_message() {
+/// Runs `deltafin args`, which must fail without a panic, and gives its stderr.
+fn failure_message(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args([
-            "nll",
-            "--model",
-            "/nonexistent/model",
-            "--ids",
-            "1,2",
-            "--json",
-        ])
+        .args(args)
         .output()
         .expect("run deltafin");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("/nonexistent/model"), "stderr: {stderr}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success(),
+        "{args:?} succeeded; stderr: {stderr}"
+    );
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
+    stderr
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    let stderr = failure_message(&[
+        "nll",
+        "--model",
+        "/nonexistent/model",
+        "--ids",
+        "1,2",
+        "--json",
+    ]);
+    assert!(stderr.contains("/nonexistent/model"), "stderr: {stderr}");
 }
 
 /// `bench-decode --hbm-mib` in a build without CUDA says so before it opens anything.
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn hbm_probe_needs_cuda() {
-    let out = Command::new(env!("CARGO_BIN_EXE_deltafin"))
-        .args([
-            "bench-decode",
-            "--model",
-            "/nonexistent/model",
-            "--membw-gib",
-            "0",
-            "--hbm-mib",
-            "64",
-        ])
-        .output()
-        .expect("run deltafin");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = failure_message(&[
+        "bench-decode",
+        "--model",
+        "/nonexistent/model",
+        "--membw-gib",
+        "0",
+        "--hbm-mib",
+        "64",
+    ]);
     assert!(
         stderr.contains("--hbm-mib needs a build with the `cuda` feature"),
         "stderr: {stderr}"
     );
-    assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
 
 /// A snapshot saved by one process and loaded by another continues exactly like an uninterrupted run.

@@ -25,7 +25,7 @@ use crate::ops::{
     glu_in_place, glu_values, linear, linear_many, rms_norm, sigmoid, tensor, values,
 };
 use crate::profile::Phase;
-use crate::weights::{ExpertWeights, Loader};
+use crate::weights::{ExpertSource, ExpertWeights, Loader};
 
 /// Added to the sum of chosen weights before renormalising, as in the reference.
 const RENORM_EPS: f32 = 1e-20;
@@ -72,6 +72,15 @@ pub struct Route {
     pub experts: Vec<usize>,
     /// Their combine weights.
     pub weights: Vec<f32>,
+}
+
+/// Hands `experts` the guess of `next`'s experts from this layer's input `x`, when there is a next MoE layer and the
+/// source wants guesses (a guess costs a router product, so it is made only then).
+fn prefetch_next(next: Option<&Moe>, x: &Tensor, experts: &dyn ExpertSource) -> Result<()> {
+    match next {
+        Some(next) if experts.wants_prefetch() => experts.prefetch(next.layer, &next.guess(x)?),
+        _ => Ok(()),
+    }
 }
 
 impl Moe {
@@ -217,11 +226,7 @@ impl Moe {
         let ids: Vec<usize> = users.keys().copied().collect();
         // The reads go out now; the shared experts are computed while they run.
         let fetch = experts.begin(self.layer, &ids)?;
-        if let Some(next) = next
-            && experts.wants_prefetch()
-        {
-            experts.prefetch(next.layer, &next.guess(x)?)?;
-        }
+        prefetch_next(next, x, experts)?;
         let z_vals = values(&z)?;
         let z_rows: Vec<&[f32]> = z_vals.chunks_exact(self.width).collect();
         let routing = routing_from.elapsed();
@@ -306,7 +311,7 @@ impl Moe {
         &self,
         g: &crate::gpu::GpuExperts,
         x: &Tensor,
-        experts: &dyn crate::weights::ExpertSource,
+        experts: &dyn ExpertSource,
         next: Option<&Moe>,
     ) -> Result<Option<Tensor>> {
         let routes = self.route(x)?;
@@ -317,11 +322,7 @@ impl Moe {
         };
         let shared = || {
             let s = self.shared.as_ref().map(|s| s.forward(x)).transpose()?;
-            if let Some(next) = next
-                && experts.wants_prefetch()
-            {
-                experts.prefetch(next.layer, &next.guess(x)?)?;
-            }
+            prefetch_next(next, x, experts)?;
             Ok(s)
         };
         let Some((combined, shared)) = g.run(self.layer, &values(&z)?, &routes, experts, shared)?
