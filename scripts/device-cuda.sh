@@ -12,6 +12,8 @@
 #   bench    `deltafin bench-decode --dev cuda` on it (decoded tokens only, 8 by default: $TOKENS_BD), every layer on
 #            the GPU, the HBM copy rate measured in the same process (--hbm-mib 1024), $RUNS times for each of $BINS
 #   cpu      the same on the CPU, for the greedy tokens
+#   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
+#            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
 # and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
 set -u
@@ -96,6 +98,17 @@ if h2d > 0 and d["gpu_expert_upload_s"] > 0:
 PY
     done
   done
+fi
+if has contend; then
+  step "read pool alone and beside pinned uploads"
+  f="$DATA/holes"; [ -e "$f" ] || truncate -s 40G "$f"
+  for t in 4 8; do echo "alone, $t threads: $(bin/rpb "$f" 17547264 $t 3 layer 4194304)"; done | tee "$OUT/contend.txt"
+  bin/deltafin-cudabench upload-bw --mib 1024 --reps 400 > "$OUT/contend_up.txt" & up=$!
+  sleep 2
+  for t in 4 8; do echo "beside uploads, $t threads: $(bin/rpb "$f" 17547264 $t 2 layer 4194304)"; done \
+    | tee -a "$OUT/contend.txt"
+  # The uploads alone after (a bare `wait` would also wait for the log's tee).
+  wait "$up"; cat "$OUT/contend_up.txt"; bin/deltafin-cudabench upload-bw --mib 1024 --reps 20
 fi
 if has cpu; then
   step "cpu run, K3_RAM_GB=96"

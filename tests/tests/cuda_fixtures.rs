@@ -119,7 +119,20 @@ fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
             up.uploaded_direct_bytes, want,
             "{name}: staged {staged}: {up:?}"
         );
+        // Every MoE call is counted in the split, and its parts fit inside the calls' own time.
+        let s = up.split;
+        assert!(s.calls > 0, "{name}: no MoE call counted: {s:?}");
+        assert!(
+            s.reads + s.queue + s.finish <= s.total + 1e-9 && s.total > 0.0,
+            "{name}: the MoE split's parts exceed its total: {s:?}"
+        );
     }
+    // The spine went up through the staging buffers at open: every byte of it counted.
+    let staging = gpu.gpu_staging_stats().expect("a GPU");
+    assert!(
+        staging.uploads > 0 && staging.bytes > 0 && staging.copy_secs <= staging.secs,
+        "{name}: staged uploads {staging:?}"
+    );
 }
 
 #[test]

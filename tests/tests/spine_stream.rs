@@ -204,6 +204,12 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
             .sum();
         assert!(expected > 0);
         assert_eq!(engine.spine_reads().bytes, 0, "counters start after open");
+        // The open's own reads are kept apart: at least the resident layers' tensors, and time spent on them.
+        let opened = engine.open_reads();
+        assert!(
+            opened.bytes > 0 && opened.reads > 0 && opened.wait_secs > 0.0,
+            "open reads {opened:?}"
+        );
         let ids = ids_of(&dir);
         let mut s = engine.session();
         for (t, &id) in ids.iter().take(4).enumerate() {

@@ -114,6 +114,12 @@ struct Report {
     /// Seconds `Engine::open` took, and the bytes it read from storage (`/proc/self/io`).
     open_s: f64,
     open_read_bytes: u64,
+    /// Of `open_s`, the seconds the load was blocked reading spine tensors, and (on a GPU) the seconds inside the
+    /// staged uploads, of which copying into the pinned buffers and waiting for a buffer's previous copy.
+    open_read_wait_s: f64,
+    open_upload_s: f64,
+    open_upload_copy_s: f64,
+    open_upload_wait_s: f64,
     /// Expert spans read through a fresh read pool right before and right after `Engine::open` (distinct spans, none
     /// of them read by the open), bytes/s: the storage bound of the open, measured around it (0 when
     /// `--disk-spans` is 0).
@@ -137,6 +143,14 @@ struct Report {
     gpu_expert_direct_bytes: u64,
     /// The upload stream's own time for those bytes (device events around each expert's copies): the DMA alone.
     gpu_expert_upload_dma_s: f64,
+    /// Where the decoded tokens' GPU MoE calls spent their wall time (seconds, summed; zeros on the CPU): calls,
+    /// total, the helper blocked on reads and queuing copies, the overlap work, and the finish after the helper.
+    gpu_moe_calls: u64,
+    gpu_moe_s: f64,
+    gpu_moe_reads_s: f64,
+    gpu_moe_queue_s: f64,
+    gpu_moe_overlap_s: f64,
+    gpu_moe_finish_s: f64,
     prefetch_reads: u64,
     prefetch_wasted: u64,
     /// Experts asked for by guessed layers, and how many were guessed.
@@ -209,6 +223,9 @@ struct GpuUploads {
     /// The upload helper's seconds, and the upload stream's own seconds for the copies.
     helper_s: f64,
     dma_s: f64,
+    /// The MoE calls' split (zeros on the CPU).
+    #[cfg(feature = "cuda")]
+    split: deltafin_model::gpu::MoeSplit,
 }
 
 impl GpuUploads {
@@ -221,6 +238,7 @@ impl GpuUploads {
                 direct_bytes: g.uploaded_direct_bytes,
                 helper_s: g.upload_secs,
                 dma_s: g.upload_dma_secs,
+                split: g.split,
             };
         }
         let _ = engine;
@@ -234,7 +252,20 @@ impl GpuUploads {
             direct_bytes: self.direct_bytes - earlier.direct_bytes,
             helper_s: self.helper_s - earlier.helper_s,
             dma_s: self.dma_s - earlier.dma_s,
+            #[cfg(feature = "cuda")]
+            split: self.split.since(&earlier.split),
         }
+    }
+
+    /// The split as (calls, total, reads, queue, overlap, finish).
+    fn split(&self) -> (u64, f64, f64, f64, f64, f64) {
+        #[cfg(feature = "cuda")]
+        {
+            let s = &self.split;
+            (s.calls, s.total, s.reads, s.queue, s.overlap, s.finish)
+        }
+        #[cfg(not(feature = "cuda"))]
+        (0, 0.0, 0.0, 0.0, 0.0, 0.0)
     }
 }
 
@@ -293,6 +324,13 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    // The staged uploads so far are the open's (the spine); streamed layers upload later.
+    #[cfg(feature = "cuda")]
+    let open_staging = engine
+        .gpu_staging_stats()
+        .map_or((0.0, 0.0, 0.0), |s| (s.secs, s.copy_secs, s.wait_secs));
+    #[cfg(not(feature = "cuda"))]
+    let open_staging = (0.0, 0.0, 0.0);
     let warm_experts = if args.warm_experts {
         engine.warm_expert_cache()?
     } else {
@@ -342,6 +380,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
     let hbm_after = hbm_rate(args.hbm_mib)?;
     let gpu_upload = GpuUploads::of(&engine).since(gpu_upload0);
+    let moe_split = gpu_upload.split();
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -413,6 +452,10 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         h2d_pinned_after_bytes_per_s: hbm_after.1,
         disk_bytes_per_s: disk_rate,
         open_s,
+        open_read_wait_s: engine.open_reads().wait_secs,
+        open_upload_s: open_staging.0,
+        open_upload_copy_s: open_staging.1,
+        open_upload_wait_s: open_staging.2,
         open_read_bytes,
         open_disk_before_bytes_per_s: open_disk_before,
         open_disk_after_bytes_per_s: open_disk_after,
@@ -425,6 +468,12 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         gpu_expert_upload_s: gpu_upload.helper_s,
         gpu_expert_direct_bytes: gpu_upload.direct_bytes,
         gpu_expert_upload_dma_s: gpu_upload.dma_s,
+        gpu_moe_calls: moe_split.0,
+        gpu_moe_s: moe_split.1,
+        gpu_moe_reads_s: moe_split.2,
+        gpu_moe_queue_s: moe_split.3,
+        gpu_moe_overlap_s: moe_split.4,
+        gpu_moe_finish_s: moe_split.5,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,

@@ -39,6 +39,8 @@ pub struct Engine {
     spine_int8: bool,
     spine_bytes: u64,
     spine: Arc<SpineSource>,
+    /// The spine reads the open made (bytes, tensors, seconds blocked in them).
+    open_reads: SpineReadStats,
     /// Spine bytes per layer as served (int8 copy or shards).
     layer_bytes: Vec<u64>,
     fingerprint: u32,
@@ -200,6 +202,7 @@ impl Engine {
             );
         }
         // Only reads made by forward passes count from here on.
+        let open_reads = spine.read_stats();
         spine.reset_reads();
         let streamed = model.streamed_layers();
         spine.set_order(
@@ -262,9 +265,23 @@ impl Engine {
             fingerprint: hasher.finalize(),
             model,
             spine,
+            open_reads,
             layer_bytes,
             experts,
         })
+    }
+
+    /// The spine reads made while the model was opened (bytes, tensors, and the seconds the load was blocked in
+    /// them, the rest of the open being its own work).
+    pub fn open_reads(&self) -> SpineReadStats {
+        self.open_reads
+    }
+
+    /// Host-to-device uploads through the GPU's pinned staging buffers since open began (the spine at open; streamed
+    /// layers after); `None` on the CPU.
+    #[cfg(feature = "cuda")]
+    pub fn gpu_staging_stats(&self) -> Option<deltafin_quant::cuda::StagingStats> {
+        self.model.gpu().map(|g| g.staging_stats())
     }
 
     /// Experts not yet on local disk (a streaming install still filling); `None` for a full install.

@@ -142,6 +142,8 @@ pub struct SpineSource {
     stored_bytes: u64,
     read_bytes: AtomicU64,
     reads: AtomicU64,
+    /// Nanoseconds callers were blocked in reads.
+    wait_nanos: AtomicU64,
     /// Told every spine byte read while set (the progress of an open).
     progress: std::sync::Mutex<Option<Arc<dyn Progress + Send>>>,
     /// Reads a decoder layer's tensors in one direct-I/O batch (for the streamed spine and the load at open).
@@ -158,12 +160,14 @@ pub fn spine_bytes(files: &ModelFiles) -> u64 {
 }
 
 /// Bytes and reads of spine tensors served since open (or the last reset).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SpineReadStats {
     /// Bytes read from the shards or the int8 copy.
     pub bytes: u64,
     /// Tensors read (an int8 weight counts its values and its scales as two).
     pub reads: u64,
+    /// Seconds the callers were blocked in those reads (a layer read ahead may have landed already).
+    pub wait_secs: f64,
 }
 
 impl SpineSource {
@@ -223,6 +227,7 @@ impl SpineSource {
             read_bytes: AtomicU64::new(0),
             progress: std::sync::Mutex::new(None),
             reads: AtomicU64::new(0),
+            wait_nanos: AtomicU64::new(0),
             layers,
         })
     }
@@ -262,6 +267,7 @@ impl SpineSource {
         SpineReadStats {
             bytes: self.read_bytes.load(Ordering::Relaxed),
             reads: self.reads.load(Ordering::Relaxed),
+            wait_secs: self.wait_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
@@ -269,6 +275,7 @@ impl SpineSource {
     pub fn reset_reads(&self) {
         self.read_bytes.store(0, Ordering::Relaxed);
         self.reads.store(0, Ordering::Relaxed);
+        self.wait_nanos.store(0, Ordering::Relaxed);
     }
 
     /// The int8 copy's values and scales of `name`, when the int8 copy is in use and has it.
@@ -279,6 +286,7 @@ impl SpineSource {
     /// The bytes of a stored tensor: with its whole layer in one batch when it belongs to a decoder layer, else
     /// alone.
     fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<SpanBytes> {
+        let started = std::time::Instant::now();
         let files = match (origin, &self.int8) {
             (Origin::Int8, Some(f)) => f,
             _ => &*self.files,
@@ -301,6 +309,8 @@ impl SpineSource {
             },
         };
         self.count(bytes.len());
+        self.wait_nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(bytes)
     }
 

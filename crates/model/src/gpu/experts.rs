@@ -57,6 +57,51 @@ pub struct ExpertCacheStats {
     /// The upload stream's own time for the experts' copies (device events around each expert's copies), summed:
     /// the DMA alone, without the waits for reads between copies.
     pub upload_dma_secs: f64,
+    /// Where an MoE call's wall time goes ([`MoeSplit`]), summed over calls.
+    pub split: MoeSplit,
+}
+
+/// The wall time of the GPU MoE calls, summed, in the order a call runs its steps. What a call spends outside
+/// `reads`, `queue` and `finish` (the lock, the small uploads, slot bookkeeping, waiting for the calling thread's
+/// overlap work after the helper is done) is `total` less those.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MoeSplit {
+    /// Calls.
+    pub calls: u64,
+    /// Seconds inside the calls.
+    pub total: f64,
+    /// The upload helper blocked on the expert source (reads in flight, or the RAM cache's lock).
+    pub reads: f64,
+    /// The upload helper queuing copies (and staging copies for pageable experts) as experts land.
+    pub queue: f64,
+    /// The calling thread's overlap work (the shared experts), beside the helper.
+    pub overlap: f64,
+    /// From the helper's end to the combined rows on the host: the uploads' tail, the kernels, the combine and the
+    /// download.
+    pub finish: f64,
+}
+
+impl MoeSplit {
+    fn add(&mut self, o: &MoeSplit) {
+        self.calls += o.calls;
+        self.total += o.total;
+        self.reads += o.reads;
+        self.queue += o.queue;
+        self.overlap += o.overlap;
+        self.finish += o.finish;
+    }
+
+    /// What was counted between `earlier` and these.
+    pub fn since(&self, earlier: &MoeSplit) -> MoeSplit {
+        MoeSplit {
+            calls: self.calls - earlier.calls,
+            total: self.total - earlier.total,
+            reads: self.reads - earlier.reads,
+            queue: self.queue - earlier.queue,
+            overlap: self.overlap - earlier.overlap,
+            finish: self.finish - earlier.finish,
+        }
+    }
 }
 
 impl ExpertCacheStats {
@@ -160,6 +205,9 @@ struct Uploaded {
     direct_bytes: u64,
     /// The experts whose copies read their host bytes in place.
     held: DmaHold,
+    /// Seconds blocked on the source, and seconds queuing copies (see [`MoeSplit`]).
+    reads_secs: f64,
+    queue_secs: f64,
 }
 
 /// Experts whose uploads read their host bytes in place (page-locked read buffers): held until the upload stream
@@ -281,6 +329,11 @@ impl GpuExperts {
         if self.disabled.load(Ordering::Relaxed) {
             return Ok(None);
         }
+        let entered = Instant::now();
+        let mut split = MoeSplit {
+            calls: 1,
+            ..MoeSplit::default()
+        };
         let (width, inter) = (self.shape.width, self.shape.inter);
         let t_len = routes.len();
         let k = routes.iter().map(|r| r.experts.len()).max().unwrap_or(0);
@@ -324,6 +377,8 @@ impl GpuExperts {
         let mut holds = Vec::new();
         // DMA timers used so far in this call.
         let mut timed = 0usize;
+        // When the first chunk's helper was done (the start of `MoeSplit::finish`).
+        let mut finish_from: Option<Instant> = None;
         for chunk in ids.chunks(capacity) {
             // Slots for this chunk: hits first, then room for the misses.
             let mut slots = Vec::with_capacity(chunk.len());
@@ -369,7 +424,12 @@ impl GpuExperts {
                     first_timer: timed,
                 };
                 let helper = scope.spawn(|| self.upload(layer, &misses, source, to));
-                let o = overlap.take().map(|f| f());
+                let o = overlap.take().map(|f| {
+                    let t = Instant::now();
+                    let r = f();
+                    split.overlap += t.elapsed().as_secs_f64();
+                    r
+                });
                 let u = helper.join().unwrap_or_else(|_| {
                     Err(ModelError::Device(
                         "expert upload thread panicked".to_string(),
@@ -377,6 +437,7 @@ impl GpuExperts {
                 });
                 (u, o)
             });
+            let helper_done = Instant::now();
             if let Some(o) = overlap_result {
                 overlap_out = Some(o?);
             }
@@ -403,6 +464,9 @@ impl GpuExperts {
                 st.entries[s].key = Some((layer, e));
                 st.map.insert((layer, e), s);
             }
+            split.reads += uploaded.reads_secs;
+            split.queue += uploaded.queue_secs;
+            finish_from.get_or_insert(helper_done);
             st.stats.uploaded_bytes += uploaded.bytes;
             st.stats.uploaded_direct_bytes += uploaded.direct_bytes;
             st.stats.upload_secs += started.elapsed().as_secs_f64();
@@ -441,6 +505,10 @@ impl GpuExperts {
             dma += t.elapsed().map_err(cuda_err)?.as_secs_f64();
         }
         st.stats.upload_dma_secs += dma;
+        let now = Instant::now();
+        split.finish += finish_from.map_or(0.0, |t| (now - t).as_secs_f64());
+        split.total += (now - entered).as_secs_f64();
+        st.stats.split.add(&split);
         combined.truncate(t_len * width);
         drop(st);
         let overlap_out = match (overlap_out, overlap) {
@@ -493,6 +561,8 @@ impl GpuExperts {
                 timed: 0,
                 direct_bytes: 0,
                 held,
+                reads_secs: 0.0,
+                queue_secs: 0.0,
             }));
         }
         gpu.bind().map_err(cuda_err)?;
@@ -506,7 +576,7 @@ impl GpuExperts {
         let mut timed = 0usize;
         let mut mxfp4 = true;
         // Each expert goes into a staging buffer and up as soon as its read lands, while the source reads the next.
-        source.for_each_expert(layer, &ids, &mut |ready| {
+        let mut queue_experts = |ready: Vec<(usize, Arc<ExpertWeights>)>| -> Result<()> {
             for (i, w) in ready {
                 let ExpertWeights::Mxfp4(p) = &*w else {
                     mxfp4 = false;
@@ -592,7 +662,15 @@ impl GpuExperts {
                 bytes += self.slot_bytes as u64;
             }
             Ok(())
+        };
+        let (started, mut queue_secs) = (Instant::now(), 0.0);
+        source.for_each_expert(layer, &ids, &mut |ready| {
+            let landed = Instant::now();
+            let queued = queue_experts(ready);
+            queue_secs += landed.elapsed().as_secs_f64();
+            queued
         })?;
+        let reads_secs = started.elapsed().as_secs_f64() - queue_secs;
         if !mxfp4 {
             return Ok(None);
         }
@@ -605,6 +683,8 @@ impl GpuExperts {
             timed,
             direct_bytes,
             held,
+            reads_secs,
+            queue_secs,
         }))
     }
 

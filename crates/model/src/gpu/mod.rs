@@ -30,7 +30,7 @@ use deltafin_quant::cuda::{Gpu, StreamTimer};
 use crate::device::{DeviceOptions, DevicePref};
 use crate::error::{ModelError, Result};
 
-pub use experts::{ExpertCacheStats, GpuExperts};
+pub use experts::{ExpertCacheStats, GpuExperts, MoeSplit};
 pub use kda::DeviceKdaState;
 pub(crate) use mla::MlaGpu;
 pub(crate) use vram::VramPlan;

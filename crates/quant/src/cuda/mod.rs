@@ -17,6 +17,7 @@ mod host_pins;
 pub mod moe;
 pub mod rows;
 mod upload;
+pub use upload::StagingStats;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};

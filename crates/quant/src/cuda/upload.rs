@@ -8,6 +8,7 @@
 //! back to a plain copy on the compute stream (no event needed).
 
 use std::sync::Mutex;
+use std::time::Instant;
 
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use rayon::prelude::*;
@@ -32,6 +33,22 @@ struct Stage {
 #[derive(Default)]
 pub(crate) struct Staging {
     stages: Mutex<Option<Option<Vec<Stage>>>>,
+    stats: Mutex<StagingStats>,
+}
+
+/// Where [`Gpu::upload_staged`]'s time went, summed over its calls (the host's wall time of each step).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StagingStats {
+    /// Calls.
+    pub uploads: u64,
+    /// Bytes they uploaded.
+    pub bytes: u64,
+    /// Seconds inside the calls.
+    pub secs: f64,
+    /// Of those, copying into the pinned buffers (all CPU threads at once).
+    pub copy_secs: f64,
+    /// Of those, waiting for a pinned buffer's previous copy to the device to finish.
+    pub wait_secs: f64,
 }
 
 impl Gpu {
@@ -40,6 +57,8 @@ impl Gpu {
     /// reading the buffer; the buffer is freed on the upload stream, so its last reader must be done by then (every
     /// product here ends with a download that waits for it).
     pub fn upload_staged(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
+        let started = Instant::now();
+        let (mut copy_secs, mut wait_secs) = (0.0, 0.0);
         let mut guard = self
             .staging
             .stages
@@ -72,17 +91,21 @@ impl Gpu {
         for (i, piece) in src.chunks(PIECE).enumerate() {
             let stage = &mut stages[i % BUFFERS];
             if let Some(ev) = stage.done.take() {
+                let t = Instant::now();
                 ev.synchronize()
                     .map_err(|e| driver_err("waiting for a staging buffer", e))?;
+                wait_secs += t.elapsed().as_secs_f64();
             }
             let host = stage
                 .buf
                 .as_mut_slice()
                 .map_err(|e| driver_err("staging buffer", e))?;
+            let t = Instant::now();
             host[..piece.len()]
                 .par_chunks_mut(COPY_CHUNK)
                 .zip(piece.par_chunks(COPY_CHUNK))
                 .for_each(|(d, s)| d.copy_from_slice(s));
+            copy_secs += t.elapsed().as_secs_f64();
             let off = i * PIECE;
             let mut view = dst.slice_mut(off..off + piece.len());
             let staged: &[u8] = &stage
@@ -99,6 +122,17 @@ impl Gpu {
         let done = copy
             .record_event(None)
             .map_err(|e| driver_err("recording an upload", e))?;
+        let mut stats = self.staging.stats.lock().unwrap_or_else(|e| e.into_inner());
+        stats.uploads += 1;
+        stats.bytes += src.len() as u64;
+        stats.secs += started.elapsed().as_secs_f64();
+        stats.copy_secs += copy_secs;
+        stats.wait_secs += wait_secs;
         Ok((dst, Some(done)))
+    }
+
+    /// What [`Self::upload_staged`] has done so far.
+    pub fn staging_stats(&self) -> StagingStats {
+        *self.staging.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
