@@ -128,7 +128,7 @@ fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
         );
     }
     // The spine went up through the staging buffers at open: every byte of it counted.
-    let staging = gpu.gpu_staging_stats().expect("a GPU");
+    let (staging, _) = gpu.gpu_staging_stats().expect("a GPU");
     assert!(
         staging.uploads > 0 && staging.bytes > 0 && staging.copy_secs <= staging.secs,
         "{name}: staged uploads {staging:?}"

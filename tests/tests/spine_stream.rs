@@ -212,6 +212,7 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
         );
         let ids = ids_of(&dir);
         let mut s = engine.session();
+        let mut mapped = Vec::new();
         for (t, &id) in ids.iter().take(4).enumerate() {
             let before = engine.spine_reads().bytes;
             s.step(id).expect("step");
@@ -220,7 +221,11 @@ fn streamed_bytes_per_pass_are_the_streamed_layers_spine_tensors() {
                 expected + row,
                 "{name}: spine bytes read by decode step {t} (the streamed layers and one embedding row)"
             );
+            mapped.push(engine.spine_reads().buffers_allocated);
         }
+        // The streamed layers were read into buffers the reader mapped (how many more a later pass maps depends on
+        // how its reads race the releases: 0 to 7 over 16 steps here, so only the count itself is checked).
+        assert!(mapped[0] > 0, "{name}: no I/O buffer counted: {mapped:?}");
         // A prefill chunk reads each streamed layer once, however many tokens it holds.
         let chunks = ids.len().div_ceil(
             engine

@@ -70,6 +70,9 @@ struct Report {
     engine_disk_reads: u64,
     /// Streamed spine bytes (zero when the spine is resident).
     spine_read_bytes: u64,
+    /// I/O buffers the spine reader mapped while decoding (fresh pages the kernel zeroed; 0 when every streamed
+    /// layer reads into buffers it reused).
+    spine_buffers_allocated: u64,
     streamed_layers: usize,
     proc_read_bytes: u64,
     cache_hits: u64,
@@ -115,11 +118,16 @@ struct Report {
     open_s: f64,
     open_read_bytes: u64,
     /// Of `open_s`, the seconds the load was blocked reading spine tensors, and (on a GPU) the seconds inside the
-    /// staged uploads, of which copying into the pinned buffers and waiting for a buffer's previous copy.
+    /// staged uploads, of which copying into the pinned buffers, waiting for a buffer's previous copy and allocating
+    /// device memory.
     open_read_wait_s: f64,
     open_upload_s: f64,
     open_upload_copy_s: f64,
     open_upload_wait_s: f64,
+    open_upload_alloc_s: f64,
+    /// On a GPU, the seconds its kernels took to compile (NVRTC) and to load (the driver) when it was opened.
+    gpu_kernels_compile_s: f64,
+    gpu_kernels_load_s: f64,
     /// Expert spans read through a fresh read pool right before and right after `Engine::open` (distinct spans, none
     /// of them read by the open), bytes/s: the storage bound of the open, measured around it (0 when
     /// `--disk-spans` is 0).
@@ -326,11 +334,21 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     };
     // The staged uploads so far are the open's (the spine); streamed layers upload later.
     #[cfg(feature = "cuda")]
-    let open_staging = engine
-        .gpu_staging_stats()
-        .map_or((0.0, 0.0, 0.0), |s| (s.secs, s.copy_secs, s.wait_secs));
+    let open_staging =
+        engine
+            .gpu_staging_stats()
+            .map_or((0.0, 0.0, 0.0, 0.0, 0.0, 0.0), |(s, init)| {
+                (
+                    s.secs,
+                    s.copy_secs,
+                    s.wait_secs,
+                    s.alloc_secs,
+                    init.0,
+                    init.1,
+                )
+            });
     #[cfg(not(feature = "cuda"))]
-    let open_staging = (0.0, 0.0, 0.0);
+    let open_staging = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
     let warm_experts = if args.warm_experts {
         engine.warm_expert_cache()?
     } else {
@@ -421,6 +439,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         engine_disk_reads: stats.reader.disk.reads - stats0.reader.disk.reads + spine.reads
             - spine0.reads,
         spine_read_bytes,
+        spine_buffers_allocated: spine.buffers_allocated - spine0.buffers_allocated,
         streamed_layers: engine.streamed_layers().len(),
         proc_read_bytes: proc_read_bytes() - io0,
         cache_hits: stats.cache.hits - stats0.cache.hits,
@@ -456,6 +475,9 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         open_upload_s: open_staging.0,
         open_upload_copy_s: open_staging.1,
         open_upload_wait_s: open_staging.2,
+        open_upload_alloc_s: open_staging.3,
+        gpu_kernels_compile_s: open_staging.4,
+        gpu_kernels_load_s: open_staging.5,
         open_read_bytes,
         open_disk_before_bytes_per_s: open_disk_before,
         open_disk_after_bytes_per_s: open_disk_after,

@@ -278,10 +278,10 @@ impl Engine {
     }
 
     /// Host-to-device uploads through the GPU's pinned staging buffers since open began (the spine at open; streamed
-    /// layers after); `None` on the CPU.
+    /// layers after), and the seconds the GPU's kernels took to compile and to load; `None` on the CPU.
     #[cfg(feature = "cuda")]
-    pub fn gpu_staging_stats(&self) -> Option<deltafin_quant::cuda::StagingStats> {
-        self.model.gpu().map(|g| g.staging_stats())
+    pub fn gpu_staging_stats(&self) -> Option<(deltafin_quant::cuda::StagingStats, (f64, f64))> {
+        self.model.gpu().map(|g| (g.staging_stats(), g.init_secs()))
     }
 
     /// Experts not yet on local disk (a streaming install still filling); `None` for a full install.

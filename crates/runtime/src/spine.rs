@@ -168,6 +168,9 @@ pub struct SpineReadStats {
     pub reads: u64,
     /// Seconds the callers were blocked in those reads (a layer read ahead may have landed already).
     pub wait_secs: f64,
+    /// I/O buffers the layer reader has mapped since the source was opened (not reset: a steady streamed pass
+    /// reuses its buffers and adds none).
+    pub buffers_allocated: u64,
 }
 
 impl SpineSource {
@@ -268,6 +271,7 @@ impl SpineSource {
             bytes: self.read_bytes.load(Ordering::Relaxed),
             reads: self.reads.load(Ordering::Relaxed),
             wait_secs: self.wait_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
+            buffers_allocated: self.layers.buffers_allocated(),
         }
     }
 

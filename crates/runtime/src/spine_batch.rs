@@ -103,6 +103,11 @@ impl LayerReader {
         })
     }
 
+    /// I/O buffers the reader's pool has mapped so far (each one pages the kernel had to zero first).
+    pub fn buffers_allocated(&self) -> u64 {
+        self.pool.stats().buffers_allocated
+    }
+
     /// One tensor that belongs to no decoder layer (the head, the embedding, the final norm) read alone with direct
     /// I/O, into a pool buffer on huge pages that the weight then uses in place.
     pub fn read_one(&self, origin: Origin, info: &TensorInfo) -> Result<SpanBytes, StorageError> {

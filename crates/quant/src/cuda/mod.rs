@@ -152,6 +152,9 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
     smem_optin: usize,
+    /// Seconds the kernels took to compile (NVRTC) and to load (the driver, which compiles the PTX for the device
+    /// unless its cache holds the result) when the device was opened.
+    init_secs: (f64, f64),
     /// Blocks of the dense GEMM the whole device runs at once (SMs × blocks per SM): what its column split is
     /// chosen against ([`dense::DeviceMatrix`]).
     dense_slots: usize,
@@ -220,11 +223,17 @@ impl Gpu {
             use_fast_math: Some(false),
             ..Default::default()
         };
+        let compiling = std::time::Instant::now();
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts)
             .map_err(|e| QuantError::Cuda(format!("compiling kernels/*.cu with NVRTC: {e}")))?;
+        let loading = std::time::Instant::now();
         let module = ctx
             .load_module(ptx)
             .map_err(|e| driver_err("loading the kernel module", e))?;
+        let init_secs = (
+            (loading - compiling).as_secs_f64(),
+            loading.elapsed().as_secs_f64(),
+        );
         let mut functions = HashMap::new();
         for (name, big_smem) in KERNELS {
             let f = module
@@ -280,6 +289,7 @@ impl Gpu {
             functions,
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
+            init_secs,
             dense_slots: sms * per_sm,
             unified,
             staging: upload::Staging::default(),
@@ -297,6 +307,12 @@ impl Gpu {
     /// The device's name and architecture, e.g. `NVIDIA H200 (sm_90)`.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Seconds the kernels took to compile (NVRTC) and to load (the driver's compile of the PTX for this device,
+    /// unless its cache had it) when the device was opened.
+    pub fn init_secs(&self) -> (f64, f64) {
+        self.init_secs
     }
 
     /// The context (bind it before using the device from another thread: [`Self::bind`]).

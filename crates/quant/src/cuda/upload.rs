@@ -49,6 +49,8 @@ pub struct StagingStats {
     pub copy_secs: f64,
     /// Of those, waiting for a pinned buffer's previous copy to the device to finish.
     pub wait_secs: f64,
+    /// Of those, allocating the destinations in device memory.
+    pub alloc_secs: f64,
 }
 
 impl Gpu {
@@ -85,9 +87,11 @@ impl Gpu {
             return Ok((self.upload(src)?, None));
         };
         let copy = &self.copy_stream;
+        let t = Instant::now();
         // SAFETY: every byte of the buffer is written by the piece copies below before anyone reads it.
         let mut dst = unsafe { copy.alloc::<u8>(src.len().max(1)) }
             .map_err(|e| driver_err("device allocation", e))?;
+        let alloc_secs = t.elapsed().as_secs_f64();
         for (i, piece) in src.chunks(PIECE).enumerate() {
             let stage = &mut stages[i % BUFFERS];
             if let Some(ev) = stage.done.take() {
@@ -128,6 +132,7 @@ impl Gpu {
         stats.secs += started.elapsed().as_secs_f64();
         stats.copy_secs += copy_secs;
         stats.wait_secs += wait_secs;
+        stats.alloc_secs += alloc_secs;
         Ok((dst, Some(done)))
     }
 
