@@ -76,8 +76,8 @@ pub struct MoeSplit {
     pub queue: f64,
     /// The calling thread's overlap work (the shared experts), beside the helper.
     pub overlap: f64,
-    /// From the helper's end to the combined rows on the host: the uploads' tail, the kernels, the combine and the
-    /// download.
+    /// From the (last) helper's end to the combined rows on the host: the uploads' tail, the kernels, the combine and
+    /// the download.
     pub finish: f64,
 }
 
@@ -377,7 +377,8 @@ impl GpuExperts {
         let mut holds = Vec::new();
         // DMA timers used so far in this call.
         let mut timed = 0usize;
-        // When the first chunk's helper was done (the start of `MoeSplit::finish`).
+        // When the last chunk's helper was done (the start of `MoeSplit::finish`; chunks run one after another, so
+        // every chunk's reads and queuing come before it).
         let mut finish_from: Option<Instant> = None;
         for chunk in ids.chunks(capacity) {
             // Slots for this chunk: hits first, then room for the misses.
@@ -466,7 +467,7 @@ impl GpuExperts {
             }
             split.reads += uploaded.reads_secs;
             split.queue += uploaded.queue_secs;
-            finish_from.get_or_insert(helper_done);
+            finish_from = Some(helper_done);
             st.stats.uploaded_bytes += uploaded.bytes;
             st.stats.uploaded_direct_bytes += uploaded.direct_bytes;
             st.stats.upload_secs += started.elapsed().as_secs_f64();
