@@ -95,6 +95,15 @@ if h2d > 0 and d["gpu_expert_upload_s"] > 0:
     goal = 1.2 * touched / rate + d["gpu_expert_uploaded_bytes"] / n / h2d
     print(f"bound: {touched / 1e9:.1f} GB at HBM + {d['gpu_expert_uploaded_bytes'] / n / 1e9:.1f} GB at the link: goal "
           f"{goal:.3f} s/token; median s/token / goal = {statistics.median(d['token_s']) / goal:.2f}")
+# Where the MoE calls and the open spent their time (docs/PERFORMANCE.md, issue 20 item 3 and 5).
+if "gpu_moe_s" in d:
+    print("MoE s/token: " + ", ".join(f"{k} {d['gpu_moe_' + k + '_s' if k else 'gpu_moe_s'] / n:.3f}" for k in
+          ("", "reads", "queue", "overlap", "finish")).lstrip(" "))
+if "open_read_wait_s" in d:
+    print("open s: " + ", ".join(f"{k[5:-2] or 'total'} {d.get(k, 0):.2f}" for k in
+          ("open_s", "open_read_wait_s", "open_upload_s", "open_upload_copy_s", "open_upload_wait_s",
+           "open_upload_alloc_s")) + f"; kernels compile {d.get('gpu_kernels_compile_s', 0):.2f} s, load "
+          f"{d.get('gpu_kernels_load_s', 0):.2f} s")
 PY
     done
   done
