@@ -265,15 +265,64 @@ impl GpuUploads {
         }
     }
 
-    /// The split as (calls, total, reads, queue, overlap, finish).
-    fn split(&self) -> (u64, f64, f64, f64, f64, f64) {
+    /// The MoE calls' split (zeros on the CPU).
+    fn moe_times(&self) -> MoeTimes {
         #[cfg(feature = "cuda")]
         {
             let s = &self.split;
-            (s.calls, s.total, s.reads, s.queue, s.overlap, s.finish)
+            MoeTimes {
+                calls: s.calls,
+                total: s.total,
+                reads: s.reads,
+                queue: s.queue,
+                overlap: s.overlap,
+                finish: s.finish,
+            }
         }
         #[cfg(not(feature = "cuda"))]
-        (0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        MoeTimes::default()
+    }
+}
+
+/// Where the GPU MoE calls spent their wall time (`deltafin_model::gpu::MoeSplit`, which only a CUDA build has).
+#[derive(Clone, Copy, Default)]
+struct MoeTimes {
+    calls: u64,
+    total: f64,
+    reads: f64,
+    queue: f64,
+    overlap: f64,
+    finish: f64,
+}
+
+/// The GPU's share of the open: staged uploads (total, copies, waits for a buffer, allocations) and the kernels'
+/// compile and load (zeros on the CPU).
+#[derive(Clone, Copy, Default)]
+struct OpenGpuTimes {
+    upload: f64,
+    copy: f64,
+    wait: f64,
+    alloc: f64,
+    compile: f64,
+    load: f64,
+}
+
+impl OpenGpuTimes {
+    /// The counters right after the open (the staged uploads so far are the spine's; streamed layers upload later).
+    fn of(engine: &Engine) -> Self {
+        #[cfg(feature = "cuda")]
+        if let Some((s, (compile, load))) = engine.gpu_staging_stats() {
+            return Self {
+                upload: s.secs,
+                copy: s.copy_secs,
+                wait: s.wait_secs,
+                alloc: s.alloc_secs,
+                compile,
+                load,
+            };
+        }
+        let _ = engine;
+        Self::default()
     }
 }
 
@@ -332,23 +381,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
-    // The staged uploads so far are the open's (the spine); streamed layers upload later.
-    #[cfg(feature = "cuda")]
-    let open_staging =
-        engine
-            .gpu_staging_stats()
-            .map_or((0.0, 0.0, 0.0, 0.0, 0.0, 0.0), |(s, init)| {
-                (
-                    s.secs,
-                    s.copy_secs,
-                    s.wait_secs,
-                    s.alloc_secs,
-                    init.0,
-                    init.1,
-                )
-            });
-    #[cfg(not(feature = "cuda"))]
-    let open_staging = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let open_gpu = OpenGpuTimes::of(&engine);
     let warm_experts = if args.warm_experts {
         engine.warm_expert_cache()?
     } else {
@@ -398,7 +431,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     let (io0, stats0, p0, spine0) = start.context("no token was generated")?;
     let hbm_after = hbm_rate(args.hbm_mib)?;
     let gpu_upload = GpuUploads::of(&engine).since(gpu_upload0);
-    let moe_split = gpu_upload.split();
+    let moe = gpu_upload.moe_times();
     let stats = engine.expert_stats();
     let p = engine.profile().since(&p0);
     let spine = engine.spine_reads();
@@ -472,12 +505,12 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         disk_bytes_per_s: disk_rate,
         open_s,
         open_read_wait_s: engine.open_reads().wait_secs,
-        open_upload_s: open_staging.0,
-        open_upload_copy_s: open_staging.1,
-        open_upload_wait_s: open_staging.2,
-        open_upload_alloc_s: open_staging.3,
-        gpu_kernels_compile_s: open_staging.4,
-        gpu_kernels_load_s: open_staging.5,
+        open_upload_s: open_gpu.upload,
+        open_upload_copy_s: open_gpu.copy,
+        open_upload_wait_s: open_gpu.wait,
+        open_upload_alloc_s: open_gpu.alloc,
+        gpu_kernels_compile_s: open_gpu.compile,
+        gpu_kernels_load_s: open_gpu.load,
         open_read_bytes,
         open_disk_before_bytes_per_s: open_disk_before,
         open_disk_after_bytes_per_s: open_disk_after,
@@ -490,12 +523,12 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         gpu_expert_upload_s: gpu_upload.helper_s,
         gpu_expert_direct_bytes: gpu_upload.direct_bytes,
         gpu_expert_upload_dma_s: gpu_upload.dma_s,
-        gpu_moe_calls: moe_split.0,
-        gpu_moe_s: moe_split.1,
-        gpu_moe_reads_s: moe_split.2,
-        gpu_moe_queue_s: moe_split.3,
-        gpu_moe_overlap_s: moe_split.4,
-        gpu_moe_finish_s: moe_split.5,
+        gpu_moe_calls: moe.calls,
+        gpu_moe_s: moe.total,
+        gpu_moe_reads_s: moe.reads,
+        gpu_moe_queue_s: moe.queue,
+        gpu_moe_overlap_s: moe.overlap,
+        gpu_moe_finish_s: moe.finish,
         prefetch_reads: pf(&stats).reads - pf(&stats0).reads,
         prefetch_wasted: pf(&stats).wasted - pf(&stats0).wasted,
         prefetch_wanted: pf(&stats).wanted - pf(&stats0).wanted,
