@@ -142,8 +142,8 @@ pub struct SpineSource {
     stored_bytes: u64,
     read_bytes: AtomicU64,
     reads: AtomicU64,
-    /// Nanoseconds callers were blocked in reads.
-    wait_nanos: AtomicU64,
+    /// The layer reader's wait counter (`ReadStats::wait_ns`) when the read counters were last reset.
+    wait_base_ns: AtomicU64,
     /// Told every spine byte read while set (the progress of an open).
     progress: std::sync::Mutex<Option<Arc<dyn Progress + Send>>>,
     /// Reads a decoder layer's tensors in one direct-I/O batch (for the streamed spine and the load at open).
@@ -166,10 +166,11 @@ pub struct SpineReadStats {
     pub bytes: u64,
     /// Tensors read (an int8 weight counts its values and its scales as two).
     pub reads: u64,
-    /// Seconds the callers were blocked in those reads (a layer read ahead may have landed already).
+    /// Seconds the callers were blocked waiting for those reads to land (the layer reader's pool counts them; a layer
+    /// read ahead may have landed already).
     pub wait_secs: f64,
-    /// I/O buffers the layer reader has mapped since the source was opened (not reset: a steady streamed pass
-    /// reuses its buffers and adds none).
+    /// I/O buffers the layer reader has mapped since the source was opened (not reset; a pass whose reads all find
+    /// a buffer given back adds none).
     pub buffers_allocated: u64,
 }
 
@@ -230,7 +231,7 @@ impl SpineSource {
             read_bytes: AtomicU64::new(0),
             progress: std::sync::Mutex::new(None),
             reads: AtomicU64::new(0),
-            wait_nanos: AtomicU64::new(0),
+            wait_base_ns: AtomicU64::new(0),
             layers,
         })
     }
@@ -267,11 +268,16 @@ impl SpineSource {
 
     /// Bytes and reads since open or the last [`Self::reset_reads`].
     pub fn read_stats(&self) -> SpineReadStats {
+        let pool = self.layers.pool_stats();
         SpineReadStats {
             bytes: self.read_bytes.load(Ordering::Relaxed),
             reads: self.reads.load(Ordering::Relaxed),
-            wait_secs: self.wait_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
-            buffers_allocated: self.layers.buffers_allocated(),
+            wait_secs: pool
+                .wait_ns
+                .saturating_sub(self.wait_base_ns.load(Ordering::Relaxed))
+                as f64
+                * 1e-9,
+            buffers_allocated: pool.buffers_allocated,
         }
     }
 
@@ -279,7 +285,8 @@ impl SpineSource {
     pub fn reset_reads(&self) {
         self.read_bytes.store(0, Ordering::Relaxed);
         self.reads.store(0, Ordering::Relaxed);
-        self.wait_nanos.store(0, Ordering::Relaxed);
+        self.wait_base_ns
+            .store(self.layers.pool_stats().wait_ns, Ordering::Relaxed);
     }
 
     /// The int8 copy's values and scales of `name`, when the int8 copy is in use and has it.
@@ -290,7 +297,6 @@ impl SpineSource {
     /// The bytes of a stored tensor: with its whole layer in one batch when it belongs to a decoder layer, else
     /// alone.
     fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<SpanBytes> {
-        let started = std::time::Instant::now();
         let files = match (origin, &self.int8) {
             (Origin::Int8, Some(f)) => f,
             _ => &*self.files,
@@ -313,8 +319,6 @@ impl SpineSource {
             },
         };
         self.count(bytes.len());
-        self.wait_nanos
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(bytes)
     }
 

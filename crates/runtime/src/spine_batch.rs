@@ -103,9 +103,10 @@ impl LayerReader {
         })
     }
 
-    /// I/O buffers the reader's pool has mapped so far (each one pages the kernel had to zero first).
-    pub fn buffers_allocated(&self) -> u64 {
-        self.pool.stats().buffers_allocated
+    /// The counters of the reader's pool: among them the time callers waited for its reads (the batches of
+    /// [`Self::take`] and [`Self::read_one`]) and the buffers it mapped (each one pages the kernel had to zero first).
+    pub fn pool_stats(&self) -> deltafin_storage::ReadStats {
+        self.pool.stats()
     }
 
     /// One tensor that belongs to no decoder layer (the head, the embedding, the final norm) read alone with direct
