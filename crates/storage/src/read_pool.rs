@@ -300,7 +300,11 @@ impl BufferPool {
     /// The smallest free buffer of at least `len` bytes that wastes no more than `len` again, or a new one.
     ///
     /// Best fit keeps a streamed layer's mix of 176 MB projections and small vectors from taking each other's
-    /// buffers, which would make the next large read allocate afresh and the pool grow past a layer's worth.
+    /// buffers, which would make the next large read allocate afresh and the pool grow past a layer's worth. When
+    /// none fits, the others stay for the reads they fit (a model whose layers alternate between two kinds, KDA and
+    /// MLA, needs both kinds' sizes); only a full list gives up its smallest buffer, so it does not fill up with
+    /// useless ones. A new buffer is fresh pages the kernel zeroes (and, with a GPU hook, a page-locking), so
+    /// reusing one is worth far more than the idle memory.
     fn take(&self, len: usize) -> io::Result<AlignedBuf> {
         {
             let mut free = self.lock();
@@ -315,18 +319,25 @@ impl BufferPool {
             if let Some(i) = fit {
                 return Ok(free.swap_remove(i));
             }
-            // None fits: drop the smallest, so the list does not fill up with useless buffers.
-            if let Some(i) = free
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, b)| b.cap)
-                .map(|(i, _)| i)
+            // None fits: with the list full, drop the smallest, so it does not fill up with useless buffers.
+            if free.len() >= self.max_idle
+                && let Some(i) = free
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, b)| b.cap)
+                    .map(|(i, _)| i)
             {
                 free.swap_remove(i);
             }
         }
         self.allocated.fetch_add(1, Ordering::Relaxed);
         AlignedBuf::with_hook(len, self.hook.as_ref())
+    }
+
+    /// Unmaps every idle buffer (their pages go back to the system).
+    fn release_idle(&self) {
+        let idle = std::mem::take(&mut *self.lock());
+        drop(idle);
     }
 
     fn give_back(&self, buf: AlignedBuf) {
@@ -590,6 +601,12 @@ impl ReadPool {
             .counters
             .wait_ns
             .fetch_add(waited.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Unmaps the idle buffers kept for reuse, for a pool that will read little from now on (a spine reader once
+    /// the model is loaded with nothing left to stream). Later reads map fresh buffers.
+    pub fn release_idle_buffers(&self) {
+        self.shared.buffers.release_idle();
     }
 
     /// The counters so far.
@@ -862,6 +879,41 @@ mod tests {
         let b = pool.take(BUF_GRANULE).expect("reuse");
         assert_eq!(b.ptr.as_ptr() as usize, addr);
         assert_eq!(pool.allocated.load(Ordering::Relaxed), 1);
+    }
+
+    /// A read that fits no idle buffer gets a new one and leaves the idle ones for the reads they fit (two kinds of
+    /// layer alternating), until the list is full; then its smallest buffer gives way. Releasing empties the list.
+    #[test]
+    fn a_misfit_keeps_the_idle_buffers_until_the_list_is_full() {
+        let pool = BufferPool {
+            free: Mutex::new(Vec::new()),
+            max_idle: 2,
+            allocated: AtomicU64::new(0),
+            hook: None,
+        };
+        let (small, large) = (BUF_GRANULE, 8 * BUF_GRANULE);
+        let a = pool.take(small).expect("alloc");
+        pool.give_back(a);
+        // Too large for the idle buffer: a new one, and the small one stays.
+        let b = pool.take(large).expect("alloc");
+        assert_eq!(pool.lock().len(), 1);
+        pool.give_back(b);
+        assert_eq!(pool.allocated.load(Ordering::Relaxed), 2);
+        // Both sizes now come from the list.
+        let (a, b) = (
+            pool.take(small).expect("reuse"),
+            pool.take(large).expect("reuse"),
+        );
+        assert_eq!(pool.allocated.load(Ordering::Relaxed), 2);
+        pool.give_back(a);
+        pool.give_back(b);
+        // A third size with the list full: the smallest idle buffer gives way.
+        let c = pool.take(3 * large).expect("alloc");
+        assert_eq!(pool.lock().len(), 1);
+        assert!(pool.lock()[0].cap >= large, "the large buffer stayed");
+        pool.give_back(c);
+        pool.release_idle();
+        assert!(pool.lock().is_empty());
     }
 
     /// Every buffer starts on a huge page boundary, whatever its length (an expert's span is 17.5 MB), and all of
