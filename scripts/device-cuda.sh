@@ -1,7 +1,8 @@
 #!/bin/bash
 # CUDA measurements on the H200 machine (issue 20), in few calls. Steps (all by default, or those named in
 # $STEPS):
-#   kernels  cuda_kernels: every MoE kernel family and the dense GEMM against the scalar references
+#   kernels  cuda_kernels: every MoE kernel family and the dense GEMM against the scalar references (only the tests
+#            whose names contain $KFILTER, when set)
 #   fixtures cuda_fixtures: CUDA logits against the CPU f32 path on every fixture
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
 #   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS
@@ -36,7 +37,8 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 peak() { python3 -c 'import resource,subprocess,sys; r=subprocess.run(sys.argv[1:]).returncode; print("exit", r, "peak_rss_gib", round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/2**20, 2))' "$@"; }
 if has kernels; then
   step "cuda_kernels"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  timeout 300 bin/cuda_kernels --test-threads 1 --nocapture 2>&1 | grep -E "worst|test |result" | tee "$OUT/cuda_kernels.txt"
+  timeout 300 bin/cuda_kernels ${KFILTER:-} --test-threads 1 --nocapture 2>&1 | grep -E "worst|test |result|kernels:" \
+    | tee "$OUT/cuda_kernels.txt"
 fi
 if has fixtures; then
   step "cuda_fixtures"
@@ -83,7 +85,7 @@ print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['atte
       f"{d['attn_device_s'] / n * 1e3:.2f} ms = {d['attn_device_s'] / n / bound:.3f}x of {bound * 1e3:.2f} ms at "
       f"{rate / 1e12:.3f} TB/s; experts up {d['gpu_expert_uploaded_bytes'] / n / 1e9:.2f} GB/token in "
       f"{d['gpu_expert_upload_s'] / n:.3f} s ({d.get('gpu_expert_direct_bytes', 0) / max(d['gpu_expert_uploaded_bytes'], 1):.0%} "
-      f"without staging); open {d.get('open_s', 0):.1f} s")
+      f"without staging); open {d.get('open_s', 0):.1f} s; expert buffers mapped {d.get('expert_buffers_allocated', 0) / n:.1f}/token")
 h2d = (d.get("h2d_pinned_before_bytes_per_s", 0) + d.get("h2d_pinned_after_bytes_per_s", 0)) / 2
 if h2d > 0 and d["gpu_expert_upload_s"] > 0:
     up = d["gpu_expert_uploaded_bytes"] / d["gpu_expert_upload_s"]
@@ -103,7 +105,10 @@ if "open_read_wait_s" in d:
     print("open s: " + ", ".join(f"{k[5:-2] or 'total'} {d.get(k, 0):.2f}" for k in
           ("open_s", "open_read_wait_s", "open_upload_s", "open_upload_copy_s", "open_upload_wait_s",
            "open_upload_alloc_s")) + f"; kernels compile {d.get('gpu_kernels_compile_s', 0):.2f} s, load "
-          f"{d.get('gpu_kernels_load_s', 0):.2f} s")
+          f"{d.get('gpu_kernels_load_s', 0):.2f} s" + (" (from the cache)" if d.get("gpu_kernels_cached") else ""))
+    print(f"open phases s: before load {d.get('open_before_load_s', 0):.2f}, load {d.get('open_load_s', 0):.2f}, after "
+          f"{d.get('open_after_load_s', 0):.2f}; uploads straight from read buffers "
+          f"{d.get('open_upload_direct_bytes', 0) / 1e9:.1f} GB; spine buffers mapped {d.get('open_spine_buffers_allocated', 0)}")
 PY
     done
   done

@@ -73,6 +73,9 @@ struct Report {
     /// I/O buffers the spine reader mapped while decoding (fresh pages the kernel zeroed; 0 when every streamed
     /// layer reads into buffers it reused).
     spine_buffers_allocated: u64,
+    /// I/O buffers the expert reader mapped while decoding (on a GPU each is also page-locked: a registration the
+    /// reads wait for; 0 when every read reused a buffer).
+    expert_buffers_allocated: u64,
     streamed_layers: usize,
     proc_read_bytes: u64,
     cache_hits: u64,
@@ -125,9 +128,20 @@ struct Report {
     open_upload_copy_s: f64,
     open_upload_wait_s: f64,
     open_upload_alloc_s: f64,
-    /// On a GPU, the seconds its kernels took to compile (NVRTC) and to load (the driver) when it was opened.
+    /// Of the open's uploads, the bytes that went up straight from page-locked read buffers (no staging copy).
+    open_upload_direct_bytes: u64,
+    /// I/O buffers the spine reader mapped during the open (each one fresh pages, on a GPU also page-locked).
+    open_spine_buffers_allocated: u64,
+    /// The open's phases (`Engine::open_times`): before the model load (headers, expert map, plan, device), the
+    /// load, and after it.
+    open_before_load_s: f64,
+    open_load_s: f64,
+    open_after_load_s: f64,
+    /// On a GPU, the seconds its kernels took to compile (NVRTC; 0 when they came from the kernel cache) and to load
+    /// (the driver) when it was opened, and whether the kernel cache held them.
     gpu_kernels_compile_s: f64,
     gpu_kernels_load_s: f64,
+    gpu_kernels_cached: bool,
     /// Expert spans read through a fresh read pool right before and right after `Engine::open` (distinct spans, none
     /// of them read by the open), bytes/s: the storage bound of the open, measured around it (0 when
     /// `--disk-spans` is 0).
@@ -303,22 +317,26 @@ struct OpenGpuTimes {
     copy: f64,
     wait: f64,
     alloc: f64,
+    direct_bytes: u64,
     compile: f64,
     load: f64,
+    cached: bool,
 }
 
 impl OpenGpuTimes {
     /// The counters right after the open (the staged uploads so far are the spine's; streamed layers upload later).
     fn of(engine: &Engine) -> Self {
         #[cfg(feature = "cuda")]
-        if let Some((s, (compile, load))) = engine.gpu_staging_stats() {
+        if let Some((s, k)) = engine.gpu_staging_stats() {
             return Self {
                 upload: s.secs,
                 copy: s.copy_secs,
                 wait: s.wait_secs,
                 alloc: s.alloc_secs,
-                compile,
-                load,
+                direct_bytes: s.direct_bytes,
+                compile: k.compile_secs,
+                load: k.load_secs,
+                cached: k.from_cache,
             };
         }
         let _ = engine;
@@ -339,6 +357,11 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
     } else {
         0.0
     };
+    // The GPU probes below open the device: with the engine's kernel cache, as the engine would.
+    #[cfg(feature = "cuda")]
+    if args.hbm_mib > 0 {
+        deltafin_runtime::shared_gpu(&options.device)?;
+    }
     let hbm_before = hbm_rate(args.hbm_mib)?;
     let mut gpu_upload0 = GpuUploads::default();
     let per_token_buffer = (args.membw_per_token_gib > 0.0).then(|| {
@@ -473,6 +496,8 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
             - spine0.reads,
         spine_read_bytes,
         spine_buffers_allocated: spine.buffers_allocated - spine0.buffers_allocated,
+        expert_buffers_allocated: stats.reader.disk.buffers_allocated
+            - stats0.reader.disk.buffers_allocated,
         streamed_layers: engine.streamed_layers().len(),
         proc_read_bytes: proc_read_bytes() - io0,
         cache_hits: stats.cache.hits - stats0.cache.hits,
@@ -509,8 +534,14 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         open_upload_copy_s: open_gpu.copy,
         open_upload_wait_s: open_gpu.wait,
         open_upload_alloc_s: open_gpu.alloc,
+        open_upload_direct_bytes: open_gpu.direct_bytes,
+        open_spine_buffers_allocated: engine.open_reads().buffers_allocated,
+        open_before_load_s: engine.open_times().before_load_secs,
+        open_load_s: engine.open_times().load_secs,
+        open_after_load_s: engine.open_times().after_load_secs,
         gpu_kernels_compile_s: open_gpu.compile,
         gpu_kernels_load_s: open_gpu.load,
+        gpu_kernels_cached: open_gpu.cached,
         open_read_bytes,
         open_disk_before_bytes_per_s: open_disk_before,
         open_disk_after_bytes_per_s: open_disk_after,

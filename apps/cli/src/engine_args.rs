@@ -140,6 +140,7 @@ impl EngineArgs {
         if let Some(d) = dev {
             o.device.pref = d;
         }
+        o.device.kernel_cache = Some(crate::paths::root_dir().join("kernels"));
         Ok(o)
     }
 }

@@ -324,7 +324,7 @@ pub fn decode(
 
 /// Host-to-device rates of `mib`-MiB uploads, medians of `reps` after one warm-up each: copies from a pinned buffer
 /// (the link's rate, the bound issue 20 holds uploads to; event-timed by `copy_rate::pinned_upload_rate`), the engine's staged uploads from pageable memory
-/// (`Gpu::upload_staged`: CPU copies into two pinned buffers overlapped with their DMA) and plain pageable uploads
+/// (`Gpu::upload_large`: CPU copies into two pinned buffers overlapped with their DMA) and plain pageable uploads
 /// (`Gpu::upload`). Prints one JSON line.
 pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
     let gpu = Gpu::shared()?;
@@ -345,7 +345,7 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
     };
     let pinned_rate = deltafin_quant::cuda::copy_rate::pinned_upload_rate(&gpu, bytes, reps)?;
     let staged_rate = timed(&mut || {
-        let (buf, done) = gpu.upload_staged(&host)?;
+        let (buf, done) = gpu.upload_large(&host)?;
         match done {
             Some(ev) => ev.synchronize()?,
             None => gpu.synchronize()?,

@@ -44,7 +44,7 @@ impl std::fmt::Display for DevicePref {
 }
 
 /// Device choice and GPU knobs for loading a model.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct DeviceOptions {
     /// Requested device.
     pub pref: DevicePref,
@@ -58,10 +58,13 @@ pub struct DeviceOptions {
     /// At most this many spine layers stay on the GPU (the first ones); the rest are streamed even when the
     /// budget would hold them (default: as many as fit).
     pub gpu_layers: Option<usize>,
-    /// Routed experts go up through a pinned staging copy even where their read buffers could be page-locked.
-    /// Default `false`: the expert read pool's buffers are page-locked and experts go up straight from them (tests
-    /// set it to run the staging path too).
-    pub stage_expert_uploads: bool,
+    /// Uploads (routed experts, spine tensors) go through a pinned staging copy even where their read buffers could
+    /// be page-locked. Default `false`: the read pools' buffers are page-locked and weights go up straight from
+    /// them (tests set it to run the staging path too).
+    pub stage_uploads: bool,
+    /// A directory for the GPU kernels compiled for this machine's GPU, so that later opens load them instead of
+    /// compiling (`None`: compile at every open). The frontends pass `{root}/kernels`.
+    pub kernel_cache: Option<std::path::PathBuf>,
 }
 
 impl DeviceOptions {

@@ -502,6 +502,55 @@ fn device_is_usable_or_clearly_unavailable() {
     }
 }
 
+/// The compiled kernels are kept per architecture: the first open compiles and stores them, the next loads them
+/// (and they run), and a damaged entry is compiled again and replaced rather than loaded.
+#[test]
+fn kernels_are_compiled_once_and_cached() {
+    use deltafin_quant::cuda::copy_rate::copy_times;
+    let dir = std::env::temp_dir().join(format!("deltafin-kernels-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let entries = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&dir)
+            .expect("the cache directory")
+            .map(|e| e.expect("entry").path())
+            .collect()
+    };
+    let first = Gpu::open(0, Some(&dir)).expect("open, compiling");
+    let k = first.kernel_init();
+    assert!(!k.from_cache && k.compile_secs > 0.0, "{k:?}");
+    let files = entries();
+    assert_eq!(files.len(), 1, "one entry: {files:?}");
+    assert!(files[0].extension().is_some_and(|e| e == "cubin"));
+    let second = Gpu::open(0, Some(&dir)).expect("open from the cache");
+    let k2 = second.kernel_init();
+    assert!(k2.from_cache && k2.compile_secs == 0.0, "{k2:?}");
+    eprintln!(
+        "kernels: compile {:.2} s + load {:.3} s; from the cache: load {:.3} s",
+        k.compile_secs, k.load_secs, k2.load_secs
+    );
+    assert!(
+        copy_times(&second, 1 << 20, 2)
+            .expect("a cached kernel runs")
+            .kernel_us
+            > 0.0
+    );
+    let mut bytes = std::fs::read(&files[0]).expect("read the entry");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&files[0], &bytes).expect("damage the entry");
+    let third = Gpu::open(0, Some(&dir)).expect("open past a damaged entry");
+    assert!(
+        !third.kernel_init().from_cache,
+        "a damaged entry is not loaded"
+    );
+    assert_ne!(
+        std::fs::read(&files[0]).expect("reread"),
+        bytes,
+        "and it is replaced"
+    );
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
 /// The copy-rate probes benchmarks are held against: the size is rounded down to whole 16-byte words, both copies are
 /// timed, the rates are plausible memory and link rates, and a copy under one word (or of no bytes) is refused.
 #[test]

@@ -41,6 +41,7 @@ pub struct Engine {
     spine: Arc<SpineSource>,
     /// The spine reads the open made (bytes, tensors, seconds blocked in them).
     open_reads: SpineReadStats,
+    open_times: OpenTimes,
     /// Spine bytes per layer as served (int8 copy or shards).
     layer_bytes: Vec<u64>,
     fingerprint: u32,
@@ -72,6 +73,7 @@ impl Engine {
         options: EngineOptions,
         progress: Option<Arc<dyn Progress + Send>>,
     ) -> Result<Self> {
+        let opening = std::time::Instant::now();
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(RuntimeError::NoConfig(dir.to_path_buf()));
@@ -93,6 +95,7 @@ impl Engine {
             Arc::clone(&files),
             options.spine,
             Some(budget),
+            gpu_pins(&options),
         )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
@@ -178,7 +181,9 @@ impl Engine {
             p.start("open", pinned + fixed_bytes + embed);
             spine.set_progress(Some(Arc::clone(p)));
         }
+        let loading = std::time::Instant::now();
         let loaded = Model::load_streamed(cfg, src, &options.device, &plan.resident);
+        let model_secs = loading.elapsed().as_secs_f64();
         spine.set_progress(None);
         if let Some(p) = &progress {
             p.finish();
@@ -205,6 +210,9 @@ impl Engine {
         let open_reads = spine.read_stats();
         spine.reset_reads();
         let streamed = model.streamed_layers();
+        if streamed.is_empty() {
+            spine.release_idle_buffers();
+        }
         spine.set_order(
             streamed
                 .iter()
@@ -230,7 +238,7 @@ impl Engine {
                 cache_budget as f64 / GIB
             );
             // The expert read buffers are page-locked, so experts go up straight from where they were read.
-            if !options.device.stage_expert_uploads {
+            if !options.device.stage_uploads {
                 pool.buffer_hook = Some(Arc::new(crate::gpu_pins::GpuPins::new(gpu)));
             }
         }
@@ -266,9 +274,20 @@ impl Engine {
             model,
             spine,
             open_reads,
+            open_times: OpenTimes {
+                before_load_secs: (loading - opening).as_secs_f64(),
+                load_secs: model_secs,
+                after_load_secs: (opening.elapsed() - (loading - opening)).as_secs_f64()
+                    - model_secs,
+            },
             layer_bytes,
             experts,
         })
+    }
+
+    /// Where [`Self::open`]'s time went.
+    pub fn open_times(&self) -> OpenTimes {
+        self.open_times
     }
 
     /// The spine reads made while the model was opened (bytes, tensors, and the seconds the load was blocked in
@@ -278,10 +297,17 @@ impl Engine {
     }
 
     /// Host-to-device uploads through the GPU's pinned staging buffers since open began (the spine at open; streamed
-    /// layers after), and the seconds the GPU's kernels took to compile and to load; `None` on the CPU.
+    /// layers after), and how the GPU's kernels were compiled or taken from the cache; `None` on the CPU.
     #[cfg(feature = "cuda")]
-    pub fn gpu_staging_stats(&self) -> Option<(deltafin_quant::cuda::StagingStats, (f64, f64))> {
-        self.model.gpu().map(|g| (g.staging_stats(), g.init_secs()))
+    pub fn gpu_staging_stats(
+        &self,
+    ) -> Option<(
+        deltafin_quant::cuda::StagingStats,
+        deltafin_quant::cuda::KernelInit,
+    )> {
+        self.model
+            .gpu()
+            .map(|g| (g.staging_stats(), g.kernel_init()))
     }
 
     /// Experts not yet on local disk (a streaming install still filling); `None` for a full install.
@@ -511,4 +537,34 @@ fn check_experts(dir: &Path, cfg: &ModelConfig, map: &ExpertMap) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The phases of [`Engine::open`], in seconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OpenTimes {
+    /// Reading the shard headers, building the expert map, planning memory, opening the spine source (and on a GPU
+    /// opening the device, its kernels compiled or taken from the cache).
+    pub before_load_secs: f64,
+    /// Loading the model: reading the resident spine and building its layers (on a GPU, uploading them).
+    pub load_secs: f64,
+    /// The expert store, tokenizer and the rest after the load.
+    pub after_load_secs: f64,
+}
+
+/// The spine reader's buffer hook: on a GPU (whatever the model then keeps there) its buffers are page-locked, so
+/// spine tensors go up straight from where they were read, with no staging copy. `None` on the CPU, where CUDA is
+/// unavailable (the model's load then says why), or when `stage_uploads` asks for the staging path.
+#[cfg(feature = "cuda")]
+fn gpu_pins(options: &EngineOptions) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
+    if options.device.pref == deltafin_model::DevicePref::Cpu || options.device.stage_uploads {
+        return None;
+    }
+    let gpu = crate::shared_gpu(&options.device).ok()?;
+    Some(Arc::new(crate::gpu_pins::GpuPins::new(&gpu)))
+}
+
+/// Without CUDA there is nothing to page-lock for.
+#[cfg(not(feature = "cuda"))]
+fn gpu_pins(_options: &EngineOptions) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
+    None
 }

@@ -1,6 +1,6 @@
-//! The expert read pool's hook on a GPU: every I/O buffer is page-locked when it is mapped and unlocked before it is
-//! unmapped, so the GPU expert cache uploads an expert straight out of the buffer it was read into (the DMA engine
-//! reads it; no staging copy through the CPU). See `deltafin_model::gpu` (experts) and `deltafin_quant::cuda`
+//! The read pools' hook on a GPU: every I/O buffer is page-locked when it is mapped and unlocked before it is
+//! unmapped, so the GPU expert cache uploads an expert, and the model a spine tensor, straight out of the buffer it
+//! was read into (the DMA engine reads it; no staging copy through the CPU). See `deltafin_model::gpu` (experts) and `deltafin_quant::cuda`
 //! (`host_pins`).
 
 use std::sync::Arc;
@@ -27,9 +27,7 @@ impl GpuPins {
 
     fn warn_once(&self, what: &str, e: &dyn std::fmt::Display) {
         if !self.warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "{what}: {e}; expert uploads from such buffers go through a staging copy"
-            );
+            tracing::warn!("{what}: {e}; uploads from such buffers go through a staging copy");
         }
     }
 }

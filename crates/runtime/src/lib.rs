@@ -34,10 +34,19 @@ pub use deltafin_quant::cuda::copy_rate::copy_rate as device_copy_rate;
 /// The host-to-device link's rate from pinned memory (bytes/s), the bound uploads are held against.
 #[cfg(feature = "cuda")]
 pub use deltafin_quant::cuda::copy_rate::upload_rate as pinned_upload_rate;
+/// The process's GPU (device 0), opened with `device`'s kernel cache by the first call; later calls return the same
+/// device whatever their options. The engine opens it this way; benchmarks call it before their own GPU probes so
+/// that those load the cached kernels too.
+#[cfg(feature = "cuda")]
+pub fn shared_gpu(
+    device: &DeviceOptions,
+) -> deltafin_quant::Result<std::sync::Arc<deltafin_quant::cuda::Gpu>> {
+    deltafin_quant::cuda::Gpu::shared_with_cache(device.kernel_cache.as_deref())
+}
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
 pub use deltafin_quant::{flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
-pub use engine::Engine;
+pub use engine::{Engine, OpenTimes};
 pub use error::{Result, RuntimeError};
 pub use expert_cache::CacheStats;
 pub use expert_store::ExpertStats;

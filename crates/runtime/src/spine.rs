@@ -148,6 +148,10 @@ pub struct SpineSource {
     progress: std::sync::Mutex<Option<Arc<dyn Progress + Send>>>,
     /// Reads a decoder layer's tensors in one direct-I/O batch (for the streamed spine and the load at open).
     layers: LayerReader,
+    /// Bytes served per decoder layer prefix, and for the whole spine (each a scan of every tensor's name, which at
+    /// K3's half a million expert tensors takes tens of milliseconds: done once here).
+    layer_served: HashMap<String, u64>,
+    total_served: u64,
 }
 
 /// Bytes of the spine (every non-expert tensor) as stored in the shards.
@@ -175,11 +179,13 @@ pub struct SpineReadStats {
 }
 
 impl SpineSource {
-    /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`).
+    /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`); `buffer_hook`
+    /// hears of the layer reader's I/O buffers (see [`LayerReader::new`]).
     pub fn open(
         files: Arc<ModelFiles>,
         mode: SpineMode,
         budget_bytes: Option<u64>,
+        buffer_hook: Option<Arc<dyn deltafin_storage::BufferHook>>,
     ) -> Result<Self> {
         let path = files.dir().join(INT8_SPINE_FILE);
         let stored_bytes = spine_bytes(&files);
@@ -223,7 +229,20 @@ impl SpineSource {
                 }),
             }
         }
-        let layers = LayerReader::new(&files, int8.as_ref(), by_layer)?;
+        let layer_served = by_layer
+            .iter()
+            .map(|(prefix, stored)| (prefix.clone(), stored.iter().map(|s| s.info.len).sum()))
+            .collect();
+        let total_served = files
+            .tensors()
+            .filter(|t| !t.name.contains(".experts."))
+            .map(|t| {
+                int8.as_ref()
+                    .and_then(|f| int8_parts_of(f, &t.name))
+                    .map_or(t.len, |(q, s)| q.len + s.len)
+            })
+            .sum();
+        let layers = LayerReader::new(&files, int8.as_ref(), by_layer, buffer_hook)?;
         Ok(Self {
             files,
             int8,
@@ -233,7 +252,15 @@ impl SpineSource {
             reads: AtomicU64::new(0),
             wait_base_ns: AtomicU64::new(0),
             layers,
+            layer_served,
+            total_served,
         })
+    }
+
+    /// Unmaps the layer reader's idle I/O buffers: for a model that streams no layer, the buffers the load read
+    /// into (on a GPU, page-locked) are of no further use.
+    pub fn release_idle_buffers(&self) {
+        self.layers.release_idle_buffers();
     }
 
     /// Bytes of the spine as stored in the shards (bf16), whichever copy is served.
@@ -249,6 +276,12 @@ impl SpineSource {
     /// Bytes a [`WeightSource::load`] of every spine tensor whose name starts with `prefix` reads (from the int8
     /// copy where it serves the tensor). `prefix` `""` gives the whole spine as served.
     pub fn served_bytes(&self, prefix: &str) -> u64 {
+        if prefix.is_empty() {
+            return self.total_served;
+        }
+        if layer_prefix(prefix) == Some(prefix) {
+            return self.layer_served.get(prefix).copied().unwrap_or(0);
+        }
         self.files
             .tensors()
             .filter(|t| t.name.starts_with(prefix) && !t.name.contains(".experts."))

@@ -74,11 +74,13 @@ pub(crate) fn layer_prefix(name: &str) -> Option<&str> {
 }
 
 impl LayerReader {
-    /// A reader over `files` (and the int8 copy, when in use) for the layers listed in `layers`.
+    /// A reader over `files` (and the int8 copy, when in use) for the layers listed in `layers`; `buffer_hook` hears
+    /// of its I/O buffers (on a GPU they are page-locked, so tensors go up straight from where they were read).
     pub fn new(
         files: &ModelFiles,
         int8: Option<&ModelFiles>,
         layers: HashMap<String, Vec<Stored>>,
+        buffer_hook: Option<Arc<dyn deltafin_storage::BufferHook>>,
     ) -> Result<Self, StorageError> {
         let open = |f: &ModelFiles| -> Result<Vec<Arc<PoolFile>>, StorageError> {
             f.shards()
@@ -90,7 +92,7 @@ impl LayerReader {
             pool: ReadPool::new(&ReadPoolOptions {
                 threads: SPINE_READ_THREADS,
                 max_idle_buffers: SPINE_IDLE_BUFFERS,
-                buffer_hook: None,
+                buffer_hook,
                 piece_bytes: deltafin_storage::PIECE_BYTES,
             })?,
             shards: open(files)?,
@@ -107,6 +109,11 @@ impl LayerReader {
     /// [`Self::take`] and [`Self::read_one`]) and the buffers it mapped (each one pages the kernel had to zero first).
     pub fn pool_stats(&self) -> deltafin_storage::ReadStats {
         self.pool.stats()
+    }
+
+    /// Unmaps the pool's idle buffers (see [`deltafin_storage::ReadPool::release_idle_buffers`]).
+    pub fn release_idle_buffers(&self) {
+        self.pool.release_idle_buffers();
     }
 
     /// One tensor that belongs to no decoder layer (the head, the embedding, the final norm) read alone with direct

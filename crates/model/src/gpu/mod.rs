@@ -68,8 +68,10 @@ pub(crate) fn started_timer<'a>(
 pub(crate) fn open(opts: &DeviceOptions) -> Result<Option<Arc<Gpu>>> {
     match opts.pref {
         DevicePref::Cpu => Ok(None),
-        DevicePref::Cuda => Gpu::shared().map(Some).map_err(cuda_err),
-        DevicePref::Auto => match Gpu::shared() {
+        DevicePref::Cuda => Gpu::shared_with_cache(opts.kernel_cache.as_deref())
+            .map(Some)
+            .map_err(cuda_err),
+        DevicePref::Auto => match Gpu::shared_with_cache(opts.kernel_cache.as_deref()) {
             Ok(g) => Ok(Some(g)),
             Err(e) => {
                 tracing::warn!("K3_DEV=auto: {e}; running on the CPU");

@@ -135,11 +135,11 @@ impl DeviceMatrix {
         // f32 and bf16 values go up from where they lie (the device is little-endian, like every host this
         // builds for); row-wise int8 is dequantised to f32 first.
         let (buf, ready) = match m.data() {
-            DenseData::F32(v) => gpu.upload_staged(le_bytes(v))?,
-            DenseData::Bf16(v) => gpu.upload_staged(le_bytes(v))?,
+            DenseData::F32(v) => gpu.upload_large(le_bytes(v))?,
+            DenseData::Bf16(v) => gpu.upload_large(le_bytes(v))?,
             DenseData::Int8 { .. } => {
                 let vals: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
-                gpu.upload_staged(le_bytes(&vals))?
+                gpu.upload_large(le_bytes(&vals))?
             }
         };
         Ok(Some(Self {

@@ -7,13 +7,15 @@
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
 //! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream),
-//! `host_pins` (host buffers page-locked in place, so uploads from them need no staging),
+//! `host_pins` (host buffers page-locked in place, so uploads from them need no staging), `kernel_cache` (the
+//! compiled kernels kept on disk per architecture),
 //! [`rows`] (a layer's activation rows up and down through reused pinned buffers), [`copy_rate`] (event timing and
 //! the device copy rate benchmarks are held against).
 
 pub mod copy_rate;
 pub mod dense;
 mod host_pins;
+mod kernel_cache;
 pub mod moe;
 pub mod rows;
 mod upload;
@@ -112,6 +114,37 @@ pub fn kernel_source() -> String {
     src
 }
 
+/// The module of `source`'s kernels for `arch`, through the cache in `cache_dir`. A cached cubin the driver refuses
+/// is dropped from the cache and the kernels are compiled afresh.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    source: &str,
+    arch: (i32, i32),
+    cache_dir: Option<&std::path::Path>,
+) -> Result<(Arc<CudaModule>, KernelInit)> {
+    let compiled = kernel_cache::kernels(source, arch, cache_dir)?;
+    let loading = std::time::Instant::now();
+    let load = |cubin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin));
+    let (module, compiled) = match (load(compiled.cubin.clone()), cache_dir) {
+        (Ok(m), _) => (m, compiled),
+        (Err(e), Some(dir)) if compiled.from_cache => {
+            tracing::warn!("the driver refused the cached kernels ({e}); compiling them again");
+            kernel_cache::forget(source, arch, dir);
+            let fresh = kernel_cache::kernels(source, arch, Some(dir))?;
+            let m = load(fresh.cubin.clone())
+                .map_err(|e| driver_err("loading the kernel module", e))?;
+            (m, fresh)
+        }
+        (Err(e), _) => return Err(driver_err("loading the kernel module", e)),
+    };
+    let init = KernelInit {
+        compile_secs: compiled.compile_secs,
+        load_secs: loading.elapsed().as_secs_f64(),
+        from_cache: compiled.from_cache,
+    };
+    Ok((module, init))
+}
+
 /// Wraps a driver error with what was being done.
 pub(crate) fn driver_err(what: &str, e: impl std::fmt::Display) -> QuantError {
     QuantError::Cuda(format!("{what}: {e}"))
@@ -152,9 +185,8 @@ pub struct Gpu {
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
     smem_optin: usize,
-    /// Seconds the kernels took to compile (NVRTC) and to load (the driver, which compiles the PTX for the device
-    /// unless its cache holds the result) when the device was opened.
-    init_secs: (f64, f64),
+    /// How the kernels were obtained when the device was opened.
+    init: KernelInit,
     /// Blocks of the dense GEMM the whole device runs at once (SMs × blocks per SM): what its column split is
     /// chosen against ([`dense::DeviceMatrix`]).
     dense_slots: usize,
@@ -176,16 +208,36 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
+/// How a device's kernels were obtained when it was opened.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KernelInit {
+    /// Seconds NVRTC took to compile them (0 when they came from the cache).
+    pub compile_secs: f64,
+    /// Seconds the driver took to load them.
+    pub load_secs: f64,
+    /// Whether the compiled kernels came from the on-disk cache.
+    pub from_cache: bool,
+}
+
 impl Gpu {
-    /// The process-wide device 0, opened and compiled on first use. Later calls return the same device, or the
-    /// same error.
+    /// The process-wide device 0, opened on first use with its kernels compiled (no cache). Later calls return the
+    /// same device, or the same error.
     pub fn shared() -> Result<Arc<Gpu>> {
-        static GPU: OnceLock<std::result::Result<Arc<Gpu>, QuantError>> = OnceLock::new();
-        GPU.get_or_init(|| Gpu::open(0).map(Arc::new)).clone()
+        Self::shared_with_cache(None)
     }
 
-    /// Opens device `ordinal`, compiles the kernels with NVRTC for its architecture and loads them.
-    pub fn open(ordinal: usize) -> Result<Gpu> {
+    /// [`Self::shared`], the first call taking the compiled kernels from `kernel_cache` (a directory) when it holds
+    /// them for this device's architecture and this build, and storing them there otherwise. Later calls return
+    /// the device the first one opened, whatever their directory.
+    pub fn shared_with_cache(kernel_cache: Option<&std::path::Path>) -> Result<Arc<Gpu>> {
+        static GPU: OnceLock<std::result::Result<Arc<Gpu>, QuantError>> = OnceLock::new();
+        GPU.get_or_init(|| Gpu::open(0, kernel_cache).map(Arc::new))
+            .clone()
+    }
+
+    /// Opens device `ordinal` and loads the kernels compiled for its architecture: from `kernel_cache` when it holds
+    /// them, else compiled by NVRTC (and stored there when a directory is given).
+    pub fn open(ordinal: usize, kernel_cache: Option<&std::path::Path>) -> Result<Gpu> {
         probe_libraries()?;
         let unavailable = |what: &str, e: cudarc::driver::DriverError| {
             QuantError::CudaUnavailable(format!("{what}: {e}"))
@@ -215,25 +267,8 @@ impl Gpu {
             .max(48 * 1024) as usize
             // Headroom for the kernels' static shared memory (a few bytes).
             - 1024;
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![
-                format!("--gpu-architecture=compute_{major}{minor}"),
-                "--std=c++17".to_string(),
-            ],
-            use_fast_math: Some(false),
-            ..Default::default()
-        };
-        let compiling = std::time::Instant::now();
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts)
-            .map_err(|e| QuantError::Cuda(format!("compiling kernels/*.cu with NVRTC: {e}")))?;
-        let loading = std::time::Instant::now();
-        let module = ctx
-            .load_module(ptx)
-            .map_err(|e| driver_err("loading the kernel module", e))?;
-        let init_secs = (
-            (loading - compiling).as_secs_f64(),
-            loading.elapsed().as_secs_f64(),
-        );
+        let source = kernel_source();
+        let (module, init) = load_kernels(&ctx, &source, (major, minor), kernel_cache)?;
         let mut functions = HashMap::new();
         for (name, big_smem) in KERNELS {
             let f = module
@@ -289,7 +324,7 @@ impl Gpu {
             functions,
             name: format!("{name} (sm_{major}{minor})"),
             smem_optin,
-            init_secs,
+            init,
             dense_slots: sms * per_sm,
             unified,
             staging: upload::Staging::default(),
@@ -309,10 +344,9 @@ impl Gpu {
         &self.name
     }
 
-    /// Seconds the kernels took to compile (NVRTC) and to load (the driver's compile of the PTX for this device,
-    /// unless its cache had it) when the device was opened.
-    pub fn init_secs(&self) -> (f64, f64) {
-        self.init_secs
+    /// How the kernels were obtained when the device was opened (compile and load seconds, from the cache or not).
+    pub fn kernel_init(&self) -> KernelInit {
+        self.init
     }
 
     /// The context (bind it before using the device from another thread: [`Self::bind`]).

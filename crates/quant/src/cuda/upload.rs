@@ -1,8 +1,10 @@
-//! Large host-to-device uploads (spine matrices) through pinned staging buffers on the upload stream, so that an
-//! upload runs at the link's rate and beside the kernels of the compute stream instead of between them.
+//! Large host-to-device uploads (spine matrices) on the upload stream, so that an upload runs at the link's rate and
+//! beside the kernels of the compute stream instead of between them.
 //!
-//! The bytes go in pieces of [`PIECE`] through two pinned buffers: while one piece is in flight the next is copied
-//! into the other buffer (by the CPU threads). The destination is allocated on the upload stream and the upload
+//! Bytes that lie in page-locked memory (a read buffer registered by [`Gpu::pin_host`]) go up in one copy straight
+//! from there, and the call waits for it, so the caller may reuse the bytes once it returns. Other bytes go in pieces
+//! of [`PIECE`] through two pinned staging buffers: while one piece is in flight the next is copied into the other
+//! buffer (by the CPU threads). The destination is allocated on the upload stream and the upload
 //! ends with an event; whoever reads the buffer on another stream waits for that event first
 //! ([`super::dense::DeviceMatrix`] does before each product). Where pinned memory cannot be had, the upload falls
 //! back to a plain copy on the compute stream (no event needed).
@@ -36,7 +38,7 @@ pub(crate) struct Staging {
     stats: Mutex<StagingStats>,
 }
 
-/// Where [`Gpu::upload_staged`]'s time went, summed over its calls (the host's wall time of each step).
+/// Where [`Gpu::upload_large`]'s time went, summed over its calls (the host's wall time of each step).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct StagingStats {
     /// Calls.
@@ -47,8 +49,11 @@ pub struct StagingStats {
     pub secs: f64,
     /// Of those, copying into the pinned buffers (all CPU threads at once).
     pub copy_secs: f64,
-    /// Of those, waiting for a pinned buffer's previous copy to the device to finish.
+    /// Of those, waiting for a pinned buffer's previous copy to the device to finish, or for a copy straight from
+    /// page-locked memory.
     pub wait_secs: f64,
+    /// Of `bytes`, those that went up straight from page-locked memory (no staging copy).
+    pub direct_bytes: u64,
     /// Of those, allocating the destinations in device memory.
     pub alloc_secs: f64,
 }
@@ -57,8 +62,11 @@ impl Gpu {
     /// Copies `src` to a new device buffer, returning it with the event that marks the end of the copy (`None`
     /// when the copy ran on the compute stream). The caller must wait for the event on any other stream before
     /// reading the buffer; the buffer is freed on the upload stream, so its last reader must be done by then (every
-    /// product here ends with a download that waits for it).
-    pub fn upload_staged(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
+    /// product here ends with a download that waits for it). `src` is no longer read once this returns.
+    pub fn upload_large(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
+        if self.is_pinned(src) {
+            return self.upload_pinned(src);
+        }
         let started = Instant::now();
         let (mut copy_secs, mut wait_secs) = (0.0, 0.0);
         let mut guard = self
@@ -136,7 +144,35 @@ impl Gpu {
         Ok((dst, Some(done)))
     }
 
-    /// What [`Self::upload_staged`] has done so far.
+    /// [`Self::upload_large`] of bytes inside a page-locked range: one copy on the upload stream, waited for.
+    fn upload_pinned(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
+        let started = Instant::now();
+        let copy = &self.copy_stream;
+        // SAFETY: every byte of the buffer is written by the copy below before anyone reads it.
+        let mut dst = unsafe { copy.alloc::<u8>(src.len().max(1)) }
+            .map_err(|e| driver_err("device allocation", e))?;
+        let alloc_secs = started.elapsed().as_secs_f64();
+        copy.memcpy_htod(src, &mut dst.slice_mut(0..src.len()))
+            .map_err(|e| driver_err("upload from page-locked memory", e))?;
+        let done = copy
+            .record_event(None)
+            .map_err(|e| driver_err("recording an upload", e))?;
+        let t = Instant::now();
+        // The DMA reads `src` until the event: the caller may hand the bytes back to its read pool on return.
+        done.synchronize()
+            .map_err(|e| driver_err("waiting for an upload", e))?;
+        let wait_secs = t.elapsed().as_secs_f64();
+        let mut stats = self.staging.stats.lock().unwrap_or_else(|e| e.into_inner());
+        stats.uploads += 1;
+        stats.bytes += src.len() as u64;
+        stats.direct_bytes += src.len() as u64;
+        stats.secs += started.elapsed().as_secs_f64();
+        stats.wait_secs += wait_secs;
+        stats.alloc_secs += alloc_secs;
+        Ok((dst, Some(done)))
+    }
+
+    /// What [`Self::upload_large`] has done so far.
     pub fn staging_stats(&self) -> StagingStats {
         *self.staging.stats.lock().unwrap_or_else(|e| e.into_inner())
     }
