@@ -7,6 +7,7 @@
 //! - `kda-bw`: one launch of `kda_layer` (a KDA layer between its products) at K3's shape against a device copy.
 //! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
 //! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
+//! - `read-into`: direct reads of expert-sized spans into pageable, registered and driver-allocated pinned buffers.
 //!
 //! Built without the `cuda` feature it only says so.
 
@@ -14,6 +15,8 @@
 mod bench;
 #[cfg(feature = "cuda")]
 mod kda;
+#[cfg(all(feature = "cuda", target_os = "linux"))]
+mod read_into;
 
 use clap::{Parser, Subcommand};
 
@@ -43,7 +46,7 @@ enum Cmd {
         #[arg(long, default_value = "tensor,fold,gemm,tiles", value_delimiter = ',')]
         kernels: Vec<String>,
     },
-    /// Host-to-device upload rate: the engine's staged uploads (`Gpu::upload_staged`) and plain pageable ones,
+    /// Host-to-device upload rate: the engine's staged uploads (`Gpu::upload_large`) and plain pageable ones,
     /// against copies from pinned memory (the link's rate) in the same process.
     UploadBw {
         /// MiB per upload (a streamed K3 layer is about 1,270).
@@ -73,6 +76,25 @@ enum Cmd {
         /// Timed repetitions per size (median reported).
         #[arg(long, default_value_t = 200)]
         reps: usize,
+    },
+    /// Direct reads of random spans of a file into pageable, registered (`cuMemHostRegister`) and driver-allocated
+    /// (`cuMemHostAlloc`) host buffers (Linux).
+    ReadInto {
+        /// The file read (a large file of holes measures the buffers, not the disk).
+        #[arg(long)]
+        file: std::path::PathBuf,
+        /// Bytes per read (default: one K3 expert).
+        #[arg(long, default_value_t = 17_547_264)]
+        span: usize,
+        /// Reader thread counts.
+        #[arg(long, default_value = "4,8", value_delimiter = ',')]
+        threads: Vec<usize>,
+        /// GiB read per kind and thread count.
+        #[arg(long, default_value_t = 16.0)]
+        gib: f64,
+        /// Rounds over all kinds.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
     },
     /// Write a synthetic model.
     Synth {
@@ -145,6 +167,16 @@ fn main() -> anyhow::Result<()> {
                 splits,
             } => bench::dense_bw(&tokens, reps, &splits),
             Cmd::KdaBw { tokens, reps } => kda::kda_bw(&tokens, reps),
+            #[cfg(target_os = "linux")]
+            Cmd::ReadInto {
+                file,
+                span,
+                threads,
+                gib,
+                rounds,
+            } => read_into::read_into(&file, span, &threads, gib, rounds),
+            #[cfg(not(target_os = "linux"))]
+            Cmd::ReadInto { .. } => anyhow::bail!("read-into runs on Linux only"),
             Cmd::Synth { .. } => Ok(()),
         }
     }
