@@ -14,11 +14,14 @@ use deltafin_storage::{
 };
 
 /// Reads in flight for spine layers (beside the expert reads).
-const SPINE_READ_THREADS: usize = 4;
+const SPINE_READ_THREADS: usize = 8;
 /// Streamed layers whose batches are read ahead of the one being built. One: with the layer computing and the
 /// built one waiting for it, three streamed layers are in memory at once (the weights are used in the buffers they
 /// were read into, so a layer has no second copy); the engine charges that to the memory budget.
 pub(crate) const READ_AHEAD_LAYERS: usize = 1;
+/// Layers read ahead while the model loads (the order is read once): each one read early is one the load keeps
+/// (resident on the CPU; on a GPU uploaded and its buffers reused), so it costs no memory the plan does not count.
+const OPEN_READ_AHEAD_LAYERS: usize = 2;
 /// Idle I/O buffers kept for reuse: a whole layer's tensors (a few dozen), so a finished layer's buffers take the
 /// next read instead of fresh pages, which the kernel would have to zero first.
 const SPINE_IDLE_BUFFERS: usize = 48;
@@ -179,7 +182,12 @@ impl LayerReader {
         let Some(pos) = st.order.iter().position(|p| p == prefix) else {
             return Ok(());
         };
-        for ahead in 1..=READ_AHEAD_LAYERS {
+        let depth = if st.cyclic {
+            READ_AHEAD_LAYERS
+        } else {
+            OPEN_READ_AHEAD_LAYERS
+        };
+        for ahead in 1..=depth {
             if !st.cyclic && pos + ahead >= st.order.len() {
                 break;
             }
