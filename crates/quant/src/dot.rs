@@ -114,23 +114,53 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
         // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
         let mut acc: Vec<F32Acc> = vec![unsafe { std::mem::zeroed() }; rows.len() * tokens];
         let full = n / BLOCK * BLOCK;
-        // SAFETY (every call below): AVX-512F, AVX2 and FMA present; rows and inputs of one length, the span whole
-        // blocks within them, and `acc` holding every product (checked above).
-        macro_rules! tile {
-            ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
-                $(
-                    if $width == $t {
-                        let x: [&[f32]; $t] = std::array::from_fn(|k| xs[$t0 + k]);
-                        let w: [&[f32]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
-                        unsafe {
-                            dot_f32_tile::<$r, $t>(w, x, $span, &mut acc[$r0 * tokens + $t0..], tokens)
-                        };
-                    }
-                )+
-            }};
-        }
+        // Weight rows that do not start on a cache line (a `Vec<f32>` from the allocator usually does not) are copied
+        // block by block onto whole lines first: a 64-byte load across two lines costs the L1 two accesses, and every
+        // weight vector of a block is loaded once per tile of inputs. The values and their order are unchanged.
+        let realign = tokens > TILE_TOKENS
+            && rows
+                .iter()
+                .any(|w| !(w.as_ptr() as usize).is_multiple_of(64));
+        let mut block = if realign {
+            crate::aligned::Lines::zeroed(rows.len() * TILE_BLOCK)
+        } else {
+            crate::aligned::Lines::zeroed(0)
+        };
+        let all_rows = rows;
+        let all_xs = xs;
         for b0 in (0..full).step_by(TILE_BLOCK) {
-            let span = (b0, (b0 + TILE_BLOCK).min(full));
+            let b1 = (b0 + TILE_BLOCK).min(full);
+            let (block_rows, block_xs, span) = if realign {
+                for (dst, w) in block.chunks_exact_mut(TILE_BLOCK).zip(all_rows) {
+                    dst[..b1 - b0].copy_from_slice(&w[b0..b1]);
+                }
+                (
+                    block
+                        .chunks_exact(TILE_BLOCK)
+                        .map(|d| &d[..b1 - b0])
+                        .collect(),
+                    all_xs.iter().map(|x| &x[b0..b1]).collect(),
+                    (0, b1 - b0),
+                )
+            } else {
+                (all_rows.to_vec(), all_xs.to_vec(), (b0, b1))
+            };
+            let (rows, xs) = (&block_rows[..], &block_xs[..]);
+            // SAFETY (every call below): AVX-512F, AVX2 and FMA present; rows and inputs of one length, the span
+            // whole blocks within them, and `acc` holding every product (checked above).
+            macro_rules! tile {
+                ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
+                    $(
+                        if $width == $t {
+                            let x: [&[f32]; $t] = std::array::from_fn(|k| xs[$t0 + k]);
+                            let w: [&[f32]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
+                            unsafe {
+                                dot_f32_tile::<$r, $t>(w, x, $span, &mut acc[$r0 * tokens + $t0..], tokens)
+                            };
+                        }
+                    )+
+                }};
+            }
             for t0 in (0..tokens).step_by(TILE_TOKENS) {
                 let width = TILE_TOKENS.min(tokens - t0);
                 let mut r0 = 0;
