@@ -91,11 +91,12 @@ impl Engine {
         };
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
+        let on_gpu = gpu_in_use(&options);
         let spine = Arc::new(SpineSource::open(
             Arc::clone(&files),
             options.spine,
             Some(budget),
-            gpu_pins(&options),
+            gpu_pins(&options, on_gpu),
         )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
@@ -155,10 +156,12 @@ impl Engine {
             }
             crate::PrefillChunk::Tokens(_) => reserved_chunk,
         };
-        // The resident layers are read in order, each while the one before it is built.
+        // The layers the load reads are read in order, each while the ones before it are built: the resident ones
+        // on the CPU; on a GPU every layer, as the GPU's own memory plan loads them all (in order, the last ones
+        // only checked when they do not fit; a read ahead that is not asked for is dropped).
         spine.set_order(
             (0..n_layers)
-                .filter(|&l| plan.resident[l])
+                .filter(|&l| on_gpu || plan.resident[l])
                 .map(|l| layer_prefixes[l].clone())
                 .collect(),
             false,
@@ -167,7 +170,6 @@ impl Engine {
         // the host keeps (an all-resident plan streams nothing on the CPU).
         let src: deltafin_model::SharedWeightSource = spine.clone();
         if let Some(p) = &progress {
-            let on_gpu = options.device.pref != deltafin_model::DevicePref::Cpu;
             let pinned: u64 = (0..n_layers)
                 .filter(|&l| on_gpu || plan.resident[l])
                 .map(|l| layer_bytes[l])
@@ -551,12 +553,29 @@ pub struct OpenTimes {
     pub after_load_secs: f64,
 }
 
-/// The spine reader's buffer hook: on a GPU (whatever the model then keeps there) its buffers are page-locked, so
-/// spine tensors go up straight from where they were read, with no staging copy. `None` on the CPU, where CUDA is
-/// unavailable (the model's load then says why), or when `stage_uploads` asks for the staging path.
+/// Whether the model will load onto a GPU: one is asked for (`cuda`, or `auto`) and opens. Where CUDA is unavailable
+/// the model's load says why (`cuda`) or falls back to the CPU (`auto`).
 #[cfg(feature = "cuda")]
-fn gpu_pins(options: &EngineOptions) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
-    if options.device.pref == deltafin_model::DevicePref::Cpu || options.device.stage_uploads {
+fn gpu_in_use(options: &EngineOptions) -> bool {
+    options.device.pref != deltafin_model::DevicePref::Cpu
+        && crate::shared_gpu(&options.device).is_ok()
+}
+
+/// Without CUDA the model loads on the CPU.
+#[cfg(not(feature = "cuda"))]
+fn gpu_in_use(_options: &EngineOptions) -> bool {
+    false
+}
+
+/// The spine reader's buffer hook: on a GPU (whatever the model then keeps there) its buffers are page-locked, so
+/// spine tensors go up straight from where they were read, with no staging copy. `None` on the CPU, or when
+/// `stage_uploads` asks for the staging path.
+#[cfg(feature = "cuda")]
+fn gpu_pins(
+    options: &EngineOptions,
+    on_gpu: bool,
+) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
+    if !on_gpu || options.device.stage_uploads {
         return None;
     }
     let gpu = crate::shared_gpu(&options.device).ok()?;
@@ -565,6 +584,9 @@ fn gpu_pins(options: &EngineOptions) -> Option<Arc<dyn deltafin_storage::BufferH
 
 /// Without CUDA there is nothing to page-lock for.
 #[cfg(not(feature = "cuda"))]
-fn gpu_pins(_options: &EngineOptions) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
+fn gpu_pins(
+    _options: &EngineOptions,
+    _on_gpu: bool,
+) -> Option<Arc<dyn deltafin_storage::BufferHook>> {
     None
 }
