@@ -77,16 +77,17 @@ pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
     dot_ref(w, &permute_input(x))
 }
 
-/// How far ahead of each row the AVX-512 kernels prefetch (0: not at all), chosen once from the cores this process
-/// may use. With many cores reading at once, each core's share of memory bandwidth needs more lines in flight than
-/// the hardware prefetchers keep: on the 16-core device host a GEMV at K3's width read 0.83 of the memory rate
-/// without and 0.96 with 16 KiB ahead (`gemv_sweep`). On two cores the same prefetch made decode slower (1.41 →
-/// 1.48–1.74 × its bound), so below [`PREFETCH_MIN_CORES`] there is none.
+/// How far ahead of each row the AVX-512 kernels prefetch (0: not at all), chosen once from the CPU and the cores this
+/// process may use. An Intel core keeps too few lines in flight for its share of memory bandwidth without help: on
+/// the 16-core device host (Intel) a GEMV at K3's width read 0.83 of the memory rate without and 0.96 with 16 KiB
+/// ahead (`gemv_sweep`), and on two Intel vCPUs decode went from 1.37–1.44 to 1.29–1.37 × its bound (8 KiB ahead:
+/// 1.34–1.40, 32 KiB: 1.26–1.32 with slower tokens). On two AMD vCPUs the same prefetch made decode slower (1.41 →
+/// 1.48–1.74 × its bound), so other CPUs prefetch from [`PREFETCH_MIN_CORES`] up only.
 pub fn prefetch_bytes() -> usize {
     static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *AHEAD.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if cores >= PREFETCH_MIN_CORES {
+        if cores >= PREFETCH_MIN_CORES || crate::simd::is_intel() {
             16 << 10
         } else {
             0
@@ -94,7 +95,7 @@ pub fn prefetch_bytes() -> usize {
     })
 }
 
-/// Cores from which the bf16 kernels prefetch ([`prefetch_bytes`]).
+/// Cores from which the bf16 kernels prefetch on CPUs other than Intel's ([`prefetch_bytes`]).
 pub const PREFETCH_MIN_CORES: usize = 8;
 
 /// `Σ w·x` against the permuted input `xp`, on the fastest path this CPU has (bit-identical to [`dot_ref`]).
@@ -220,6 +221,28 @@ pub fn dot_tiles(rows: &[&[u16]], xps: &[&[f32]], out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prefetch choice follows its rule: the vendor CPUID reports (checked against what Linux reports) and the
+    /// core count.
+    #[test]
+    fn prefetch_follows_the_vendor_and_the_cores() {
+        #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+        {
+            let info = std::fs::read_to_string("/proc/cpuinfo").expect("cpuinfo");
+            let linux_says = info
+                .lines()
+                .find(|l| l.starts_with("vendor_id"))
+                .is_some_and(|l| l.trim_end().ends_with("GenuineIntel"));
+            assert_eq!(crate::simd::is_intel(), linux_says);
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let want = if cores >= PREFETCH_MIN_CORES || crate::simd::is_intel() {
+            16 << 10
+        } else {
+            0
+        };
+        assert_eq!(prefetch_bytes(), want);
+    }
 
     #[test]
     fn permutation_splits_each_chunk_by_parity_and_pads() {

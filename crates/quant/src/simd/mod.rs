@@ -60,6 +60,24 @@ pub fn has_avx512_vnni() -> bool {
     *HAS.get_or_init(|| has_avx512() && std::arch::is_x86_feature_detected!("avx512vnni"))
 }
 
+/// Whether the CPU is Intel's (`GenuineIntel` in CPUID leaf 0); read once. Where the best memory access pattern
+/// differs between vendors ([`crate::bf16_contract::prefetch_bytes`]), the kernels ask.
+pub fn is_intel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static IS: OnceLock<bool> = OnceLock::new();
+        *IS.get_or_init(|| {
+            // CPUID leaf 0 exists on every x86-64 CPU.
+            let id = std::arch::x86_64::__cpuid(0);
+            let vendor = [id.ebx, id.edx, id.ecx].map(u32::to_le_bytes).concat();
+            vendor == b"GenuineIntel"
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Whether the NEON kernels are allowed; NEON is part of the aarch64 baseline, so only `DELTAFIN_NO_SIMD=1`
 /// (for comparisons and debugging) turns them off. Read once.
 #[cfg(target_arch = "aarch64")]
