@@ -121,8 +121,8 @@ struct Report {
     open_s: f64,
     open_read_bytes: u64,
     /// Of `open_s`, the seconds the load was blocked reading spine tensors, and (on a GPU) the seconds inside the
-    /// staged uploads, of which copying into the pinned buffers, waiting for a buffer's previous copy and allocating
-    /// device memory.
+    /// spine uploads (staged, or straight from page-locked read buffers), of which copying into the staging
+    /// buffers, waiting for a copy to the device and allocating device memory.
     open_read_wait_s: f64,
     open_upload_s: f64,
     open_upload_copy_s: f64,

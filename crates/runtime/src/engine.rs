@@ -92,11 +92,13 @@ impl Engine {
         check_experts(dir, &cfg, &map)?;
         let n_layers = cfg.n_layers;
         let on_gpu = gpu_in_use(&options);
+        // One page-locking hook for both read pools (spine and experts) on a GPU.
+        let pins = gpu_pins(&options, on_gpu);
         let spine = Arc::new(SpineSource::open(
             Arc::clone(&files),
             options.spine,
             Some(budget),
-            gpu_pins(&options, on_gpu),
+            pins.clone(),
         )?);
         let spine_int8 = spine.is_int8();
         let spine_bytes = spine.stored_bytes();
@@ -185,7 +187,7 @@ impl Engine {
         }
         let loading = std::time::Instant::now();
         let loaded = Model::load_streamed(cfg, src, &options.device, &plan.resident);
-        let model_secs = loading.elapsed().as_secs_f64();
+        let load_done = std::time::Instant::now();
         spine.set_progress(None);
         if let Some(p) = &progress {
             p.finish();
@@ -226,7 +228,7 @@ impl Engine {
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut cache_budget = plan.expert_cache;
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = model.gpu() {
+        if model.gpu().is_some() {
             // The plan charged the layers it pins as host memory; those the GPU holds freed their host values
             // once uploaded, so their share goes to the RAM expert cache (which feeds the GPU's uploads).
             let freed: u64 = (0..n_layers)
@@ -240,9 +242,7 @@ impl Engine {
                 cache_budget as f64 / GIB
             );
             // The expert read buffers are page-locked, so experts go up straight from where they were read.
-            if !options.device.stage_uploads {
-                pool.buffer_hook = Some(Arc::new(crate::gpu_pins::GpuPins::new(gpu)));
-            }
+            pool.buffer_hook = pins;
         }
         let reader = SpanReader::new(&files, stream, &pool, true)?;
         let mut hasher = crc32fast::Hasher::new();
@@ -278,9 +278,8 @@ impl Engine {
             open_reads,
             open_times: OpenTimes {
                 before_load_secs: (loading - opening).as_secs_f64(),
-                load_secs: model_secs,
-                after_load_secs: (opening.elapsed() - (loading - opening)).as_secs_f64()
-                    - model_secs,
+                load_secs: (load_done - loading).as_secs_f64(),
+                after_load_secs: load_done.elapsed().as_secs_f64(),
             },
             layer_bytes,
             experts,

@@ -208,13 +208,21 @@ impl SpineSource {
         } else {
             None
         };
+        // One pass over the spine's tensors: each layer's batch, and the bytes served (from the int8 copy where it
+        // holds the tensor) per layer and in all.
         let mut by_layer: HashMap<String, Vec<Stored>> = HashMap::new();
+        let mut layer_served: HashMap<String, u64> = HashMap::new();
+        let mut total_served = 0u64;
         for t in files.tensors().filter(|t| !t.name.contains(".experts.")) {
+            let parts = int8.as_ref().and_then(|f| int8_parts_of(f, &t.name));
+            let served = parts.map_or(t.len, |(q, sc)| q.len + sc.len);
+            total_served += served;
             let Some(prefix) = layer_prefix(&t.name) else {
                 continue;
             };
+            *layer_served.entry(prefix.to_string()).or_default() += served;
             let stored = by_layer.entry(prefix.to_string()).or_default();
-            match int8.as_ref().and_then(|f| int8_parts_of(f, &t.name)) {
+            match parts {
                 Some((q, sc)) => {
                     for info in [q, sc] {
                         stored.push(Stored {
@@ -229,19 +237,6 @@ impl SpineSource {
                 }),
             }
         }
-        let layer_served = by_layer
-            .iter()
-            .map(|(prefix, stored)| (prefix.clone(), stored.iter().map(|s| s.info.len).sum()))
-            .collect();
-        let total_served = files
-            .tensors()
-            .filter(|t| !t.name.contains(".experts."))
-            .map(|t| {
-                int8.as_ref()
-                    .and_then(|f| int8_parts_of(f, &t.name))
-                    .map_or(t.len, |(q, s)| q.len + s.len)
-            })
-            .sum();
         let layers = LayerReader::new(&files, int8.as_ref(), by_layer, buffer_hook)?;
         Ok(Self {
             files,

@@ -45,6 +45,8 @@ pub struct StagingStats {
     pub uploads: u64,
     /// Bytes they uploaded.
     pub bytes: u64,
+    /// Of those, the bytes that went up straight from page-locked memory (no staging copy).
+    pub direct_bytes: u64,
     /// Seconds inside the calls.
     pub secs: f64,
     /// Of those, copying into the pinned buffers (all CPU threads at once).
@@ -52,8 +54,6 @@ pub struct StagingStats {
     /// Of those, waiting for a pinned buffer's previous copy to the device to finish, or for a copy straight from
     /// page-locked memory.
     pub wait_secs: f64,
-    /// Of `bytes`, those that went up straight from page-locked memory (no staging copy).
-    pub direct_bytes: u64,
     /// Of those, allocating the destinations in device memory.
     pub alloc_secs: f64,
 }
@@ -134,13 +134,15 @@ impl Gpu {
         let done = copy
             .record_event(None)
             .map_err(|e| driver_err("recording an upload", e))?;
-        let mut stats = self.staging.stats.lock().unwrap_or_else(|e| e.into_inner());
-        stats.uploads += 1;
-        stats.bytes += src.len() as u64;
-        stats.secs += started.elapsed().as_secs_f64();
-        stats.copy_secs += copy_secs;
-        stats.wait_secs += wait_secs;
-        stats.alloc_secs += alloc_secs;
+        self.count_upload(StagingStats {
+            uploads: 1,
+            bytes: src.len() as u64,
+            direct_bytes: 0,
+            secs: started.elapsed().as_secs_f64(),
+            copy_secs,
+            wait_secs,
+            alloc_secs,
+        });
         Ok((dst, Some(done)))
     }
 
@@ -161,15 +163,28 @@ impl Gpu {
         // The DMA reads `src` until the event: the caller may hand the bytes back to its read pool on return.
         done.synchronize()
             .map_err(|e| driver_err("waiting for an upload", e))?;
-        let wait_secs = t.elapsed().as_secs_f64();
-        let mut stats = self.staging.stats.lock().unwrap_or_else(|e| e.into_inner());
-        stats.uploads += 1;
-        stats.bytes += src.len() as u64;
-        stats.direct_bytes += src.len() as u64;
-        stats.secs += started.elapsed().as_secs_f64();
-        stats.wait_secs += wait_secs;
-        stats.alloc_secs += alloc_secs;
+        self.count_upload(StagingStats {
+            uploads: 1,
+            bytes: src.len() as u64,
+            direct_bytes: src.len() as u64,
+            secs: started.elapsed().as_secs_f64(),
+            copy_secs: 0.0,
+            wait_secs: t.elapsed().as_secs_f64(),
+            alloc_secs,
+        });
         Ok((dst, Some(done)))
+    }
+
+    /// Adds one upload's counts to [`Self::staging_stats`].
+    fn count_upload(&self, one: StagingStats) {
+        let mut s = self.staging.stats.lock().unwrap_or_else(|e| e.into_inner());
+        s.uploads += one.uploads;
+        s.bytes += one.bytes;
+        s.direct_bytes += one.direct_bytes;
+        s.secs += one.secs;
+        s.copy_secs += one.copy_secs;
+        s.wait_secs += one.wait_secs;
+        s.alloc_secs += one.alloc_secs;
     }
 
     /// What [`Self::upload_large`] has done so far.
