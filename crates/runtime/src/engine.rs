@@ -74,6 +74,13 @@ impl Engine {
         progress: Option<Arc<dyn Progress + Send>>,
     ) -> Result<Self> {
         let opening = std::time::Instant::now();
+        // A GPU opens (driver, context, kernels) on its own thread while the headers are parsed: the device is one
+        // per process (`shared_gpu`), so whoever asks for it next waits for this opening and gets its outcome.
+        #[cfg(feature = "cuda")]
+        if options.device.pref != deltafin_model::DevicePref::Cpu {
+            let device = options.device.clone();
+            std::thread::spawn(move || crate::shared_gpu(&device).is_ok());
+        }
         let config_path = dir.join("config.json");
         if !config_path.is_file() {
             return Err(RuntimeError::NoConfig(dir.to_path_buf()));
