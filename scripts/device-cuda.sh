@@ -81,8 +81,10 @@ if has bench; then
 import json, statistics, sys
 d = json.load(open(sys.argv[1])); n = d["tokens"]; rate = (d["hbm_before_bytes_per_s"] + d["hbm_after_bytes_per_s"]) / 2
 bound = 72.96e9 / rate  # attention's GPU-resident weights per token at K3's size (docs/PERFORMANCE.md)
+state = 2 * 69 * 96 * 128 * 128 * 4 / rate  # the 69 KDA layers' states, read and written once a token
 print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['attention_s'] / n * 1e3:.2f} ms, GPU "
-      f"{d['attn_device_s'] / n * 1e3:.2f} ms = {d['attn_device_s'] / n / bound:.3f}x of {bound * 1e3:.2f} ms at "
+      f"{d['attn_device_s'] / n * 1e3:.2f} ms = {d['attn_device_s'] / n / bound:.3f}x "
+      f"({d['attn_device_s'] / n / (bound + state):.3f}x with the KDA states) of {bound * 1e3:.2f} ms at "
       f"{rate / 1e12:.3f} TB/s; experts up {d['gpu_expert_uploaded_bytes'] / n / 1e9:.2f} GB/token in "
       f"{d['gpu_expert_upload_s'] / n:.3f} s ({d.get('gpu_expert_direct_bytes', 0) / max(d['gpu_expert_uploaded_bytes'], 1):.0%} "
       f"without staging); open {d.get('open_s', 0):.1f} s; expert buffers mapped {d.get('expert_buffers_allocated', 0) / n:.1f}/token")
