@@ -161,7 +161,7 @@ impl ModelFiles {
             if let Some((tensor, shard)) = index
                 .weight_map
                 .iter()
-                .map(|(t, _)| (t, named[t.as_str()]))
+                .filter_map(|(t, _)| named.get(t.as_str()).map(|&shard| (t, shard)))
                 .find(|(t, shard)| !held.contains(&(t.as_str(), *shard)))
             {
                 return Err(StorageError::TensorNotInShard {
