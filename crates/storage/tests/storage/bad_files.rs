@@ -238,10 +238,18 @@ fn index_not_json() {
 fn index_malformed() {
     let cases = [
         (json!([1, 2]), "not a json object"),
+        (json!("model.safetensors"), "not a json object"),
+        (json!(null), "not a json object"),
         (json!({"metadata": {}}), "no weight_map"),
         (json!({"weight_map": ["a"]}), "weight_map is not an object"),
+        (json!({"weight_map": "a"}), "weight_map is not an object"),
         (json!({"weight_map": {}}), "names no tensors"),
         (json!({"weight_map": {"x": 3}}), "weight_map entry for x"),
+        (
+            json!({"weight_map": {"y": {"shard": "a"}}}),
+            "weight_map entry for y",
+        ),
+        (json!({"weight_map": {"z": null}}), "weight_map entry for z"),
     ];
     for (index, reason) in cases {
         let b = Broken::copy(K3_A);
@@ -253,6 +261,31 @@ fn index_malformed() {
         );
         assert_names(&e, &[INDEX, reason]);
     }
+}
+
+/// Members of the index other than `weight_map` and `metadata`, of any shape and before or after it, are skipped:
+/// the copy opens with the same tensors as the original.
+#[test]
+fn index_members_the_engine_does_not_read_are_skipped() {
+    let b = Broken::copy(K3_A);
+    let want: Vec<String> = ModelFiles::open(b.path())
+        .expect("open the copy")
+        .tensors()
+        .map(|t| t.name.clone())
+        .collect();
+    b.edit_index(|i| {
+        let map = i.as_object_mut().expect("an index object");
+        let weight_map = map.remove("weight_map").expect("a weight_map");
+        map.insert("a_list".into(), json!([1, {"b": [null, true, 2.5]}, "c"]));
+        map.insert("weight_map".into(), weight_map);
+        map.insert("zz_object".into(), json!({"weight_map": 7, "d": {"e": []}}));
+    });
+    let got: Vec<String> = ModelFiles::open(b.path())
+        .expect("open with extra members")
+        .tensors()
+        .map(|t| t.name.clone())
+        .collect();
+    assert_eq!(got, want);
 }
 
 #[test]
