@@ -107,7 +107,8 @@ impl ModelFiles {
     fn open_sharded(dir: &Path, index_path: &Path) -> Result<Self> {
         let index = read_index(index_path)?;
         // Every shard's header at once: K3's 98 headers list half a million tensors, and parsing them one shard
-        // after another took most of a second on fast cores.
+        // after another was the largest step of an open before the weights are read. (Which error is reported
+        // when several shards are broken is then not fixed; each one names its shard.)
         let opened: Vec<(ShardInfo, File, ParsedHeader)> = index
             .shard_names
             .par_iter()
