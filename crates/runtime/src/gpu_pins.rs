@@ -1,7 +1,7 @@
 //! The read pools' hook on a GPU: every I/O buffer is page-locked when it is mapped and unlocked before it is
 //! unmapped, so the GPU expert cache uploads an expert, and the model a spine tensor, straight out of the buffer it
-//! was read into (the DMA engine reads it; no staging copy through the CPU). See `deltafin_model::gpu` (experts) and `deltafin_quant::cuda`
-//! (`host_pins`).
+//! was read into (the DMA engine reads it; no staging copy through the CPU). See `deltafin_model::gpu` (experts)
+//! and `deltafin_quant::cuda` (`host_pins`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
