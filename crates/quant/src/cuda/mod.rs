@@ -122,25 +122,28 @@ fn load_kernels(
     arch: (i32, i32),
     cache_dir: Option<&std::path::Path>,
 ) -> Result<(Arc<CudaModule>, KernelInit)> {
-    let compiled = kernel_cache::kernels(source, arch, cache_dir)?;
+    let kernel_cache::CompiledKernels {
+        cubin,
+        compile_secs,
+        from_cache,
+    } = kernel_cache::kernels(source, arch, cache_dir)?;
     let loading = std::time::Instant::now();
     let load = |cubin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin));
-    let (module, compiled) = match (load(compiled.cubin.clone()), cache_dir) {
-        (Ok(m), _) => (m, compiled),
-        (Err(e), Some(dir)) if compiled.from_cache => {
+    let (module, compile_secs, from_cache) = match (load(cubin), cache_dir) {
+        (Ok(m), _) => (m, compile_secs, from_cache),
+        (Err(e), Some(dir)) if from_cache => {
             tracing::warn!("the driver refused the cached kernels ({e}); compiling them again");
             kernel_cache::forget(source, arch, dir);
             let fresh = kernel_cache::kernels(source, arch, Some(dir))?;
-            let m = load(fresh.cubin.clone())
-                .map_err(|e| driver_err("loading the kernel module", e))?;
-            (m, fresh)
+            let m = load(fresh.cubin).map_err(|e| driver_err("loading the kernel module", e))?;
+            (m, fresh.compile_secs, fresh.from_cache)
         }
         (Err(e), _) => return Err(driver_err("loading the kernel module", e)),
     };
     let init = KernelInit {
-        compile_secs: compiled.compile_secs,
+        compile_secs,
         load_secs: loading.elapsed().as_secs_f64(),
-        from_cache: compiled.from_cache,
+        from_cache,
     };
     Ok((module, init))
 }
