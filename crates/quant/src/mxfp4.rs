@@ -34,14 +34,18 @@ const TILE_ROWS_PER_TASK: usize = 16;
 #[cfg(target_arch = "x86_64")]
 const LANES_MIN_TOKENS: usize = 12;
 /// Rows per task of a product with the inputs across the lanes: a task reads all of its inputs once, so more rows
-/// share that read; 48 rows' decoded block (393 KB), their accumulators at 64 inputs (384 KB) and a block of 64
-/// inputs (512 KB) stay in a 2 MB L2 together.
+/// share that read; 48 rows' accumulators at 64 inputs (384 KB), their packed block with lanes and chunks swapped
+/// (48 KB) and a block of 64 inputs (512 KB) stay in a 2 MB L2 together.
 #[cfg(target_arch = "x86_64")]
 const LANES_ROWS_PER_TASK: usize = 48;
 /// Chunks per block of a product with the inputs across the lanes: two groups of 16 inputs over a block (16 KiB for
 /// one lane `k`) stay in L1 while every row of the task passes over them.
 #[cfg(target_arch = "x86_64")]
-const LANES_BLOCK_CHUNKS: usize = 16;
+const LANES_BLOCK_CHUNKS: usize = crate::simd::avx512_tokens::BLOCK_CHUNKS_MAX;
+/// Rows whose lane is decoded at a time in the products of many inputs (the four rows of the `asm!` tile): a few
+/// KiB, written and read in L1.
+#[cfg(target_arch = "x86_64")]
+const LANES_TILE_ROWS: usize = 4;
 /// Activation rows per piece of a batched product ([`crate::dense::TOKEN_BLOCK`]: a piece's inputs stay in L2).
 const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 
@@ -337,15 +341,15 @@ impl<'a> Mxfp4Matrix<'a> {
     }
 
     /// [`Self::rows_permuted`] for exact f32 inputs laid out across the vector lanes
-    /// (`crate::simd::avx512_tokens::token_lanes`, built only where AVX-512 is present): the task's rows are decoded
-    /// once, then for each block of [`LANES_BLOCK_CHUNKS`] chunks and each lane `k`, tiles of two rows by two
-    /// groups of 16 inputs (four rows by one group where a single group is left) run over the block. Every result is
-    /// bit-identical to [`Self::dot_row_ref`].
+    /// (`crate::simd::avx512_tokens::token_lanes`, built only where AVX-512 is present): for each block of
+    /// [`LANES_BLOCK_CHUNKS`] chunks, each lane `k` and each [`LANES_TILE_ROWS`] rows, that lane of those rows is
+    /// decoded into a buffer that stays in L1, then tiles of the rows by two groups of 16 inputs (one group where a
+    /// single group is left) run over the block. Every result is bit-identical to [`Self::dot_row_ref`].
     #[cfg(target_arch = "x86_64")]
     fn rows_f32_lanes(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
         use crate::simd::avx512_tokens::{
-            GROUP, accumulators_len, block_weights, decode_block, decode_scales, finish,
-            padded_chunks, row_scales, tile, token_lanes_len,
+            GROUP, accumulators_len, block_words, decode_lane, decode_scales, finish, lane_weights,
+            padded_chunks, row_scales, tile, token_lanes_len, transpose_block,
         };
         let n_chunks = mxfp4_contract::chunks(self.cols);
         let n_pad = padded_chunks(self.cols);
@@ -356,9 +360,10 @@ impl<'a> Mxfp4Matrix<'a> {
         }
         let row_bytes: Vec<RowBytes<'a>> =
             (r0..r0 + rows_here).map(|r| self.row_bytes(r)).collect();
-        LANES_SCRATCH.with_borrow_mut(|scratch| {
+        LANES_SCRATCH.with_borrow_mut(|(scratch, words)| {
+            words.resize(block_words(rows_here), 0);
             let [w, sc, acc] = scratch.take(&[
-                block_weights(rows_here, LANES_BLOCK_CHUNKS),
+                lane_weights(LANES_TILE_ROWS),
                 rows_here * row_scales(self.cols),
                 accumulators_len(rows_here, groups),
             ]);
@@ -369,34 +374,41 @@ impl<'a> Mxfp4Matrix<'a> {
             for c0 in (0..n_chunks).step_by(LANES_BLOCK_CHUNKS) {
                 let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n_chunks));
                 let nb = (span.1 - c0).div_ceil(2) * 2;
-                // SAFETY: as above; `w` holds the rows' block of `nb <= LANES_BLOCK_CHUNKS` chunks.
-                unsafe { decode_block(&row_bytes, c0, nb, w) };
-                let w = &*w;
-                // SAFETY (every call below): AVX-512F and FMA present; the decoded block, the multipliers, the
-                // inputs and the accumulators hold every tile's rows and groups, and `span.1 <= n_chunks <= n_pad`.
-                macro_rules! tiles {
-                    ($v:literal, $g:expr, $k:expr, $($r:literal)+) => {{
-                        let mut r = 0;
-                        while r < rows_here {
-                            let left = rows_here - r;
-                            $(
-                                if left >= $r {
-                                    unsafe {
-                                        tile::<$r, $v>((w, nb, sc), xt, (r, $g, $k), span, n_pad, acc, groups)
-                                    };
-                                    r += $r;
-                                    continue;
-                                }
-                            )+
-                        }
-                    }};
-                }
+                // SAFETY: as above; `words` sized for the rows, `nb <= LANES_BLOCK_CHUNKS <= BLOCK_CHUNKS_MAX`.
+                unsafe { transpose_block(&row_bytes, c0, nb, words) };
                 for k in 0..mxfp4_contract::CHUNK_LANES {
-                    for g in (0..groups).step_by(2) {
-                        if groups - g >= 2 {
-                            tiles!(2, g, k, 4 2 1);
-                        } else {
-                            tiles!(1, g, k, 4 2 1);
+                    for q in (0..rows_here).step_by(LANES_TILE_ROWS) {
+                        let rows = LANES_TILE_ROWS.min(rows_here - q);
+                        // SAFETY: as above; `words` holds rows `q .. q + rows`, `w` lane k of `LANES_TILE_ROWS` rows.
+                        unsafe { decode_lane(&words[block_words(q)..], rows, k, w) };
+                        let w = &*w;
+                        // SAFETY (every call below): AVX-512F and FMA present; the decoded lane, the multipliers,
+                        // the inputs and the accumulators hold every tile's rows and groups, and `span.1 <= n_chunks
+                        // <= n_pad`.
+                        macro_rules! tiles {
+                            ($v:literal, $g:expr, $($r:literal)+) => {{
+                                let mut r = 0;
+                                while r < rows {
+                                    let left = rows - r;
+                                    let wr = &w[lane_weights(r)..];
+                                    $(
+                                        if left >= $r {
+                                            unsafe {
+                                                tile::<$r, $v>((wr, sc), xt, (q + r, $g, k), span, n_pad, acc, groups)
+                                            };
+                                            r += $r;
+                                            continue;
+                                        }
+                                    )+
+                                }
+                            }};
+                        }
+                        for g in (0..groups).step_by(2) {
+                            if groups - g >= 2 {
+                                tiles!(2, g, 4 2 1);
+                            } else {
+                                tiles!(1, g, 4 2 1);
+                            }
                         }
                     }
                 }
@@ -633,9 +645,11 @@ type MultiKernel = unsafe fn(&[u8], &[u8], &[u32], usize, &mut [f32]);
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// Per-thread buffers of the tasks that multiply with the inputs across the lanes (decoded rows, multipliers,
-    /// accumulators), kept between tasks: allocated afresh, each task's hundreds of KiB came from new zeroed pages.
-    static LANES_SCRATCH: std::cell::RefCell<Scratch<3>> = std::cell::RefCell::new(Scratch::default());
+    /// Per-thread buffers of the tasks that multiply with the inputs across the lanes (a decoded lane of a few rows,
+    /// multipliers, accumulators; the packed words of a block with lanes and chunks swapped beside them), kept
+    /// between tasks: allocated afresh, each task's hundreds of KiB came from new zeroed pages.
+    static LANES_SCRATCH: std::cell::RefCell<(Scratch<3>, Vec<u32>)> =
+        std::cell::RefCell::new((Scratch::default(), Vec::new()));
 }
 
 /// `N` reusable, line-aligned f32 buffers.

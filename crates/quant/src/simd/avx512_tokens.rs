@@ -13,8 +13,8 @@
 //! - inputs ([`token_lanes`]): group `g` of 16 inputs, lane `k`, chunk `c`, code `s`, input `t` at
 //!   `(g · 16 + k) · stride + (c · 8 + s) · 16 + t` (`stride` = `n_pad · 128` and one line): for one `k` a group's
 //!   chunks are contiguous, so a block of them stays in L1 while every row of a task passes over it;
-//! - rows, a block of chunks at a time ([`decode_block`]): for one `k`, a row's chunks are 32 contiguous bytes each;
-//!   their multipliers group by group for the whole row ([`decode_scales`]).
+//! - rows, one lane of a few rows over a block of chunks at a time ([`decode_lane`]): a row's chunks are 32
+//!   contiguous bytes each; their multipliers group by group for the whole row ([`decode_scales`]).
 
 use std::arch::x86_64::*;
 
@@ -60,9 +60,17 @@ pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
     t_rows.div_ceil(GROUP) * CHUNK_LANES * lane_stride(padded_chunks(cols))
 }
 
-/// Values of the decoded weights of `rows` rows over a block of `nb` chunks ([`decode_block`]).
-pub fn block_weights(rows: usize, nb: usize) -> usize {
-    rows * CHUNK_LANES * nb * CODES_PER_LANE
+/// Values of the decoded weights of lane `k` of `rows` rows over a block of chunks ([`decode_lane`]).
+pub fn lane_weights(rows: usize) -> usize {
+    rows * CODES_PER_LANE * BLOCK_CHUNKS_MAX
+}
+
+/// Most chunks in a block of [`transpose_block`]: a lane's words of a row's block fill one cache line.
+pub const BLOCK_CHUNKS_MAX: usize = 16;
+
+/// 32-bit words of [`transpose_block`]`(rows, ..)`.
+pub fn block_words(rows: usize) -> usize {
+    rows * CHUNK_LANES * BLOCK_CHUNKS_MAX
 }
 
 /// Values of one decoded row's multipliers ([`decode_scales`]).
@@ -75,55 +83,98 @@ fn row_scales_per_row(n_pad: usize) -> usize {
     n_pad * CHUNK / MXFP4_GROUP
 }
 
-/// Decodes chunks `c0 .. c0 + nb` (`nb` even) of MXFP4 rows (`(packed, scales)`) into `w`, [`block_weights`]`(rows,
-/// nb)` values: weight `s` of lane `k` of chunk `c0 + j` of row `r` at `((r · 16 + k) · nb + j) · 8 + s` (for one `k`,
-/// a row's chunks are 32 contiguous bytes each). Exact; past a row's end the weights are 0, as the contract reads
-/// them. A task decodes one block at a time, so the decoded block stays in L2 beside the block's inputs.
+/// The packed words of chunks `c0 .. c0 + nb` (`nb <=` [`BLOCK_CHUNKS_MAX`]) of MXFP4 rows (`(packed, scales)`) with
+/// lanes and chunks swapped: word `k` of chunk `c0 + j` of row `r` at `(r · 16 + k) · 16 + j` of `words`
+/// ([`block_words`]`(rows.len())` words), 0 past a row's end and past `nb`. One lane of a row's block is then one
+/// cache line, which [`decode_lane`] reads for all of its chunks; decoding straight from the chunks read every
+/// chunk's line once per lane.
 ///
 /// # Safety
-/// The CPU must support AVX-512F; `w` holds [`block_weights`]`(rows.len(), nb)` values.
+/// The CPU must support AVX-512F; `words` holds [`block_words`]`(rows.len())` words.
 #[target_feature(enable = "avx512f")]
-pub unsafe fn decode_block(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, w: &mut [f32]) {
-    debug_assert!(nb.is_multiple_of(2) && w.len() >= block_weights(rows.len(), nb));
+pub unsafe fn transpose_block(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, words: &mut [u32]) {
+    debug_assert!(nb <= BLOCK_CHUNKS_MAX && words.len() >= block_words(rows.len()));
+    for (r, (packed, _)) in rows.iter().enumerate() {
+        let mut v: [__m512i; BLOCK_CHUNKS_MAX] = std::array::from_fn(|j| {
+            if j < nb {
+                // SAFETY: chunk words masked at the row's end (zero past it).
+                unsafe { chunk_words(packed, c0 + j) }
+            } else {
+                _mm512_setzero_si512()
+            }
+        });
+        transpose16(&mut v);
+        for (k, lane) in v.iter().enumerate() {
+            let at = (r * CHUNK_LANES + k) * BLOCK_CHUNKS_MAX;
+            // SAFETY: `at .. at + 16` lies in row r's words.
+            unsafe { _mm512_storeu_si512(words.as_mut_ptr().add(at) as *mut _, *lane) };
+        }
+    }
+}
+
+/// Transposes sixteen vectors of sixteen 32-bit words: word `k` of `v[j]` becomes word `j` of `v[k]`. Pairs of words,
+/// then of pairs, within each 128-bit lane; then 128-bit lanes across four vectors in two steps.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(v: &mut [__m512i; 16]) {
+    // After these two steps, lane `l` (128 bits) of `u[4q + m]` holds word `4l + m` of `v[4q .. 4q + 4]`.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for q in 0..4 {
+        let [r0, r1, r2, r3] = [v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]];
+        let (t0, t1) = (_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+        let (t2, t3) = (_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+        u[4 * q] = _mm512_unpacklo_epi64(t0, t2);
+        u[4 * q + 1] = _mm512_unpackhi_epi64(t0, t2);
+        u[4 * q + 2] = _mm512_unpacklo_epi64(t1, t3);
+        u[4 * q + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for m in 0..4 {
+        let [a, b, c, d] = [u[m], u[4 + m], u[8 + m], u[12 + m]];
+        let s0 = _mm512_shuffle_i32x4::<0x44>(a, b);
+        let s1 = _mm512_shuffle_i32x4::<0xEE>(a, b);
+        let s2 = _mm512_shuffle_i32x4::<0x44>(c, d);
+        let s3 = _mm512_shuffle_i32x4::<0xEE>(c, d);
+        v[m] = _mm512_shuffle_i32x4::<0x88>(s0, s2);
+        v[4 + m] = _mm512_shuffle_i32x4::<0xDD>(s0, s2);
+        v[8 + m] = _mm512_shuffle_i32x4::<0x88>(s1, s3);
+        v[12 + m] = _mm512_shuffle_i32x4::<0xDD>(s1, s3);
+    }
+}
+
+/// Decodes lane `k` of `rows` rows of a block of chunks from their [`transpose_block`] words (`words`: those rows'
+/// words) into `w`, [`lane_weights`]`(rows)` values: weight `s` of chunk `j` of the block of row `r` at `(r · 8 + s) ·
+/// 16 + j`. Exact; past a row's end and past the block the weights are 0, as the contract reads them. One shift and
+/// one table permute decode code `s` of all sixteen chunks. A task decodes one lane of a few rows at a time, just
+/// before the tiles that read it, so the decoded weights are written and read in L1: decoding a whole block of rows
+/// at once wrote hundreds of KiB that missed L1, and those stores ran at a third of the rate of stores that hit it.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `words` holds [`block_words`]`(rows)` words and `w` [`lane_weights`]`(rows)`
+/// values.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn decode_lane(words: &[u32], rows: usize, k: usize, w: &mut [f32]) {
+    debug_assert!(words.len() >= block_words(rows) && w.len() >= lane_weights(rows));
     // SAFETY: the table holds 16 f32.
     let table = unsafe { _mm512_loadu_ps(E2M1_TABLE.as_ptr()) };
-    // Lane j of a two-chunk vector: code j % 8 of one lane word, of chunk c (j < 8) or c + 1.
-    let shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    let lanes_of = |k: i32| {
-        _mm512_setr_epi32(
-            k,
-            k,
-            k,
-            k,
-            k,
-            k,
-            k,
-            k,
-            16 + k,
-            16 + k,
-            16 + k,
-            16 + k,
-            16 + k,
-            16 + k,
-            16 + k,
-            16 + k,
-        )
-    };
-    let per_row = CHUNK_LANES * nb * CODES_PER_LANE;
-    for (r, (packed, _)) in rows.iter().enumerate() {
-        let wr = &mut w[r * per_row..(r + 1) * per_row];
-        for j in (0..nb).step_by(2) {
-            // SAFETY: chunk words masked at the row's end (zero past it).
-            let (w0, w1) =
-                unsafe { (chunk_words(packed, c0 + j), chunk_words(packed, c0 + j + 1)) };
-            for k in 0..CHUNK_LANES {
-                let codes = _mm512_permutex2var_epi32(w0, lanes_of(k as i32), w1);
-                // The permute reads the low four bits of each index: the code.
-                let v = _mm512_permutexvar_ps(_mm512_srlv_epi32(codes, shifts), table);
-                let at = (k * nb + j) * CODES_PER_LANE;
-                // SAFETY: `at .. at + 16` lies in row r's block (`j + 1 < nb`).
-                unsafe { _mm512_storeu_ps(wr.as_mut_ptr().add(at), v) };
-            }
+    for r in 0..rows {
+        // SAFETY: row r's lane k is 16 words in `words`.
+        let line = unsafe {
+            _mm512_loadu_si512(
+                words[(r * CHUNK_LANES + k) * BLOCK_CHUNKS_MAX..].as_ptr() as *const _
+            )
+        };
+        for s in 0..CODES_PER_LANE {
+            // The permute reads the low four bits of each index: code s.
+            let codes = _mm512_srlv_epi32(line, _mm512_set1_epi32(4 * s as i32));
+            let v = _mm512_permutexvar_ps(codes, table);
+            // SAFETY: `(r · 8 + s) · 16 .. + 16` lies in `w`.
+            unsafe {
+                _mm512_storeu_ps(
+                    w.as_mut_ptr()
+                        .add((r * CODES_PER_LANE + s) * BLOCK_CHUNKS_MAX),
+                    v,
+                )
+            };
         }
     }
 }
@@ -160,17 +211,17 @@ fn acc_at(r: usize, g: usize, groups: usize, k: usize) -> usize {
     ((r * groups + g) * CHUNK_LANES + k) * 2 * GROUP
 }
 
-/// One tile: rows `r0 .. r0 + R` of the task (`w`: its decoded block of `nb` chunks from `c0`; `sc`: its multipliers)
-/// against groups `g0 .. g0 + V` of the inputs (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in
-/// `acc`. Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through intrinsics.
+/// One tile: rows `r0 .. r0 + R` of the task (`w`: lane `k` of the tile's `R` rows decoded over a block of chunks
+/// from `c0`, [`decode_lane`]; `sc`: the task's multipliers) against groups `g0 .. g0 + V` of the inputs
+/// (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through intrinsics.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and FMA; `w`, `sc` hold rows `r0 .. r0 + R` and `xt` groups `g0 .. g0 + V` of the
-/// layouts for `n_pad` chunks; `c1 <= n_pad`; `acc` holds the pairs (`groups` groups per row).
+/// The CPU must support AVX-512F and FMA; `w` holds `R` rows, `sc` rows `r0 .. r0 + R` and `xt` groups `g0 .. g0 +
+/// V` of the layouts for `n_pad` chunks; `c1 <= n_pad`; `acc` holds the pairs (`groups` groups per row).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
 pub unsafe fn tile<const R: usize, const V: usize>(
-    (w, nb, sc): (&[f32], usize, &[f32]),
+    (w, sc): (&[f32], &[f32]),
     xt: &[f32],
     (r0, g0, k): (usize, usize, usize),
     (c0, c1): (usize, usize),
@@ -178,15 +229,12 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     acc: &mut [f32],
     groups: usize,
 ) {
-    debug_assert!(c1 <= n_pad && c1 - c0 <= nb && w.len() >= block_weights(r0 + R, nb));
+    debug_assert!(c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX && w.len() >= lane_weights(R));
     debug_assert!(xt.len() >= (g0 + V) * CHUNK_LANES * lane_stride(n_pad));
     debug_assert!(acc.len() >= acc_at(r0 + R - 1, g0 + V - 1, groups, k) + 2 * GROUP);
-    // Row r's lane k of chunk c is at `wr[r] + c · 8`, the block starting at chunk c0.
-    let wr: [*const f32; R] = std::array::from_fn(|r| {
-        w[((r0 + r) * CHUNK_LANES + k) * nb * CODES_PER_LANE..]
-            .as_ptr()
-            .wrapping_sub(c0 * CODES_PER_LANE)
-    });
+    // Weight s of row r's lane k of chunk c is at `wr[r] + s · 16 + c`, the block starting at chunk c0.
+    let wr: [*const f32; R] =
+        std::array::from_fn(|r| w[lane_weights(r)..].as_ptr().wrapping_sub(c0));
     // Lane k of chunk c uses group 4c + k / 4 of the row.
     let sr: [*const f32; R] =
         std::array::from_fn(|r| sc[(r0 + r) * row_scales_per_row(n_pad) + k / 4..].as_ptr());
@@ -202,9 +250,7 @@ pub unsafe fn tile<const R: usize, const V: usize>(
         let at4: [[usize; V]; 4] = std::array::from_fn(|r| at[r]);
         let x1 = if V == 2 { xg[V - 1] } else { xg[0] };
         // SAFETY: as the caller guarantees for this tile.
-        return unsafe {
-            tile_rows4::<V>((wr[0], nb, sr[0]), (xg[0], x1), (c0, c1), n_pad, p, &at4)
-        };
+        return unsafe { tile_rows4::<V>((wr[0], sr[0]), (xg[0], x1), (c0, c1), n_pad, p, &at4) };
     }
     for parity in 0..2 {
         // SAFETY (every access below): the caller's layouts hold every address.
@@ -220,7 +266,8 @@ pub unsafe fn tile<const R: usize, const V: usize>(
                     _mm512_loadu_ps(xg[v].add((c * CODES_PER_LANE + s) * GROUP))
                 });
                 for r in 0..R {
-                    let b = unsafe { _mm512_set1_ps(*wr[r].wrapping_add(c * CODES_PER_LANE + s)) };
+                    let b =
+                        unsafe { _mm512_set1_ps(*wr[r].wrapping_add(s * BLOCK_CHUNKS_MAX + c)) };
                     for v in 0..V {
                         let t = if s % 2 == 0 {
                             &mut te[r][v]
@@ -265,7 +312,7 @@ macro_rules! row_products {
 }
 
 /// One step `s` of a four-row tile in `asm!` text: the groups' inputs of code `s` (byte `$x` of each group's chunk)
-/// into zmm24 (and zmm25), then every row's products ([`row_products`], weights at byte `$w` of the row's chunk) into
+/// into zmm24 (and zmm25), then every row's products ([`row_products`], weight `s` at byte `$w` from the row's chunk) into
 /// the `te` or `to` registers `zmm$t`, pairs in order.
 #[rustfmt::skip]
 macro_rules! step_rows4 {
@@ -327,7 +374,7 @@ macro_rules! finish_rows4 {
     };
     (next) => {
         concat!(
-            "add {xa}, 1024\n", "add {wa}, 64\n", "add {wb}, 64\n", "add {sa}, 32\n", "add {sb}, 32\n",
+            "add {xa}, 1024\n", "add {wa}, 8\n", "add {wb}, 8\n", "add {sa}, 32\n", "add {sb}, 32\n",
             "dec {n}\n", "jnz 2b\n",
         )
     };
@@ -341,8 +388,9 @@ macro_rules! finish_rows4 {
 ///
 /// # Safety
 /// The CPU must support AVX-512F; `n >= 1` chunks of the parity from the pointers: `x` (group 0 at chunk `c`, group 1
-/// at `x + xs` bytes), `w` (row 0 at chunk `c`, row `r` at `w + r · ws` bytes), `sc` (row 0's multiplier of lane `k` at
-/// chunk `c`, row `r` at `sc + r · ss` bytes); each chunk after the next at 1024, 64 and 32 bytes on.
+/// at `x + xs` bytes), `w` (row 0's weight 0 at chunk `c`, weight `s` 64 · `s` bytes on, row `r` at `w + r · ws`
+/// bytes), `sc` (row 0's multiplier of lane `k` at chunk `c`, row `r` at `sc + r · ss` bytes); each chunk after the
+/// next at 1024, 8 and 32 bytes on.
 #[inline]
 #[target_feature(enable = "avx512f")]
 unsafe fn rows4<const V: usize>(
@@ -368,13 +416,13 @@ unsafe fn rows4<const V: usize>(
             std::arch::asm!(
                 "2:",
                 step_rows4!(2, "0", "0", "vmulps", "8" "9" "10" "11" "12" "13" "14" "15"),
-                step_rows4!(2, "64", "4", "vmulps", "16" "17" "18" "19" "20" "21" "22" "23"),
-                step_rows4!(2, "128", "8", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
-                step_rows4!(2, "192", "12", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
-                step_rows4!(2, "256", "16", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
-                step_rows4!(2, "320", "20", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
-                step_rows4!(2, "384", "24", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
-                step_rows4!(2, "448", "28", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "64", "64", "vmulps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "128", "128", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "192", "192", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "256", "256", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "320", "320", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
+                step_rows4!(2, "384", "384", "vfmadd231ps", "8" "9" "10" "11" "12" "13" "14" "15"),
+                step_rows4!(2, "448", "448", "vfmadd231ps", "16" "17" "18" "19" "20" "21" "22" "23"),
                 finish_rows4!(2),
                 xa = inout(reg) x => _, xs = in(reg) xs,
                 wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(2 * ws) => _, ws = in(reg) ws,
@@ -393,13 +441,13 @@ unsafe fn rows4<const V: usize>(
             std::arch::asm!(
                 "2:",
                 step_rows4!(1, "0", "0", "vmulps", "8" "9" "10" "11"),
-                step_rows4!(1, "64", "4", "vmulps", "16" "17" "18" "19"),
-                step_rows4!(1, "128", "8", "vfmadd231ps", "8" "9" "10" "11"),
-                step_rows4!(1, "192", "12", "vfmadd231ps", "16" "17" "18" "19"),
-                step_rows4!(1, "256", "16", "vfmadd231ps", "8" "9" "10" "11"),
-                step_rows4!(1, "320", "20", "vfmadd231ps", "16" "17" "18" "19"),
-                step_rows4!(1, "384", "24", "vfmadd231ps", "8" "9" "10" "11"),
-                step_rows4!(1, "448", "28", "vfmadd231ps", "16" "17" "18" "19"),
+                step_rows4!(1, "64", "64", "vmulps", "16" "17" "18" "19"),
+                step_rows4!(1, "128", "128", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "192", "192", "vfmadd231ps", "16" "17" "18" "19"),
+                step_rows4!(1, "256", "256", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "320", "320", "vfmadd231ps", "16" "17" "18" "19"),
+                step_rows4!(1, "384", "384", "vfmadd231ps", "8" "9" "10" "11"),
+                step_rows4!(1, "448", "448", "vfmadd231ps", "16" "17" "18" "19"),
                 finish_rows4!(1),
                 xa = inout(reg) x => _,
                 wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(2 * ws) => _, ws = in(reg) ws,
@@ -417,14 +465,14 @@ unsafe fn rows4<const V: usize>(
 }
 
 /// [`tile`] for four rows and one or two groups through [`rows4`]: `w`, `sc` where row 0 of the tile would hold
-/// chunk 0 of lane `k` (`nb` chunks per row and lane in `w`), `x` at each group's block (lane `k`, chunk 0), `at`
+/// chunk 0 of lane `k` ([`lane_weights`]`(1)` values per row in `w`), `x` at each group's block (lane `k`, chunk 0), `at`
 /// where each pair's accumulators lie in `acc`.
 ///
 /// # Safety
 /// As [`tile`].
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_rows4<const V: usize>(
-    (w, nb, sc): (*const f32, usize, *const f32),
+    (w, sc): (*const f32, *const f32),
     (x0, x1): (*const f32, *const f32),
     (c0, c1): (usize, usize),
     n_pad: usize,
@@ -432,7 +480,7 @@ unsafe fn tile_rows4<const V: usize>(
     at: &[[usize; V]; 4],
 ) {
     let f = std::mem::size_of::<f32>();
-    let ws = CHUNK_LANES * nb * CODES_PER_LANE * f;
+    let ws = lane_weights(1) * f;
     let ss = row_scales_per_row(n_pad) * f;
     let xs = (x1 as usize).wrapping_sub(x0 as usize);
     for parity in 0..2 {
@@ -453,7 +501,7 @@ unsafe fn tile_rows4<const V: usize>(
             rows4::<V>(
                 &mut regs,
                 (x0.add(first * CODES_PER_LANE * GROUP), xs),
-                (w.wrapping_add(first * CODES_PER_LANE), ws),
+                (w.wrapping_add(first), ws),
                 (sc.add(first * CHUNK / MXFP4_GROUP), ss),
                 n,
             )
