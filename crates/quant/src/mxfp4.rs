@@ -367,7 +367,7 @@ impl<'a> Mxfp4Matrix<'a> {
                 rows_here * row_scales(self.cols),
                 accumulators_len(rows_here, groups),
             ]);
-            acc.fill(0.0);
+            // No clearing of `acc`: the first block's tiles start every pair from zero.
             // SAFETY: AVX-512F present (inputs are laid out across the lanes only then); `sc` sized for the rows.
             unsafe { decode_scales(&row_bytes, self.cols, sc) };
             let sc = &*sc;

@@ -213,7 +213,10 @@ fn acc_at(r: usize, g: usize, groups: usize, k: usize) -> usize {
 
 /// One tile: rows `r0 .. r0 + R` of the task (`w`: lane `k` of the tile's `R` rows decoded over a block of chunks
 /// from `c0`, [`decode_lane`]; `sc`: the task's multipliers) against groups `g0 .. g0 + V` of the inputs
-/// (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through intrinsics.
+/// (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 == 0`) starts
+/// the pairs' accumulators at zero whatever `acc` holds, so a task need not clear them first (a memset of 393 KB per
+/// task, 4% of a prefill). Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through
+/// intrinsics.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and FMA; `w` holds `R` rows, `sc` rows `r0 .. r0 + R` and `xt` groups `g0 .. g0 +
@@ -255,7 +258,13 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     for parity in 0..2 {
         // SAFETY (every access below): the caller's layouts hold every address.
         let mut acc_v: [[__m512; V]; R] = std::array::from_fn(|r| {
-            std::array::from_fn(|v| unsafe { _mm512_loadu_ps(p.add(at[r][v] + parity * GROUP)) })
+            std::array::from_fn(|v| {
+                if c0 == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    unsafe { _mm512_loadu_ps(p.add(at[r][v] + parity * GROUP)) }
+                }
+            })
         });
         let first = c0 + (c0 + parity) % 2;
         for c in (first..c1).step_by(2) {
@@ -483,29 +492,35 @@ unsafe fn tile_rows4<const V: usize>(
     let ws = lane_weights(1) * f;
     let ss = row_scales_per_row(n_pad) * f;
     let xs = (x1 as usize).wrapping_sub(x0 as usize);
+    // A row's first block starts from zero (see [`tile`]); a parity with no chunk in it still stores its zeros.
+    let fresh = c0 == 0;
     for parity in 0..2 {
         let first = c0 + (c0 + parity) % 2;
-        if first >= c1 {
+        if first >= c1 && !fresh {
             continue;
         }
-        let n = (c1 - first).div_ceil(2);
         let mut regs = [_mm512_setzero_ps(); 8];
-        for r in 0..4 {
-            for v in 0..V {
-                // SAFETY: the caller's `acc` holds every pair.
-                regs[r * V + v] = unsafe { _mm512_loadu_ps(acc.add(at[r][v] + parity * GROUP)) };
+        if !fresh {
+            for r in 0..4 {
+                for v in 0..V {
+                    // SAFETY: the caller's `acc` holds every pair.
+                    regs[r * V + v] =
+                        unsafe { _mm512_loadu_ps(acc.add(at[r][v] + parity * GROUP)) };
+                }
             }
         }
-        // SAFETY: the caller's layouts hold `n` chunks of this parity from `first` for every row and group.
-        unsafe {
-            rows4::<V>(
-                &mut regs,
-                (x0.add(first * CODES_PER_LANE * GROUP), xs),
-                (w.wrapping_add(first), ws),
-                (sc.add(first * CHUNK / MXFP4_GROUP), ss),
-                n,
-            )
-        };
+        if first < c1 {
+            // SAFETY: the caller's layouts hold `n` chunks of this parity from `first` for every row and group.
+            unsafe {
+                rows4::<V>(
+                    &mut regs,
+                    (x0.add(first * CODES_PER_LANE * GROUP), xs),
+                    (w.wrapping_add(first), ws),
+                    (sc.add(first * CHUNK / MXFP4_GROUP), ss),
+                    (c1 - first).div_ceil(2),
+                )
+            };
+        }
         for r in 0..4 {
             for v in 0..V {
                 // SAFETY: as above.
