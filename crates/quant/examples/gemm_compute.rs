@@ -8,7 +8,7 @@
 //! products ran before the f32 tiles) and eight MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
 //! each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
-//! passes after a warm-up.
+//! passes after a warm-up. First, which bf16 kernel this machine runs (`bf16_contract::lanes_chosen`).
 
 use std::time::Instant;
 
@@ -110,6 +110,15 @@ fn run(tokens: usize) {
             .collect();
         gemm_batch(&mut products).expect("batch");
     };
+    #[cfg(target_arch = "x86_64")]
+    println!(
+        "bf16 products of many inputs: {} (DELTAFIN_BF16_LANES=on|off chooses)",
+        if deltafin_quant::bf16_contract::lanes_chosen() {
+            "inputs across the lanes"
+        } else {
+            "tiles of rows by inputs"
+        }
+    );
     for threads in [1, rayon::current_num_threads()] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

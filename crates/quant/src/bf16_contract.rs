@@ -218,6 +218,157 @@ pub fn dot_tiles(rows: &[&[u16]], xps: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// Inputs from which a product of bf16 rows (of a length that is a multiple of [`CHUNK`]) runs with the inputs
+/// across the vector lanes on AVX-512 ([`dot_lanes`]).
+#[cfg(target_arch = "x86_64")]
+pub const LANES_MIN_TOKENS: usize = 16;
+
+/// Chunks per block of [`dot_lanes`]: six rows' words over a block (24 KiB) stay in L1 while every element and group
+/// of the block goes through them, and each tile's accumulators are loaded and stored once per 64 chunks (blocks of
+/// 16, 32, 64 and 112 chunks: 0.39, 0.43, 0.45 and 0.45 of the FMA peak on this project's 2-core machine).
+#[cfg(target_arch = "x86_64")]
+const LANES_BLOCK_CHUNKS: usize = 64;
+
+/// Rows per tile of [`dot_lanes`] (the `asm!` tile's six).
+#[cfg(target_arch = "x86_64")]
+const LANES_TILE_ROWS: usize = 6;
+
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Per-thread accumulators of [`dot_lanes`], kept between tasks (fresh, a task's hundreds of KiB were new zeroed
+    /// pages each time).
+    static LANES_ACC: std::cell::RefCell<Lines> = std::cell::RefCell::new(Lines::zeroed(0));
+}
+
+/// `out[r · t_rows + t]` = `rows[r] · x_t` for every row and input, the inputs laid out across the lanes
+/// (`crate::simd::avx512_bf16_lanes::token_lanes` of the `t_rows` inputs), each bit-identical to [`dot_ref`]. For
+/// each block of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
+/// (`crate::simd::avx512_bf16_lanes::tile`). Rows must all have the same length, a multiple of [`CHUNK`], and the CPU
+/// AVX-512 ([`crate::simd::has_avx512`]); anything else fills `out` with NaN.
+#[cfg(target_arch = "x86_64")]
+pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
+    use crate::simd::avx512_bf16_lanes::{GROUP, accumulators_len, finish, tile, token_lanes_len};
+    let cols = rows.first().map_or(0, |w| w.len());
+    let n = cols / CHUNK;
+    let groups = t_rows.div_ceil(GROUP);
+    let fits = crate::simd::has_avx512()
+        && cols.is_multiple_of(CHUNK)
+        && rows.iter().all(|w| w.len() == cols)
+        && xt.len() >= token_lanes_len(cols, t_rows)
+        && out.len() >= rows.len() * t_rows;
+    if !fits {
+        out.fill(f32::NAN);
+        return;
+    }
+    if n == 0 {
+        // Empty rows: the reduction of zero accumulators.
+        out.fill(0.0);
+        return;
+    }
+    LANES_ACC.with_borrow_mut(|acc| {
+        let len = accumulators_len(rows.len(), groups);
+        if acc.len() < len {
+            *acc = Lines::zeroed(len);
+        }
+        let acc = &mut acc[..len];
+        for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
+            let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
+            for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
+                let here = LANES_TILE_ROWS.min(rows.len() - r0);
+                for e in 0..CHUNK {
+                    let mut g = 0;
+                    while g < groups {
+                        let v = (groups - g).min(4);
+                        // SAFETY (every arm): AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
+                        // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
+                        macro_rules! tiles {
+                            ($($r:literal)+) => {{
+                                let mut r = r0;
+                                while r < r0 + here {
+                                    let left = r0 + here - r;
+                                    $(
+                                        if left >= $r {
+                                            match v {
+                                                4 => unsafe { tile::<$r, 4>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                                3 => unsafe { tile::<$r, 3>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                                2 => unsafe { tile::<$r, 2>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                                _ => unsafe { tile::<$r, 1>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                            }
+                                            r += $r;
+                                            continue;
+                                        }
+                                    )+
+                                }
+                            }};
+                        }
+                        tiles!(6 4 2 1);
+                        g += v;
+                    }
+                }
+            }
+        }
+        for r in 0..rows.len() {
+            for g in 0..groups {
+                // SAFETY: AVX-512F present; `acc` holds every pair.
+                let sums = unsafe { finish(acc, r, g, groups) };
+                let k = GROUP.min(t_rows - g * GROUP);
+                out[r * t_rows + g * GROUP..][..k].copy_from_slice(&sums[..k]);
+            }
+        }
+    });
+}
+
+/// Whether multi-token bf16 products run with the inputs across the lanes ([`dot_lanes`]) rather than in tiles of
+/// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
+/// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
+/// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
+/// process, on 48 rows of 2,048 bf16 weights against 64 inputs (a few milliseconds), unless `DELTAFIN_BF16_LANES` is
+/// `on` or `off`. Never on a CPU without AVX-512.
+#[cfg(target_arch = "x86_64")]
+pub fn lanes_chosen() -> bool {
+    use std::sync::OnceLock;
+    static CHOSEN: OnceLock<bool> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if !crate::simd::has_avx512() {
+            return false;
+        }
+        match std::env::var("DELTAFIN_BF16_LANES").as_deref() {
+            Ok("on") => true,
+            Ok("off") => false,
+            _ => lanes_measured_faster(),
+        }
+    })
+}
+
+/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product, alternated three times, and says whether the
+/// lanes' best time is the shorter.
+#[cfg(target_arch = "x86_64")]
+fn lanes_measured_faster() -> bool {
+    use std::time::Instant;
+    let (rows, cols, tokens) = (48, 2048, 64);
+    let w: Vec<u16> = (0..rows * cols)
+        .map(|i| 0x3c00 + ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u16)
+        .collect();
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| (i % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let row_refs: Vec<&[u16]> = w.chunks_exact(cols).collect();
+    let xps: Vec<Lines> = x.chunks_exact(cols).map(permute_input).collect();
+    let xp_refs: Vec<&[f32]> = xps.iter().map(|p| &p[..]).collect();
+    let xt = crate::simd::avx512_bf16_lanes::token_lanes(&x, cols, tokens);
+    let mut out = vec![0.0f32; rows * tokens];
+    let (mut tiles, mut lanes) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        let t = Instant::now();
+        dot_tiles(&row_refs, &xp_refs, &mut out);
+        tiles = tiles.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        dot_lanes(&row_refs, &xt, tokens, &mut out);
+        lanes = lanes.min(t.elapsed().as_secs_f64());
+    }
+    lanes < tiles
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -380,6 +380,11 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
                 .collect()
         })
         .collect();
+    // The bf16 matrices' inputs across the vector lanes, one layout per piece of `TOKEN_BLOCK` inputs, where the
+    // lane kernels run (`bf16_contract::dot_lanes`).
+    let lanes = bf16_lanes_inputs(mats, &tiled, x, t_rows);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = &lanes;
     {
         let mut outs: Vec<(usize, &mut [f32])> = Vec::new();
         for (i, y) in ys.iter_mut().enumerate() {
@@ -393,6 +398,15 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
             match &m.data {
                 DenseData::Bf16(v) => {
                     let rows: Vec<&[u16]> = (r0..r1).map(|r| row(v, r, m.cols)).collect();
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(xt) = lanes
+                        .as_ref()
+                        .and_then(|l| l.get(tokens.start / TOKEN_BLOCK))
+                        && tokens.len() >= bf16_contract::LANES_MIN_TOKENS
+                    {
+                        bf16_contract::dot_lanes(&rows, xt, tokens.len(), out);
+                        return;
+                    }
                     bf16_contract::dot_tiles(&rows, &inputs[k][tokens], out);
                 }
                 DenseData::F32(v) => {
@@ -410,6 +424,43 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
         }
     }
     ys
+}
+
+/// The inputs `x [t_rows, cols]` laid out across the vector lanes for the bf16 lane kernels, one layout per piece of
+/// [`TOKEN_BLOCK`] inputs (built in parallel), where those kernels run: a bf16 matrix among the tiled ones, rows a
+/// multiple of 32 long, at least `bf16_contract::LANES_MIN_TOKENS` inputs, and `bf16_contract::lanes_chosen`.
+#[cfg(target_arch = "x86_64")]
+fn bf16_lanes_inputs(
+    mats: &[&DenseMatrix],
+    tiled: &[usize],
+    x: &[f32],
+    t_rows: usize,
+) -> Option<Vec<crate::aligned::Lines>> {
+    let cols = mats.first()?.cols;
+    let wanted = t_rows >= bf16_contract::LANES_MIN_TOKENS
+        && cols > 0
+        && cols.is_multiple_of(bf16_contract::CHUNK)
+        && tiled
+            .iter()
+            .any(|&i| matches!(mats[i].data, DenseData::Bf16(_)))
+        && bf16_contract::lanes_chosen();
+    wanted.then(|| {
+        x[..t_rows * cols]
+            .par_chunks(TOKEN_BLOCK * cols)
+            .map(|xb| crate::simd::avx512_bf16_lanes::token_lanes(xb, cols, xb.len() / cols))
+            .collect()
+    })
+}
+
+/// Elsewhere there are no lane kernels.
+#[cfg(not(target_arch = "x86_64"))]
+fn bf16_lanes_inputs(
+    _: &[&DenseMatrix],
+    _: &[usize],
+    _: &[f32],
+    _: usize,
+) -> Option<Vec<crate::aligned::Lines>> {
+    None
 }
 
 /// Row `r` of a row-major matrix with `c` columns.

@@ -164,10 +164,12 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
     );
     let mut r = rng();
     // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial; 16 and 40 inputs end in
-    // partial tiles; 97 columns are one partial chunk, 1100 several blocks of chunks, the last partial.
+    // partial tiles; 97 columns are one partial chunk, 1100 several blocks of chunks, the last partial. 1088 columns
+    // (34 chunks of 32: a block of 32 and a short one) run the bf16 rows with the inputs across the lanes from 16
+    // inputs on AVX-512, 60 rows giving tasks of 32 and 28 rows (six-row tiles and every smaller shape).
     const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
     // 700 rows by 150 inputs: enough outputs that they are copied into `y` in parallel.
-    for ((rows, cols), t_rows) in [(300, 97), (50, 1100)]
+    for ((rows, cols), t_rows) in [(300, 97), (50, 1100), (60, 1088)]
         .into_iter()
         .flat_map(|shape| [5, 16, 40, 150].map(|t| (shape, t)))
         .chain([((700, 97), 150)])
@@ -1203,6 +1205,69 @@ fn bf16_tiles_match_their_twin_for_every_row_and_input() {
             }
         }
     }
+}
+
+/// The bf16 products with the inputs across the lanes (`bf16_contract::dot_lanes`, AVX-512), called directly whatever
+/// this machine's `lanes_chosen` says, against the contract's reference for every pair: rows that fill six-row tiles
+/// and every smaller shape, 16 to 70 inputs (one to five groups, partial ones included), one chunk, a block and a
+/// partial one, and rows whose neighbours hold infinities and NaN-free extremes, so that a kernel reading past its
+/// row or its element would show.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn bf16_lanes_match_their_twin_for_every_row_and_input() {
+    if !deltafin_quant::simd::has_avx512() {
+        let hardware = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw");
+        if hardware {
+            // Turned off (`DELTAFIN_NO_AVX512`): the kernel refuses rather than run.
+            let mut out = vec![0.0f32; 16];
+            bf16_contract::dot_lanes(&[&[0x3f80u16; 32][..]], &[1.0; 512], 16, &mut out);
+            assert!(out.iter().all(|v| v.is_nan()));
+            return;
+        }
+        if !cpu_has_or_skip("avx512", false) {
+            return;
+        }
+    }
+    let mut r = rng();
+    for &(rows, tokens, n) in &[
+        (6, 64, 32),
+        (13, 16, 2048),
+        (7, 70, 2080),
+        (1, 17, 64),
+        (12, 48, 7168),
+    ] {
+        let w: Vec<u16> = (0..rows * n)
+            .map(|i| match i % 97 {
+                0 => 0x7f80, // +inf
+                1 => 0xff7f, // largest negative finite
+                _ => (r.random_range(-4.0f32..4.0).to_bits() >> 16) as u16,
+            })
+            .collect();
+        // Inputs are finite, so an infinity times one of them is the reference's too, and a product taken from the
+        // wrong element shows as a different sum or a NaN.
+        let x = randn(&mut r, tokens * n);
+        let rows_ref: Vec<&[u16]> = w.chunks_exact(n).collect();
+        let xt = deltafin_quant::simd::avx512_bf16_lanes::token_lanes(&x, n, tokens);
+        let mut out = vec![f32::NAN; rows * tokens];
+        bf16_contract::dot_lanes(&rows_ref, &xt, tokens, &mut out);
+        for (i, row) in rows_ref.iter().enumerate() {
+            for t in 0..tokens {
+                let xp = bf16_contract::permute_input(&x[t * n..(t + 1) * n]);
+                let want = bf16_contract::dot_ref(row, &xp);
+                let got = out[i * tokens + t];
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "lanes rows={rows} tokens={tokens} n={n} ({i}, {t}): {got} vs {want}"
+                );
+            }
+        }
+    }
+    // A length that is not a multiple of 32 is refused (NaN), not read past.
+    let w = vec![0x3f80u16; 40];
+    let mut out = vec![0.0f32; 16];
+    bf16_contract::dot_lanes(&[&w], &vec![1.0; 4096], 16, &mut out);
+    assert!(out.iter().all(|v| v.is_nan()));
 }
 
 /// The NEON kernels called directly, each against its scalar twin bit for bit (the dispatch tests above run them

@@ -10,6 +10,8 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
 #[cfg(target_arch = "x86_64")]
+pub mod avx512_bf16_lanes;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512_tokens;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;

@@ -1,0 +1,291 @@
+//! AVX-512 bf16 products of many inputs with the inputs across the vector lanes (prefill, from
+//! `crate::bf16_contract::LANES_MIN_TOKENS` inputs, rows whose length is a multiple of 32).
+//!
+//! [`crate::bf16_contract`] computes, for one row and one input, 32 independent chains, one per element `e` of a
+//! chunk of 32 (`even[l]` is `e = 2l`, `odd[l]` is `e = 2l + 1`): `acc = fma(w[32c + e], x[32c + e], acc)` over the
+//! chunks `c` in order, then a fixed reduction. Here a vector's lanes are sixteen *inputs* at one `e`, so a weight is
+//! one 32-bit broadcast (the pair of bf16 that holds it, widened by a shift or a mask) shared by every input of the
+//! tile, and each input vector is shared by six rows in registers ([`rows6`], in `asm!`): four vector loads per 24
+//! FMAs, where the two-row tiles of [`crate::bf16_contract::dot_tiles`] load seven per twelve. Per lane the
+//! operations and their order are the contract's, so every result is bit-identical to
+//! [`crate::bf16_contract::dot_ref`].
+//!
+//! Inputs ([`token_lanes`]): group `g` of 16 inputs, element `e`, chunk `c`, input `t` at `((g · 32 + e) · n + c) · 16
+//! + t` (`n` chunks): for one `e` a group's chunks are contiguous.
+
+use std::arch::x86_64::*;
+
+use crate::aligned::Lines;
+use crate::bf16_contract::{CHUNK, LANES};
+
+/// Inputs per vector (one group).
+pub const GROUP: usize = 16;
+
+/// `t_rows` inputs of `cols` values (`x`, row-major; `cols` a multiple of 32) in the inputs' layout (see the module
+/// header), zero past the last input.
+pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
+    let n = cols / CHUNK;
+    let mut xt = Lines::zeroed(token_lanes_len(cols, t_rows));
+    for (t, row) in x.chunks_exact(cols.max(1)).take(t_rows).enumerate() {
+        let (g, lane) = (t / GROUP, t % GROUP);
+        for (i, &v) in row.iter().enumerate() {
+            let (c, e) = (i / CHUNK, i % CHUNK);
+            xt[((g * CHUNK + e) * n + c) * GROUP + lane] = v;
+        }
+    }
+    xt
+}
+
+/// Values of [`token_lanes`]`(_, cols, t_rows)`.
+pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
+    t_rows.div_ceil(GROUP) * CHUNK * (cols / CHUNK) * GROUP
+}
+
+/// Values of the accumulators of every (row, group) pair of a task, one vector per element `e`:
+/// `[rows][groups][32]` vectors of 16.
+pub fn accumulators_len(rows: usize, groups: usize) -> usize {
+    rows * groups * CHUNK * GROUP
+}
+
+/// Where pair (`r`, `g`)'s element-`e` accumulator starts ([`accumulators_len`]`(_, groups)`).
+#[inline]
+fn acc_at(r: usize, g: usize, groups: usize, e: usize) -> usize {
+    ((r * groups + g) * CHUNK + e) * GROUP
+}
+
+/// One tile: rows `r0 .. r0 + R` of the task (`rows[r0 + r]`, each `32 · n` bf16 weights, the rows `row_stride`
+/// weights apart in memory when [`rows6`] runs them) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for
+/// `n` chunks), element `e`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 ==
+/// 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in [`rows6`]; other shapes
+/// (a task's last rows and groups) through intrinsics, with the same operations per lane.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; every row holds `32 · n` weights, `xt` groups `g0 .. g0 + V` of the layout
+/// for `n` chunks; `c1 <= n`; `acc` holds the pairs (`groups` groups per row).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub unsafe fn tile<const R: usize, const V: usize>(
+    rows: &[&[u16]],
+    xt: &[f32],
+    (r0, g0, e): (usize, usize, usize),
+    (c0, c1): (usize, usize),
+    n: usize,
+    acc: &mut [f32],
+    groups: usize,
+) {
+    debug_assert!(c1 <= n && e < CHUNK && rows.len() >= r0 + R);
+    debug_assert!(rows[r0..r0 + R].iter().all(|w| w.len() == n * CHUNK));
+    debug_assert!(xt.len() >= token_lanes_len(n * CHUNK, (g0 + V) * GROUP));
+    debug_assert!(acc.len() >= acc_at(r0 + R - 1, g0 + V - 1, groups, e) + GROUP);
+    if c0 >= c1 {
+        return;
+    }
+    // The 32-bit word that holds element e of chunk c of row r is at `wr[r] + 32c` (in bf16), from the block's start.
+    let word = 2 * (e / 2);
+    let wr: [*const u16; R] = std::array::from_fn(|r| rows[r0 + r][word..].as_ptr());
+    let xg: [*const f32; V] =
+        std::array::from_fn(|v| xt[((g0 + v) * CHUNK + e) * n * GROUP..].as_ptr());
+    let p = acc.as_mut_ptr();
+    let at: [[usize; V]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, e)));
+    let mut regs: [[__m512; V]; R] = std::array::from_fn(|r| {
+        std::array::from_fn(|v| {
+            if c0 == 0 {
+                _mm512_setzero_ps()
+            } else {
+                // SAFETY: the caller's `acc` holds every pair.
+                unsafe { _mm512_loadu_ps(p.add(at[r][v])) }
+            }
+        })
+    });
+    // Bytes between neighbouring rows, where they are evenly spaced (rows of one matrix).
+    let stride = (wr[R - 1] as usize).wrapping_sub(wr[0] as usize) / R.saturating_sub(1).max(1);
+    let even = (0..R).all(|r| wr[r] as usize == (wr[0] as usize).wrapping_add(r * stride));
+    if R == 6 && V == 4 && even {
+        let mut a: [__m512; 24] = std::array::from_fn(|i| regs[i / 4][i % 4]);
+        // SAFETY: as the caller guarantees; the six rows lie `stride` bytes apart.
+        unsafe {
+            rows6(
+                &mut a,
+                (
+                    xg[0].add(c0 * GROUP),
+                    (xg[1] as usize).wrapping_sub(xg[0] as usize),
+                ),
+                (wr[0].add(c0 * CHUNK), stride),
+                c1 - c0,
+                e % 2 == 1,
+            )
+        };
+        regs = std::array::from_fn(|r| std::array::from_fn(|v| a[r * 4 + v]));
+    } else {
+        let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+        for c in c0..c1 {
+            // SAFETY (every access below): the caller's rows and inputs hold chunk c.
+            let xs: [__m512; V] =
+                std::array::from_fn(|v| unsafe { _mm512_loadu_ps(xg[v].add(c * GROUP)) });
+            for r in 0..R {
+                let pair = unsafe { (wr[r].add(c * CHUNK) as *const i32).read_unaligned() };
+                let b = _mm512_set1_epi32(pair);
+                let w = if e % 2 == 0 {
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b))
+                } else {
+                    _mm512_castsi512_ps(_mm512_and_si512(b, high))
+                };
+                for v in 0..V {
+                    regs[r][v] = _mm512_fmadd_ps(w, xs[v], regs[r][v]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for v in 0..V {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(p.add(at[r][v]), regs[r][v]) };
+        }
+    }
+}
+
+/// One row's part of a step of a six-row tile in `asm!` text: the 32-bit word holding its weight broadcast into
+/// zmm28 (from `$w`), widened to f32 by `$widen` (a shift for an even element, the mask in zmm29 for an odd one),
+/// then one FMA with each group's inputs (zmm24..27) into the row's accumulators `zmm$a0 .. zmm$a3`.
+#[rustfmt::skip]
+macro_rules! row_fmas {
+    ($w:literal, $widen:literal, $a0:literal $a1:literal $a2:literal $a3:literal) => {
+        concat!(
+            "vbroadcastss zmm28, dword ptr [", $w, "]\n",
+            $widen, "\n",
+            "vfmadd231ps zmm", $a0, ", zmm28, zmm24\n",
+            "vfmadd231ps zmm", $a1, ", zmm28, zmm25\n",
+            "vfmadd231ps zmm", $a2, ", zmm28, zmm26\n",
+            "vfmadd231ps zmm", $a3, ", zmm28, zmm27\n",
+        )
+    };
+}
+
+/// The loop of a six-row tile in `asm!` text, with `$widen` the widening of the element's parity.
+#[rustfmt::skip]
+macro_rules! rows6_loop {
+    ($widen:literal) => {
+        concat!(
+            "2:\n",
+            "vmovups zmm24, zmmword ptr [{xa}]\n",
+            "vmovups zmm25, zmmword ptr [{xa} + {xs}]\n",
+            "vmovups zmm26, zmmword ptr [{xb}]\n",
+            "vmovups zmm27, zmmword ptr [{xb} + {xs}]\n",
+            row_fmas!("{wa}", $widen, "0" "1" "2" "3"),
+            row_fmas!("{wa} + {ws}", $widen, "4" "5" "6" "7"),
+            row_fmas!("{wa} + {ws}*2", $widen, "8" "9" "10" "11"),
+            row_fmas!("{wb}", $widen, "12" "13" "14" "15"),
+            row_fmas!("{wb} + {ws}", $widen, "16" "17" "18" "19"),
+            row_fmas!("{wb} + {ws}*2", $widen, "20" "21" "22" "23"),
+            "add {xa}, 64\n", "add {xb}, 64\n", "add {wa}, 64\n", "add {wb}, 64\n",
+            "dec {n}\n", "jnz 2b\n",
+        )
+    };
+}
+
+/// Six rows against four groups over `n >= 1` chunks, in `asm!` so that every vector has a fixed register: 24
+/// accumulators (zmm0.., row-major), the four groups' inputs, one broadcast weight and the mask, 30 registers.
+/// Per lane the operations are the contract's: `acc = fma(w, x, acc)` chunk by chunk.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `x` is group 0's input vector at the first chunk, group `v` at `x + v · xs` bytes;
+/// `w` is row 0's weight word at the first chunk, row `r` at `w + r · ws` bytes; each later chunk 64 bytes on, for
+/// `n` chunks.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows6(
+    acc: &mut [__m512; 24],
+    (x, xs): (*const f32, usize),
+    (w, ws): (*const u16, usize),
+    n: usize,
+    odd: bool,
+) {
+    let [
+        mut a0,
+        mut a1,
+        mut a2,
+        mut a3,
+        mut a4,
+        mut a5,
+        mut a6,
+        mut a7,
+        mut a8,
+        mut a9,
+        mut a10,
+        mut a11,
+        mut a12,
+        mut a13,
+        mut a14,
+        mut a15,
+        mut a16,
+        mut a17,
+        mut a18,
+        mut a19,
+        mut a20,
+        mut a21,
+        mut a22,
+        mut a23,
+    ] = *acc;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    macro_rules! run {
+        ($widen:literal) => {
+            // SAFETY: the caller guarantees every address the loop reads.
+            unsafe {
+                std::arch::asm!(
+                    rows6_loop!($widen),
+                    xa = inout(reg) x => _, xb = inout(reg) x.wrapping_byte_add(2 * xs) => _, xs = in(reg) xs,
+                    wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(3 * ws) => _, ws = in(reg) ws,
+                    n = inout(reg) n => _,
+                    inout("zmm0") a0, inout("zmm1") a1, inout("zmm2") a2, inout("zmm3") a3,
+                    inout("zmm4") a4, inout("zmm5") a5, inout("zmm6") a6, inout("zmm7") a7,
+                    inout("zmm8") a8, inout("zmm9") a9, inout("zmm10") a10, inout("zmm11") a11,
+                    inout("zmm12") a12, inout("zmm13") a13, inout("zmm14") a14, inout("zmm15") a15,
+                    inout("zmm16") a16, inout("zmm17") a17, inout("zmm18") a18, inout("zmm19") a19,
+                    inout("zmm20") a20, inout("zmm21") a21, inout("zmm22") a22, inout("zmm23") a23,
+                    out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _, out("zmm28") _,
+                    in("zmm29") high,
+                    options(nostack, readonly),
+                )
+            }
+        };
+    }
+    if odd {
+        run!("vpandd zmm28, zmm28, zmm29");
+    } else {
+        run!("vpslld zmm28, zmm28, 16");
+    }
+    *acc = [
+        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+        a20, a21, a22, a23,
+    ];
+}
+
+/// The contract's reduction of pair (`r`, `g`)'s 32 element accumulators, for its sixteen inputs: `out[t]` for
+/// input `16g + t`.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `acc` holds the pair.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GROUP] {
+    let p = acc.as_ptr();
+    // v[l] = even[l] + odd[l]: elements 2l and 2l + 1.
+    // SAFETY: the caller's `acc` holds the pair's 32 vectors.
+    let mut v: [__m512; LANES] = std::array::from_fn(|l| unsafe {
+        _mm512_add_ps(
+            _mm512_loadu_ps(p.add(acc_at(r, g, groups, 2 * l))),
+            _mm512_loadu_ps(p.add(acc_at(r, g, groups, 2 * l + 1))),
+        )
+    });
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            v[l] = _mm512_add_ps(v[l], v[l + width]);
+        }
+        width /= 2;
+    }
+    let mut out = [0.0f32; GROUP];
+    // SAFETY: `out` holds 16 f32.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v[0]) };
+    out
+}
