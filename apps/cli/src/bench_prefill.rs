@@ -62,6 +62,10 @@ struct Run {
     spine_wait_s: f64,
     attention_s: f64,
     spine_compute_s: f64,
+    /// Expert read buffers mapped afresh during the pass (each a page-fault and zeroing of its pages; the rest of
+    /// the reads reused a buffer), and the expert cache's budget at the end of the pass.
+    expert_buffers_allocated: u64,
+    expert_cache_budget_bytes: u64,
 }
 
 #[derive(Serialize)]
@@ -161,10 +165,11 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
         engine.reset_expert_reads();
         let mut session = engine.session();
         session.limit_prefill_chunk(chunk);
-        let (p0, io0, eng0) = (
+        let (p0, io0, eng0, bufs0) = (
             engine.profile(),
             crate::bench::proc_read_bytes(),
             engine.read_bytes(),
+            engine.expert_stats().reader.disk.buffers_allocated,
         );
         let from = Instant::now();
         session.prefill_last(&prompt)?;
@@ -192,6 +197,8 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
             spine_wait_s: p.spine_wait.as_secs_f64(),
             attention_s: p.attention().as_secs_f64(),
             spine_compute_s: p.spine_compute().as_secs_f64(),
+            expert_buffers_allocated: engine.expert_stats().reader.disk.buffers_allocated - bufs0,
+            expert_cache_budget_bytes: engine.expert_stats().cache.budget,
         });
     }
     let (fma_after, disk_after) = (

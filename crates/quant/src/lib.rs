@@ -19,6 +19,7 @@ pub mod mxfp4;
 pub mod mxfp4_bf16_contract;
 pub mod mxfp4_contract;
 pub mod mxfp4_i16_contract;
+pub mod mxfp4_lanes;
 pub mod pages;
 pub mod quantise;
 pub mod simd;

@@ -29,23 +29,37 @@ const TILE_TOKENS: usize = 3;
 const TILE_BLOCK_CHUNKS: usize = 16;
 /// Rows per task of a tiled product: decoded, 16 rows of a K3 expert are 258 KB, which stay in L2.
 const TILE_ROWS_PER_TASK: usize = 16;
-/// Inputs from which a product runs with the inputs across the vector lanes on AVX-512
-/// ([`Mxfp4Matrix::rows_f32_lanes`]; `crate::simd::avx512_tokens`).
+/// Inputs from which a product runs with the inputs across the vector lanes ([`Mxfp4Matrix::rows_f32_lanes`];
+/// [`crate::mxfp4_lanes`]) on AVX-512 and on AVX2 (where the alternative decodes every weight again for each input).
 #[cfg(target_arch = "x86_64")]
-const LANES_MIN_TOKENS: usize = 12;
+fn lanes_min_tokens() -> Option<usize> {
+    if crate::simd::has_avx512() {
+        Some(12)
+    } else if crate::simd::has_avx2_fma() {
+        Some(8)
+    } else {
+        None
+    }
+}
 /// Rows per task of a product with the inputs across the lanes: a task reads all of its inputs once, so more rows
-/// share that read; 48 rows' accumulators at 64 inputs (384 KB), their packed block with lanes and chunks swapped
-/// (48 KB) and a block of 64 inputs (512 KB) stay in a 2 MB L2 together.
+/// share that read. On AVX-512 48 rows' accumulators at 64 inputs (384 KB), their packed block with lanes and chunks
+/// swapped (48 KB) and a block of 64 inputs (512 KB) stay in a 2 MB L2 together; AVX2 CPUs have 512 KB (AMD Zen 2
+/// and 3) or less, which 32 rows' accumulators (256 KB) leave room in.
 #[cfg(target_arch = "x86_64")]
-const LANES_ROWS_PER_TASK: usize = 48;
-/// Chunks per block of a product with the inputs across the lanes: two groups of 16 inputs over a block (16 KiB for
+fn lanes_rows_per_task() -> usize {
+    if crate::simd::has_avx512() { 48 } else { 32 }
+}
+/// Chunks per block of a product with the inputs across the lanes: the groups of inputs over a block (8 KiB each for
 /// one lane `k`) stay in L1 while every row of the task passes over them.
 #[cfg(target_arch = "x86_64")]
-const LANES_BLOCK_CHUNKS: usize = crate::simd::avx512_tokens::BLOCK_CHUNKS_MAX;
-/// Rows whose lane is decoded at a time in the products of many inputs (the four rows of the `asm!` tile): a few
-/// KiB, written and read in L1.
+const LANES_BLOCK_CHUNKS: usize = crate::mxfp4_lanes::BLOCK_CHUNKS_MAX;
+/// Rows whose lane is decoded at a time in the products of many inputs on AVX-512 (the four rows of the `asm!`
+/// tile): a few KiB, written and read in L1.
 #[cfg(target_arch = "x86_64")]
 const LANES_TILE_ROWS: usize = 4;
+/// The same on AVX2, whose `asm!` tile has two rows.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LANES_TILE_ROWS: usize = 2;
 /// Activation rows per piece of a batched product ([`crate::dense::TOKEN_BLOCK`]: a piece's inputs stay in L2).
 const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 
@@ -54,7 +68,7 @@ const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize, xps: &PermutedInput) -> usize {
     #[cfg(target_arch = "x86_64")]
     if matches!(xps, PermutedInput::F32Lanes(_)) {
-        return LANES_ROWS_PER_TASK;
+        return lanes_rows_per_task();
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = xps;
@@ -341,15 +355,27 @@ impl<'a> Mxfp4Matrix<'a> {
     }
 
     /// [`Self::rows_permuted`] for exact f32 inputs laid out across the vector lanes
-    /// (`crate::simd::avx512_tokens::token_lanes`, built only where AVX-512 is present): for each block of
-    /// [`LANES_BLOCK_CHUNKS`] chunks, each lane `k` and each [`LANES_TILE_ROWS`] rows, that lane of those rows is
-    /// decoded into a buffer that stays in L1, then tiles of the rows by two groups of 16 inputs (one group where a
-    /// single group is left) run over the block. Every result is bit-identical to [`Self::dot_row_ref`].
+    /// ([`crate::mxfp4_lanes::token_lanes`], built only where AVX-512 or AVX2 is present), on the wider of the two.
+    /// Every result is bit-identical to [`Self::dot_row_ref`].
     #[cfg(target_arch = "x86_64")]
     fn rows_f32_lanes(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
+        if crate::simd::has_avx512() {
+            self.rows_f32_lanes_avx512(r0, xt, t_rows, out)
+        } else {
+            self.rows_f32_lanes_avx2(r0, xt, t_rows, out)
+        }
+    }
+
+    /// [`Self::rows_f32_lanes`] on AVX-512: for each block of [`LANES_BLOCK_CHUNKS`] chunks, each lane `k` and each
+    /// [`LANES_TILE_ROWS`] rows, that lane of those rows is decoded into a buffer that stays in L1, then tiles of the
+    /// rows by two groups of 16 inputs (one group where a single group is left) run over the block.
+    #[cfg(target_arch = "x86_64")]
+    fn rows_f32_lanes_avx512(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
+        use crate::mxfp4_lanes::{
+            GROUP, accumulators_len, lane_weights, padded_chunks, row_scales, token_lanes_len,
+        };
         use crate::simd::avx512_tokens::{
-            GROUP, accumulators_len, block_words, decode_lane, decode_scales, finish, lane_weights,
-            padded_chunks, row_scales, tile, token_lanes_len, transpose_block,
+            block_words, decode_lane, decode_scales, finish, tile, transpose_block,
         };
         let n_chunks = mxfp4_contract::chunks(self.cols);
         let n_pad = padded_chunks(self.cols);
@@ -416,6 +442,66 @@ impl<'a> Mxfp4Matrix<'a> {
             for r in 0..rows_here {
                 for g in 0..groups {
                     // SAFETY: AVX-512F present; `acc` holds every pair.
+                    let sums = unsafe { finish(acc, r, g, groups) };
+                    let n = GROUP.min(t_rows - g * GROUP);
+                    out[r * t_rows + g * GROUP..][..n].copy_from_slice(&sums[..n]);
+                }
+            }
+        });
+    }
+
+    /// [`Self::rows_f32_lanes`] on AVX2: for each block of [`LANES_BLOCK_CHUNKS`] chunks, each lane `k` and each
+    /// [`AVX2_LANES_TILE_ROWS`] rows, that lane of those rows is decoded into a buffer that stays in L1, then tiles of
+    /// the rows by one group of 16 inputs (two 8-input halves) run over the block, group by group.
+    #[cfg(target_arch = "x86_64")]
+    fn rows_f32_lanes_avx2(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
+        use crate::mxfp4_lanes::{
+            GROUP, accumulators_len, lane_weights, padded_chunks, row_scales, token_lanes_len,
+        };
+        use crate::simd::avx2_tokens::{decode_lane, decode_scales, finish, tile};
+        let n_chunks = mxfp4_contract::chunks(self.cols);
+        let n_pad = padded_chunks(self.cols);
+        let groups = t_rows.div_ceil(GROUP);
+        let rows_here = out.len() / t_rows.max(1);
+        if t_rows == 0 || xt.len() < token_lanes_len(self.cols, t_rows) {
+            return;
+        }
+        let row_bytes: Vec<RowBytes<'a>> =
+            (r0..r0 + rows_here).map(|r| self.row_bytes(r)).collect();
+        LANES_SCRATCH.with_borrow_mut(|(scratch, _)| {
+            let [w, sc, acc] = scratch.take(&[
+                lane_weights(AVX2_LANES_TILE_ROWS),
+                rows_here * row_scales(self.cols),
+                accumulators_len(rows_here, groups),
+            ]);
+            decode_scales(&row_bytes, self.cols, sc);
+            let sc = &*sc;
+            for c0 in (0..n_chunks).step_by(LANES_BLOCK_CHUNKS) {
+                let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n_chunks));
+                for k in 0..mxfp4_contract::CHUNK_LANES {
+                    for q in (0..rows_here).step_by(AVX2_LANES_TILE_ROWS) {
+                        let rows = &row_bytes[q..(q + AVX2_LANES_TILE_ROWS).min(rows_here)];
+                        // SAFETY: AVX2 present (inputs are laid out across the lanes only then); `w` holds lane k
+                        // of `AVX2_LANES_TILE_ROWS` rows.
+                        unsafe { decode_lane(rows, c0, span.1 - c0, k, w) };
+                        let w = &*w;
+                        for g in 0..groups {
+                            // SAFETY: AVX2 and FMA present; the decoded lane, the multipliers, the inputs and the
+                            // accumulators hold every tile's rows and groups, and `span.1 <= n_chunks <= n_pad`.
+                            unsafe {
+                                if rows.len() == 2 {
+                                    tile::<2>((w, sc), xt, (q, g, k), span, n_pad, acc, groups)
+                                } else {
+                                    tile::<1>((w, sc), xt, (q, g, k), span, n_pad, acc, groups)
+                                }
+                            };
+                        }
+                    }
+                }
+            }
+            for r in 0..rows_here {
+                for g in 0..groups {
+                    // SAFETY: AVX2 present; `acc` holds every pair.
                     let sums = unsafe { finish(acc, r, g, groups) };
                     let n = GROUP.min(t_rows - g * GROUP);
                     out[r * t_rows + g * GROUP..][..n].copy_from_slice(&sums[..n]);
@@ -687,7 +773,7 @@ impl<const N: usize> Scratch<N> {
 /// Permuted activation rows of one input, in the layout of the contract that reads them.
 enum PermutedInput {
     F32(crate::aligned::Lines),
-    /// Exact f32 inputs across the vector lanes (`crate::simd::avx512_tokens::token_lanes`).
+    /// Exact f32 inputs across the vector lanes ([`crate::mxfp4_lanes::token_lanes`]).
     #[cfg(target_arch = "x86_64")]
     F32Lanes(crate::aligned::Lines),
     Bf16(Vec<u32>),
@@ -699,9 +785,9 @@ impl PermutedInput {
     fn new(x: &[f32], cols: usize, input: Mxfp4Input) -> Self {
         let rows = x.chunks_exact(cols.max(1));
         #[cfg(target_arch = "x86_64")]
-        if input == Mxfp4Input::F32 && crate::simd::has_avx512() && rows.len() >= LANES_MIN_TOKENS {
+        if input == Mxfp4Input::F32 && lanes_min_tokens().is_some_and(|m| rows.len() >= m) {
             let t_rows = rows.len();
-            return Self::F32Lanes(crate::simd::avx512_tokens::token_lanes(x, cols, t_rows));
+            return Self::F32Lanes(crate::mxfp4_lanes::token_lanes(x, cols, t_rows));
         }
         match input {
             Mxfp4Input::F32 => Self::F32(crate::aligned::Lines::copy_of(

@@ -316,8 +316,9 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
             let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
             // 2 and 3 run with fixed register accumulators, 4 to 11 in tiles of three inputs on AVX-512
             // (remainders of one and two included), 12 and more with the inputs across the lanes (one group of 16,
-            // a partial one, pairs of groups and a pair plus one).
-            for t_rows in [1, 2, 3, 4, 5, 7, 12, 16, 17, 40] {
+            // a partial one, pairs of groups and a pair plus one); on AVX2 from 8 inputs across the lanes (half a
+            // group), with fewer one product at a time.
+            for t_rows in [1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 40] {
                 let xs = randn(&mut r, t_rows * cols);
                 let mut y = vec![0.0; t_rows * rows];
                 m.gemm(&xs, t_rows, &mut y).expect("gemm");

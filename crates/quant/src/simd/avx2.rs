@@ -276,30 +276,14 @@ pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
     use crate::mxfp4_contract::{CHUNK, CHUNK_LANES};
-    // The magnitude of code m (0..8), with m's three bits already xored into bits 28..31: xoring the code shifted to
-    // bits 28..32 then takes them out again and puts the code's sign bit on bit 31, one instruction for both.
-    const MAGS: [u32; 8] = {
-        let mut bits = [0u32; 8];
-        let mut m = 0;
-        while m < 8 {
-            bits[m] = crate::mxfp4::E2M1_TABLE[m].to_bits() ^ ((m as u32) << 28);
-            m += 1;
-        }
-        bits
-    };
-    // SAFETY: `MAGS` holds 8 values.
-    let mags = _mm256_castsi256_ps(unsafe { _mm256_loadu_si256(MAGS.as_ptr() as *const __m256i) });
+    let mags = e2m1_mags();
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xp.len() / CHUNK {
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
             // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
             let words = unsafe { half_chunk_codes(packed, c, half) };
-            let w = |s: i32| {
-                let codes = _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s));
-                let mag = _mm256_permutevar8x32_ps(mags, codes);
-                _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(codes)))
-            };
+            let w = |s: i32| e2m1_decode(mags, _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s)));
             // SAFETY: chunk c of `xp` is whole; lanes 8·half .. 8·half + 8 of each code vector.
             let x = |s: usize| unsafe {
                 _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + s * CHUNK_LANES + 8 * half))
@@ -317,6 +301,34 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
         }
     }
     reduce16(acc)
+}
+
+/// The magnitude of E2M1 code m (0..8) at index m, with m's three bits already xored into bits 28..31, for
+/// [`e2m1_decode`].
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn e2m1_mags() -> __m256 {
+    const MAGS: [u32; 8] = {
+        let mut bits = [0u32; 8];
+        let mut m = 0;
+        while m < 8 {
+            bits[m] = crate::mxfp4::E2M1_TABLE[m].to_bits() ^ ((m as u32) << 28);
+            m += 1;
+        }
+        bits
+    };
+    // SAFETY: `MAGS` holds 8 values.
+    _mm256_castsi256_ps(unsafe { _mm256_loadu_si256(MAGS.as_ptr() as *const __m256i) })
+}
+
+/// The exact E2M1 values of the low four bits of each lane of `codes` (higher bits ignored): the permute reads the
+/// magnitude with the code's low three bits xored into bits 28..31 ([`e2m1_mags`]); xoring the code shifted to bits
+/// 28..32 takes them out again and puts the code's sign bit on bit 31, one instruction for both.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn e2m1_decode(mags: __m256, codes: __m256i) -> __m256 {
+    let mag = _mm256_permutevar8x32_ps(mags, codes);
+    _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(codes)))
 }
 
 /// The MXFP4 contracts' reduction ([`crate::mxfp4_contract::reduce16`]) of `acc[c % 2][half]`, the sixteen lanes of

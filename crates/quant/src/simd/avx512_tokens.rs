@@ -1,86 +1,23 @@
 //! AVX-512 MXFP4 products of many inputs with the inputs across the vector lanes (prefill, from 12 inputs per
-//! matrix: `crate::mxfp4`'s `LANES_MIN_TOKENS`).
-//!
-//! [`crate::mxfp4_contract`] computes, for one row and one input, sixteen independent lanes `k`, each a chain over
-//! the row's chunks `c`: `te`/`to` over the lane's eight weights, then `acc[c % 2][k] = fma(te + to, scale,
-//! acc[c % 2][k])`, and a fixed reduction of the lanes at the end. The single-input kernels put the sixteen `k` in a
-//! vector's lanes; here a vector's lanes are sixteen *inputs* at one `k` instead, so each weight is broadcast from
-//! memory once and used by every input, and the inputs' vectors are reused by four rows in registers ([`rows4`], in
-//! `asm!`). Per lane the operations and their order are the contract's, so every result is bit-identical to
-//! [`crate::mxfp4_contract::dot_row_ref`].
-//!
-//! Layouts (`n_pad` = the row's chunk count rounded up to even):
-//! - inputs ([`token_lanes`]): group `g` of 16 inputs, lane `k`, chunk `c`, code `s`, input `t` at
-//!   `(g · 16 + k) · stride + (c · 8 + s) · 16 + t` (`stride` = `n_pad · 128` and one line): for one `k` a group's
-//!   chunks are contiguous, so a block of them stays in L1 while every row of a task passes over it;
-//! - rows, one lane of a few rows over a block of chunks at a time ([`decode_lane`]): a row's chunks are 32
-//!   contiguous bytes each; their multipliers group by group for the whole row ([`decode_scales`]).
+//! matrix: `crate::mxfp4`'s `LANES_MIN_TOKENS`), in the layouts of [`crate::mxfp4_lanes`]: a vector's lanes are
+//! sixteen inputs at one of the contract's lanes `k`, so each weight is broadcast from memory once and used by every
+//! input, and the inputs' vectors are reused by four rows in registers ([`rows4`], in `asm!`). Per input the
+//! operations and their order are the contract's, so every result is bit-identical to
+//! [`crate::mxfp4_contract::dot_row_ref`]. A task swaps lanes and chunks of its rows' packed words a block at a time
+//! ([`transpose_block`]), so that a lane of a row's block is one cache line for [`decode_lane`].
 
 use std::arch::x86_64::*;
 
 use super::avx512::chunk_words;
-use crate::aligned::Lines;
 use crate::mxfp4::{E2M1_TABLE, MXFP4_GROUP};
 use crate::mxfp4_contract::{CHUNK, CHUNK_LANES, CODES_PER_LANE};
-
-/// Inputs per vector (one group).
-pub const GROUP: usize = 16;
-
-/// Chunks of a row in the layouts here: its chunk count rounded up to even (the decoder writes two chunks per store).
-pub fn padded_chunks(cols: usize) -> usize {
-    crate::mxfp4_contract::chunks(cols).div_ceil(2) * 2
-}
-
-/// `t_rows` inputs of `cols` values (`x`, row-major) in the inputs' layout (see the module header), zero past the
-/// row and past the last input.
-pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
-    let n_pad = padded_chunks(cols);
-    let groups = t_rows.div_ceil(GROUP);
-    let stride = lane_stride(n_pad);
-    let mut xt = Lines::zeroed(groups * CHUNK_LANES * stride);
-    for (t, row) in x.chunks_exact(cols.max(1)).take(t_rows).enumerate() {
-        let (g, lane) = (t / GROUP, t % GROUP);
-        for (i, &v) in row.iter().enumerate() {
-            let (c, k, s) = (i / CHUNK, i % CHUNK / CODES_PER_LANE, i % CODES_PER_LANE);
-            xt[(g * CHUNK_LANES + k) * stride + (c * CODES_PER_LANE + s) * GROUP + lane] = v;
-        }
-    }
-    xt
-}
-
-/// Values of one (group, lane) block of the inputs' layout: its chunks and one cache line more, so that the blocks a
-/// tile reads together do not all start at the same offset in a 4 KiB page (where they would compete for the same L1
-/// sets; at K3's widths they otherwise would, though no difference was measurable on the noisy 2-core machine).
-fn lane_stride(n_pad: usize) -> usize {
-    n_pad * CODES_PER_LANE * GROUP + GROUP
-}
-
-/// Values of [`token_lanes`]`(_, cols, t_rows)`.
-pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
-    t_rows.div_ceil(GROUP) * CHUNK_LANES * lane_stride(padded_chunks(cols))
-}
-
-/// Values of the decoded weights of lane `k` of `rows` rows over a block of chunks ([`decode_lane`]).
-pub fn lane_weights(rows: usize) -> usize {
-    rows * CODES_PER_LANE * BLOCK_CHUNKS_MAX
-}
-
-/// Most chunks in a block of [`transpose_block`]: a lane's words of a row's block fill one cache line.
-pub const BLOCK_CHUNKS_MAX: usize = 16;
+use crate::mxfp4_lanes::{
+    BLOCK_CHUNKS_MAX, GROUP, acc_at, lane_stride, lane_weights, row_scales, row_scales_per_row,
+};
 
 /// 32-bit words of [`transpose_block`]`(rows, ..)`.
 pub fn block_words(rows: usize) -> usize {
     rows * CHUNK_LANES * BLOCK_CHUNKS_MAX
-}
-
-/// Values of one decoded row's multipliers ([`decode_scales`]).
-pub fn row_scales(cols: usize) -> usize {
-    row_scales_per_row(padded_chunks(cols))
-}
-
-/// [`row_scales`] for a row of `n_pad` chunks: one multiplier per group of 32.
-fn row_scales_per_row(n_pad: usize) -> usize {
-    n_pad * CHUNK / MXFP4_GROUP
 }
 
 /// The packed words of chunks `c0 .. c0 + nb` (`nb <=` [`BLOCK_CHUNKS_MAX`]) of MXFP4 rows (`(packed, scales)`) with
@@ -197,18 +134,6 @@ pub unsafe fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]
             out.copy_from_slice(&m[..out.len()]);
         }
     }
-}
-
-/// Values of the even and odd accumulators of every lane `k` of every (row, group) pair of a task:
-/// `[rows][groups][16][2]` vectors of 16.
-pub fn accumulators_len(rows: usize, groups: usize) -> usize {
-    rows * groups * CHUNK_LANES * 2 * GROUP
-}
-
-/// Where pair (`r`, `g`)'s lane-`k` accumulators start ([`accumulators_len`]`(_, groups)`).
-#[inline]
-fn acc_at(r: usize, g: usize, groups: usize, k: usize) -> usize {
-    ((r * groups + g) * CHUNK_LANES + k) * 2 * GROUP
 }
 
 /// One tile: rows `r0 .. r0 + R` of the task (`w`: lane `k` of the tile's `R` rows decoded over a block of chunks

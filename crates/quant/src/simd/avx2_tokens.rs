@@ -1,0 +1,285 @@
+//! AVX2 MXFP4 products of many inputs with the inputs across the vector lanes (prefill on CPUs without AVX-512),
+//! in the layouts of [`crate::mxfp4_lanes`]: a group of sixteen inputs at one of the contract's lanes `k` is two
+//! 256-bit halves, each decoded weight is broadcast from memory once for both, and the halves are reused by two rows
+//! in registers ([`rows2`], in `asm!`). Per input the operations and their order are the contract's, so every result
+//! is bit-identical to [`crate::mxfp4_contract::dot_row_ref`].
+//!
+//! Without the lanes every input of a prefill decoded every weight again (one product at a time), a sixth of the
+//! FMA peak on an AMD Zen 3 core; here a weight is decoded once per task and block.
+
+use std::arch::x86_64::*;
+
+use super::avx2::{e2m1_decode, e2m1_mags};
+use crate::mxfp4::MXFP4_GROUP;
+use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE, group_scale};
+use crate::mxfp4_lanes::{
+    BLOCK_CHUNKS_MAX, GROUP, acc_at, lane_stride, lane_weights, row_scales, row_scales_per_row,
+};
+
+/// Inputs per 256-bit vector: half a group.
+const HALF: usize = GROUP / 2;
+
+/// Decodes lane `k` of chunks `c0 .. c0 + nb` (`nb <=` [`BLOCK_CHUNKS_MAX`]) of MXFP4 rows (`(packed, scales)`) into
+/// `w`, [`lane_weights`]`(rows.len())` values: weight `s` of chunk `c0 + j` of row `r` at `(r · 8 + s) · 16 + j`.
+/// Exact; past a row's end and past `nb` the weights are 0, as the contract reads them. The lane's words are read
+/// one by one (one per chunk line, which the tiles of every lane of the block read again from L1), then one shift
+/// and one table permute decode code `s` of eight chunks.
+///
+/// # Safety
+/// The CPU must support AVX2; `w` holds [`lane_weights`]`(rows.len())` values.
+#[target_feature(enable = "avx2")]
+pub unsafe fn decode_lane(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, k: usize, w: &mut [f32]) {
+    debug_assert!(nb <= BLOCK_CHUNKS_MAX && w.len() >= lane_weights(rows.len()));
+    let mags = e2m1_mags();
+    for (r, (packed, _)) in rows.iter().enumerate() {
+        let mut words = [0u32; BLOCK_CHUNKS_MAX];
+        for (j, d) in words.iter_mut().enumerate().take(nb) {
+            let at = (c0 + j) * CHUNK_BYTES + 4 * k;
+            if let Some(b) = packed.get(at..at + 4) {
+                *d = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        for half in 0..2 {
+            // SAFETY: `words` holds 16 words.
+            let line =
+                unsafe { _mm256_loadu_si256(words.as_ptr().add(HALF * half) as *const __m256i) };
+            for s in 0..CODES_PER_LANE {
+                let v = e2m1_decode(
+                    mags,
+                    _mm256_srlv_epi32(line, _mm256_set1_epi32(4 * s as i32)),
+                );
+                // SAFETY: `(r · 8 + s) · 16 + 8 · half .. + 8` lies in `w`.
+                unsafe {
+                    _mm256_storeu_ps(
+                        w.as_mut_ptr()
+                            .add((r * CODES_PER_LANE + s) * BLOCK_CHUNKS_MAX + HALF * half),
+                        v,
+                    )
+                };
+            }
+        }
+    }
+}
+
+/// The multipliers of MXFP4 rows (`(packed, scales)` of `cols` weights each) into `sc`, [`row_scales`]`(cols)` per
+/// row, group by group; 1 past a row's end, as the contract reads them.
+pub fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]) {
+    let per_row = row_scales(cols);
+    for (r, (_, scales)) in rows.iter().enumerate() {
+        for (g, m) in sc[r * per_row..(r + 1) * per_row].iter_mut().enumerate() {
+            *m = group_scale(scales, g);
+        }
+    }
+}
+
+/// One tile: rows `r0 .. r0 + R` (1 or 2) of the task (`w`: lane `k` of the tile's rows decoded over a block of
+/// chunks from `c0`, [`decode_lane`]; `sc`: the task's multipliers) against group `g` of the inputs (`xt`), lane
+/// `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 == 0`) starts the pairs'
+/// accumulators at zero whatever `acc` holds, so a task need not clear them first. The even chunks run first, then
+/// the odd ones: the contract's two accumulators of a lane never meet before its reduction.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `w` holds `R` rows, `sc` rows `r0 .. r0 + R` and `xt` group `g` of the layouts
+/// for `n_pad` chunks; `c1 <= n_pad`, `c1 - c0 <=` [`BLOCK_CHUNKS_MAX`]; `acc` holds the pairs (`groups` groups per
+/// row).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn tile<const R: usize>(
+    (w, sc): (&[f32], &[f32]),
+    xt: &[f32],
+    (r0, g, k): (usize, usize, usize),
+    (c0, c1): (usize, usize),
+    n_pad: usize,
+    acc: &mut [f32],
+    groups: usize,
+) {
+    debug_assert!((1..=2).contains(&R) && c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX);
+    debug_assert!(w.len() >= lane_weights(R));
+    debug_assert!(xt.len() >= (g + 1) * CHUNK_LANES * lane_stride(n_pad));
+    debug_assert!(acc.len() >= acc_at(r0 + R - 1, g, groups, k) + 2 * GROUP);
+    let f = std::mem::size_of::<f32>();
+    // Weight s of row r's lane k of chunk c is at `w + r · ws + s · 64 + 4c` bytes, the block starting at chunk c0.
+    let wp = w.as_ptr().wrapping_sub(c0);
+    let ws = lane_weights(1) * f;
+    // Lane k of chunk c uses group 4c + k / 4 of the row.
+    let sp = sc[r0 * row_scales_per_row(n_pad) + k / 4..].as_ptr();
+    let ss = row_scales_per_row(n_pad) * f;
+    let xp = xt[(g * CHUNK_LANES + k) * lane_stride(n_pad)..].as_ptr();
+    let p = acc.as_mut_ptr();
+    let at: [usize; R] = std::array::from_fn(|r| acc_at(r0 + r, g, groups, k));
+    let fresh = c0 == 0;
+    for parity in 0..2 {
+        let first = c0 + (c0 + parity) % 2;
+        if first >= c1 && !fresh {
+            continue;
+        }
+        // [row][half]
+        let mut regs = [[_mm256_setzero_ps(); 2]; 2];
+        if !fresh {
+            for (r, regs) in regs.iter_mut().enumerate().take(R) {
+                for (half, a) in regs.iter_mut().enumerate() {
+                    // SAFETY: the caller's `acc` holds every pair.
+                    *a = unsafe { _mm256_loadu_ps(p.add(at[r] + parity * GROUP + HALF * half)) };
+                }
+            }
+        }
+        if first < c1 {
+            let n = (c1 - first).div_ceil(2);
+            // SAFETY: the caller's layouts hold `n` chunks of this parity from `first` for every row.
+            unsafe {
+                let x = xp.add(first * CODES_PER_LANE * GROUP);
+                let w = wp.wrapping_add(first);
+                let s = sp.add(first * CHUNK / MXFP4_GROUP);
+                if R == 2 {
+                    rows2(&mut regs, x, (w, ws), (s, ss), n);
+                } else {
+                    row1(&mut regs[0], x, w, s, n);
+                }
+            }
+        }
+        for (r, regs) in regs.iter().enumerate().take(R) {
+            for (half, a) in regs.iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(p.add(at[r] + parity * GROUP + HALF * half), *a) };
+            }
+        }
+    }
+}
+
+/// One row's products of step `s` in `asm!` text: its weight broadcast once into ymm14 (from byte `$off` of `$w`),
+/// then `$op` (`vmulps` for codes 0 and 1, `vfmadd231ps` after) of it with both halves (ymm12, ymm13) into the row's
+/// `te` or `to` registers `ymm$t0` and `ymm$t1`.
+#[rustfmt::skip]
+macro_rules! row2_products {
+    ($w:literal, $off:literal, $op:literal, $t0:literal $t1:literal) => {
+        concat!(
+            "vbroadcastss ymm14, dword ptr [", $w, " + ", $off, "]\n",
+            $op, " ymm", $t0, ", ymm14, ymm12\n",
+            $op, " ymm", $t1, ", ymm14, ymm13\n",
+        )
+    };
+}
+
+/// Step `s` of a two-row tile in `asm!` text: both halves of the inputs of code `s` (byte `$x` of the chunk) into
+/// ymm12 and ymm13, then each row's products into its `te` (even `s`: ymm4..8) or `to` (odd: ymm8..12) registers.
+#[rustfmt::skip]
+macro_rules! step_rows2 {
+    ($x:literal, $w:literal, $op:literal, $t0:literal $t1:literal $t2:literal $t3:literal) => {
+        concat!(
+            "vmovups ymm12, ymmword ptr [{x} + ", $x, "]\n",
+            "vmovups ymm13, ymmword ptr [{x} + ", $x, " + 32]\n",
+            row2_products!("{w}", $w, $op, $t0 $t1),
+            row2_products!("{w} + {ws}", $w, $op, $t2 $t3),
+        )
+    };
+}
+
+/// Two rows against both halves of a group over the chunks of one parity, in `asm!` so that every vector has a fixed
+/// register: four accumulators (ymm0..4), four `te` (ymm4..8) and four `to` (ymm8..12), the two input halves, one
+/// broadcast weight: 15 of the 16 registers. Per input the operations are the contract's: `te = w0·x0`, `fma(w2, x2,
+/// te)`, …; `to` likewise; `acc = fma(te + to, scale, acc)`.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `n >= 1` chunks of the parity from the pointers: `x` (the group's inputs at
+/// chunk `c`), `w` (row 0's weight 0 at chunk `c`, weight `s` 64 · `s` bytes on, row 1 `ws` bytes on), `sc` (row 0's
+/// multiplier of lane `k` at chunk `c`, row 1 `ss` bytes on); each chunk after the next at 1024, 8 and 32 bytes on.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows2(
+    acc: &mut [[__m256; 2]; 2],
+    x: *const f32,
+    (w, ws): (*const f32, usize),
+    (sc, ss): (*const f32, usize),
+    n: usize,
+) {
+    let [[mut a0, mut a1], [mut a2, mut a3]] = *acc;
+    // SAFETY: the caller guarantees every address the loop reads.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            step_rows2!("0", "0", "vmulps", "4" "5" "6" "7"),
+            step_rows2!("64", "64", "vmulps", "8" "9" "10" "11"),
+            step_rows2!("128", "128", "vfmadd231ps", "4" "5" "6" "7"),
+            step_rows2!("192", "192", "vfmadd231ps", "8" "9" "10" "11"),
+            step_rows2!("256", "256", "vfmadd231ps", "4" "5" "6" "7"),
+            step_rows2!("320", "320", "vfmadd231ps", "8" "9" "10" "11"),
+            step_rows2!("384", "384", "vfmadd231ps", "4" "5" "6" "7"),
+            step_rows2!("448", "448", "vfmadd231ps", "8" "9" "10" "11"),
+            "vbroadcastss ymm14, dword ptr [{s}]\n",
+            "vaddps ymm4, ymm4, ymm8\n", "vfmadd231ps ymm0, ymm4, ymm14\n",
+            "vaddps ymm5, ymm5, ymm9\n", "vfmadd231ps ymm1, ymm5, ymm14\n",
+            "vbroadcastss ymm14, dword ptr [{s} + {ss}]\n",
+            "vaddps ymm6, ymm6, ymm10\n", "vfmadd231ps ymm2, ymm6, ymm14\n",
+            "vaddps ymm7, ymm7, ymm11\n", "vfmadd231ps ymm3, ymm7, ymm14\n",
+            "add {x}, 1024\n", "add {w}, 8\n", "add {s}, 32\n",
+            "dec {n}\n", "jnz 2b\n",
+            x = inout(reg) x => _,
+            w = inout(reg) w => _, ws = in(reg) ws,
+            s = inout(reg) sc => _, ss = in(reg) ss,
+            n = inout(reg) n => _,
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+            out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _,
+            options(nostack, readonly),
+        );
+    }
+    *acc = [[a0, a1], [a2, a3]];
+}
+
+/// [`rows2`] for one row (a task's last, odd row), with intrinsics.
+///
+/// # Safety
+/// As [`rows2`] for row 0 only.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row1(acc: &mut [__m256; 2], x: *const f32, w: *const f32, sc: *const f32, n: usize) {
+    for i in 0..n {
+        // SAFETY (every access): the caller guarantees `n` chunks of the parity from the pointers.
+        let (x, w) = unsafe { (x.add(i * 2 * CODES_PER_LANE * GROUP), w.add(2 * i)) };
+        let xs = |s: usize, half: usize| unsafe { _mm256_loadu_ps(x.add(s * GROUP + HALF * half)) };
+        let b = |s: usize| unsafe { _mm256_set1_ps(*w.add(s * BLOCK_CHUNKS_MAX)) };
+        let scale = unsafe { _mm256_set1_ps(*sc.add(i * 2 * CHUNK / MXFP4_GROUP)) };
+        for (half, a) in acc.iter_mut().enumerate() {
+            let mut te = _mm256_mul_ps(b(0), xs(0, half));
+            let mut to = _mm256_mul_ps(b(1), xs(1, half));
+            for s in (2..CODES_PER_LANE).step_by(2) {
+                te = _mm256_fmadd_ps(b(s), xs(s, half), te);
+                to = _mm256_fmadd_ps(b(s + 1), xs(s + 1, half), to);
+            }
+            *a = _mm256_fmadd_ps(_mm256_add_ps(te, to), scale, *a);
+        }
+    }
+}
+
+/// The contract's reduction of pair (`r`, `g`)'s sixteen lanes, for its sixteen inputs: `out[t]` for input `16g +
+/// t`.
+///
+/// # Safety
+/// The CPU must support AVX2; `acc` holds the pair.
+#[target_feature(enable = "avx2")]
+pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GROUP] {
+    debug_assert!(acc.len() >= acc_at(r, g, groups, CHUNK_LANES - 1) + 2 * GROUP);
+    let p = acc.as_ptr();
+    let mut out = [0.0f32; GROUP];
+    for half in 0..2 {
+        // SAFETY: the caller's `acc` holds the pair's 32 vectors of 16.
+        let mut v: [__m256; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
+            let at = acc_at(r, g, groups, k) + HALF * half;
+            _mm256_add_ps(
+                _mm256_loadu_ps(p.add(at)),
+                _mm256_loadu_ps(p.add(at + GROUP)),
+            )
+        });
+        let mut width = CHUNK_LANES / 2;
+        while width > 0 {
+            for k in 0..width {
+                v[k] = _mm256_add_ps(v[k], v[k + width]);
+            }
+            width /= 2;
+        }
+        // SAFETY: `out` holds 16 f32.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(HALF * half), v[0]) };
+    }
+    out
+}
