@@ -43,12 +43,10 @@ fn lanes_min_tokens() -> Option<usize> {
 }
 /// Rows per task of a product with the inputs across the lanes: a task reads all of its inputs once, so more rows
 /// share that read. On AVX-512 48 rows' accumulators at 64 inputs (384 KB), their packed block with lanes and chunks
-/// swapped (48 KB) and a block of 64 inputs (512 KB) stay in a 2 MB L2 together; AVX2 CPUs have 512 KB (AMD Zen 2
-/// and 3) or less, which 32 rows' accumulators (256 KB) leave room in.
+/// swapped (48 KB) and a block of 64 inputs (512 KB) stay in a 2 MB L2 together; on an AMD Zen 3 core (AVX2, 512 KB
+/// of L2) 32, 48 and 64 rows ran alike.
 #[cfg(target_arch = "x86_64")]
-fn lanes_rows_per_task() -> usize {
-    if crate::simd::has_avx512() { 48 } else { 32 }
-}
+const LANES_ROWS_PER_TASK: usize = 48;
 /// Chunks per block of a product with the inputs across the lanes: the groups of inputs over a block (8 KiB each for
 /// one lane `k`) stay in L1 while every row of the task passes over them.
 #[cfg(target_arch = "x86_64")]
@@ -57,7 +55,7 @@ const LANES_BLOCK_CHUNKS: usize = crate::mxfp4_lanes::BLOCK_CHUNKS_MAX;
 /// tile): a few KiB, written and read in L1.
 #[cfg(target_arch = "x86_64")]
 const LANES_TILE_ROWS: usize = 4;
-/// The same on AVX2, whose `asm!` tile has two rows.
+/// The same on AVX2 with a single group of inputs, where the `asm!` tile has two rows.
 #[cfg(target_arch = "x86_64")]
 const AVX2_LANES_TILE_ROWS: usize = 2;
 /// Activation rows per piece of a batched product ([`crate::dense::TOKEN_BLOCK`]: a piece's inputs stay in L2).
@@ -68,7 +66,7 @@ const TOKEN_BLOCK: usize = crate::dense::TOKEN_BLOCK;
 fn rows_per_task(matrix: &Mxfp4Matrix<'_>, t_rows: usize, xps: &PermutedInput) -> usize {
     #[cfg(target_arch = "x86_64")]
     if matches!(xps, PermutedInput::F32Lanes(_)) {
-        return lanes_rows_per_task();
+        return LANES_ROWS_PER_TASK;
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = xps;
@@ -450,15 +448,16 @@ impl<'a> Mxfp4Matrix<'a> {
         });
     }
 
-    /// [`Self::rows_f32_lanes`] on AVX2: for each block of [`LANES_BLOCK_CHUNKS`] chunks, each lane `k` and each
-    /// [`AVX2_LANES_TILE_ROWS`] rows, that lane of those rows is decoded into a buffer that stays in L1, then tiles of
-    /// the rows by one group of 16 inputs (two 8-input halves) run over the block, group by group.
+    /// [`Self::rows_f32_lanes`] on AVX2: for each block of [`LANES_BLOCK_CHUNKS`] chunks and each lane `k`, that lane
+    /// of every row is decoded, then each pair of groups of 16 inputs (two 8-input halves each) runs over every row
+    /// while its inputs stay in L1 (`crate::simd::avx2_tokens::tiles`); a single group runs two rows at a time, each
+    /// pair decoded right before (a shape that only a last group of inputs, or a product of at most 16, has).
     #[cfg(target_arch = "x86_64")]
     fn rows_f32_lanes_avx2(&self, r0: usize, xt: &[f32], t_rows: usize, out: &mut [f32]) {
         use crate::mxfp4_lanes::{
             GROUP, accumulators_len, lane_weights, padded_chunks, row_scales, token_lanes_len,
         };
-        use crate::simd::avx2_tokens::{decode_lane, decode_scales, finish, tile};
+        use crate::simd::avx2_tokens::{decode_lane, decode_scales, finish, tiles};
         let n_chunks = mxfp4_contract::chunks(self.cols);
         let n_pad = padded_chunks(self.cols);
         let groups = t_rows.div_ceil(GROUP);
@@ -470,7 +469,7 @@ impl<'a> Mxfp4Matrix<'a> {
             (r0..r0 + rows_here).map(|r| self.row_bytes(r)).collect();
         LANES_SCRATCH.with_borrow_mut(|(scratch, _)| {
             let [w, sc, acc] = scratch.take(&[
-                lane_weights(AVX2_LANES_TILE_ROWS),
+                lane_weights(rows_here),
                 rows_here * row_scales(self.cols),
                 accumulators_len(rows_here, groups),
             ]);
@@ -479,22 +478,52 @@ impl<'a> Mxfp4Matrix<'a> {
             for c0 in (0..n_chunks).step_by(LANES_BLOCK_CHUNKS) {
                 let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n_chunks));
                 for k in 0..mxfp4_contract::CHUNK_LANES {
-                    for q in (0..rows_here).step_by(AVX2_LANES_TILE_ROWS) {
-                        let rows = &row_bytes[q..(q + AVX2_LANES_TILE_ROWS).min(rows_here)];
+                    // With one group, each pair of rows is decoded right before its tiles; with more, every row is
+                    // decoded first, then the pairs of groups run over all of them while their inputs stay in L1.
+                    let step = if groups == 1 {
+                        AVX2_LANES_TILE_ROWS
+                    } else {
+                        rows_here
+                    };
+                    for q in (0..rows_here).step_by(step.max(1)) {
+                        let rows = &row_bytes[q..(q + step).min(rows_here)];
                         // SAFETY: AVX2 present (inputs are laid out across the lanes only then); `w` holds lane k
-                        // of `AVX2_LANES_TILE_ROWS` rows.
+                        // of `rows`.
                         unsafe { decode_lane(rows, c0, span.1 - c0, k, w) };
                         let w = &*w;
-                        for g in 0..groups {
+                        let sc = &sc[q * row_scales(self.cols)..];
+                        let acc = &mut acc[accumulators_len(q, groups)..];
+                        let mut g = 0;
+                        while g < groups {
                             // SAFETY: AVX2 and FMA present; the decoded lane, the multipliers, the inputs and the
-                            // accumulators hold every tile's rows and groups, and `span.1 <= n_chunks <= n_pad`.
-                            unsafe {
-                                if rows.len() == 2 {
-                                    tile::<2>((w, sc), xt, (q, g, k), span, n_pad, acc, groups)
-                                } else {
-                                    tile::<1>((w, sc), xt, (q, g, k), span, n_pad, acc, groups)
-                                }
-                            };
+                            // accumulators hold every row and group, and `span.1 <= n_chunks <= n_pad`.
+                            if groups - g >= 2 {
+                                unsafe {
+                                    tiles::<2>(
+                                        (w, sc),
+                                        xt,
+                                        (rows.len(), g, k),
+                                        span,
+                                        n_pad,
+                                        acc,
+                                        groups,
+                                    )
+                                };
+                                g += 2;
+                            } else {
+                                unsafe {
+                                    tiles::<1>(
+                                        (w, sc),
+                                        xt,
+                                        (rows.len(), g, k),
+                                        span,
+                                        n_pad,
+                                        acc,
+                                        groups,
+                                    )
+                                };
+                                g += 1;
+                            }
                         }
                     }
                 }

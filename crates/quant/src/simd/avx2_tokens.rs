@@ -1,7 +1,7 @@
 //! AVX2 MXFP4 products of many inputs with the inputs across the vector lanes (prefill on CPUs without AVX-512),
 //! in the layouts of [`crate::mxfp4_lanes`]: a group of sixteen inputs at one of the contract's lanes `k` is two
 //! 256-bit halves, each decoded weight is broadcast from memory once for both, and the halves are reused by two rows
-//! in registers ([`rows2`], in `asm!`). Per input the operations and their order are the contract's, so every result
+//! in registers or two groups share a row's weights ([`rows2`], [`row_groups2`], in `asm!`). Per input the operations and their order are the contract's, so every result
 //! is bit-identical to [`crate::mxfp4_contract::dot_row_ref`].
 //!
 //! Without the lanes every input of a prefill decoded every weight again (one product at a time), a sixth of the
@@ -22,8 +22,8 @@ const HALF: usize = GROUP / 2;
 /// Decodes lane `k` of chunks `c0 .. c0 + nb` (`nb <=` [`BLOCK_CHUNKS_MAX`]) of MXFP4 rows (`(packed, scales)`) into
 /// `w`, [`lane_weights`]`(rows.len())` values: weight `s` of chunk `c0 + j` of row `r` at `(r · 8 + s) · 16 + j`.
 /// Exact; past a row's end and past `nb` the weights are 0, as the contract reads them. The lane's words are read
-/// one by one (one per chunk line, which the tiles of every lane of the block read again from L1), then one shift
-/// and one table permute decode code `s` of eight chunks.
+/// one by one (one per chunk line, which the tiles of every lane of the block read again from L1; two gathers were no
+/// faster), then one shift and one table permute decode code `s` of eight chunks.
 ///
 /// # Safety
 /// The CPU must support AVX2; `w` holds [`lane_weights`]`(rows.len())` values.
@@ -72,78 +72,184 @@ pub fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]) {
     }
 }
 
-/// One tile: rows `r0 .. r0 + R` (1 or 2) of the task (`w`: lane `k` of the tile's rows decoded over a block of
-/// chunks from `c0`, [`decode_lane`]; `sc`: the task's multipliers) against group `g` of the inputs (`xt`), lane
-/// `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 == 0`) starts the pairs'
-/// accumulators at zero whatever `acc` holds, so a task need not clear them first. The even chunks run first, then
-/// the odd ones: the contract's two accumulators of a lane never meet before its reduction.
+/// Every row of a task (`w`: lane `k` of its `rows` rows decoded over a block of chunks from `c0`, [`decode_lane`];
+/// `sc`: its multipliers) against groups `g .. g + V` (`V` 1 or 2) of the inputs (`xt`), lane `k`, chunks `c0 ..
+/// c1`, into the pairs' accumulators in `acc`: one row by both groups at a time ([`row_groups2`]), or two rows by the
+/// one group ([`rows2`], then [`row1`] for an odd last row). The groups' inputs over the block (8 KiB each) stay in L1
+/// while every row passes over them. A row's first block (`c0 == 0`) starts the pairs' accumulators at zero whatever
+/// `acc` holds, so a task need not clear them first. The even chunks run first, then the odd ones: the contract's
+/// two accumulators of a lane never meet before its reduction. One row by two groups runs fastest on AMD Zen 3, where
+/// a broadcast from memory takes a vector unit's slot: its weight serves four FMAs instead of two.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `w` holds `R` rows, `sc` rows `r0 .. r0 + R` and `xt` group `g` of the layouts
-/// for `n_pad` chunks; `c1 <= n_pad`, `c1 - c0 <=` [`BLOCK_CHUNKS_MAX`]; `acc` holds the pairs (`groups` groups per
-/// row).
+/// The CPU must support AVX2 and FMA; `w` holds `rows` rows, `sc` `rows` rows and `xt` groups `g .. g + V` of the
+/// layouts for `n_pad` chunks; `c1 <= n_pad`, `c1 - c0 <=` [`BLOCK_CHUNKS_MAX`]; `acc` holds the pairs (`groups`
+/// groups per row).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tile<const R: usize>(
+pub unsafe fn tiles<const V: usize>(
     (w, sc): (&[f32], &[f32]),
     xt: &[f32],
-    (r0, g, k): (usize, usize, usize),
+    (rows, g, k): (usize, usize, usize),
     (c0, c1): (usize, usize),
     n_pad: usize,
     acc: &mut [f32],
     groups: usize,
 ) {
-    debug_assert!((1..=2).contains(&R) && c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX);
-    debug_assert!(w.len() >= lane_weights(R));
-    debug_assert!(xt.len() >= (g + 1) * CHUNK_LANES * lane_stride(n_pad));
-    debug_assert!(acc.len() >= acc_at(r0 + R - 1, g, groups, k) + 2 * GROUP);
+    debug_assert!((1..=2).contains(&V) && c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX);
+    debug_assert!(w.len() >= lane_weights(rows) && sc.len() >= rows * row_scales_per_row(n_pad));
+    debug_assert!(xt.len() >= (g + V) * CHUNK_LANES * lane_stride(n_pad));
+    debug_assert!(rows == 0 || acc.len() >= acc_at(rows - 1, g + V - 1, groups, k) + 2 * GROUP);
     let f = std::mem::size_of::<f32>();
     // Weight s of row r's lane k of chunk c is at `w + r · ws + s · 64 + 4c` bytes, the block starting at chunk c0.
-    let wp = w.as_ptr().wrapping_sub(c0);
     let ws = lane_weights(1) * f;
-    // Lane k of chunk c uses group 4c + k / 4 of the row.
-    let sp = sc[r0 * row_scales_per_row(n_pad) + k / 4..].as_ptr();
+    // Lane k of chunk c of row r uses group 4c + k / 4 of the row, at `sc + r · ss` bytes.
     let ss = row_scales_per_row(n_pad) * f;
     let xp = xt[(g * CHUNK_LANES + k) * lane_stride(n_pad)..].as_ptr();
+    // From one group's inputs to the next group's, in bytes.
+    let xs = CHUNK_LANES * lane_stride(n_pad) * f;
     let p = acc.as_mut_ptr();
-    let at: [usize; R] = std::array::from_fn(|r| acc_at(r0 + r, g, groups, k));
     let fresh = c0 == 0;
-    for parity in 0..2 {
+    // Row r's first input, weight and multiplier of the parity's first chunk, and the chunks of the parity.
+    let starts = |r: usize, parity: usize| {
         let first = c0 + (c0 + parity) % 2;
-        if first >= c1 && !fresh {
-            continue;
-        }
-        // [row][half]
-        let mut regs = [[_mm256_setzero_ps(); 2]; 2];
-        if !fresh {
-            for (r, regs) in regs.iter_mut().enumerate().take(R) {
-                for (half, a) in regs.iter_mut().enumerate() {
-                    // SAFETY: the caller's `acc` holds every pair.
-                    *a = unsafe { _mm256_loadu_ps(p.add(at[r] + parity * GROUP + HALF * half)) };
+        let w = w
+            .as_ptr()
+            .wrapping_byte_add(r * ws)
+            .wrapping_sub(c0)
+            .wrapping_add(first);
+        let s = sc[k / 4..]
+            .as_ptr()
+            .wrapping_byte_add(r * ss)
+            .wrapping_add(first * CHUNK / MXFP4_GROUP);
+        let x = xp.wrapping_add(first * CODES_PER_LANE * GROUP);
+        (x, w, s, c1.saturating_sub(first).div_ceil(2))
+    };
+    // Runs `$kernel` on the pairs (row, group) `$pairs` (the first `$n` of them), each parity's accumulators loaded
+    // (unless fresh) into `regs` and stored after. A macro, not a closure: the kernels and the vectors stay inside
+    // this function's target features.
+    macro_rules! on_pairs {
+        ($pairs:expr, $n:expr, |$regs:ident, $parity:ident| $kernel:expr) => {
+            for $parity in 0..2 {
+                let at: [usize; 2] = $pairs
+                    .map(|(r, v): (usize, usize)| acc_at(r, g + v, groups, k) + $parity * GROUP);
+                let mut $regs = [[_mm256_setzero_ps(); 2]; 2];
+                if !fresh {
+                    for (i, regs) in $regs.iter_mut().enumerate().take($n) {
+                        for (half, a) in regs.iter_mut().enumerate() {
+                            // SAFETY: the caller's `acc` holds every pair.
+                            *a = unsafe { _mm256_loadu_ps(p.add(at[i] + HALF * half)) };
+                        }
+                    }
+                }
+                $kernel;
+                for (i, regs) in $regs.iter().enumerate().take($n) {
+                    for (half, a) in regs.iter().enumerate() {
+                        // SAFETY: as above.
+                        unsafe { _mm256_storeu_ps(p.add(at[i] + HALF * half), *a) };
+                    }
                 }
             }
-        }
-        if first < c1 {
-            let n = (c1 - first).div_ceil(2);
-            // SAFETY: the caller's layouts hold `n` chunks of this parity from `first` for every row.
-            unsafe {
-                let x = xp.add(first * CODES_PER_LANE * GROUP);
-                let w = wp.wrapping_add(first);
-                let s = sp.add(first * CHUNK / MXFP4_GROUP);
-                if R == 2 {
-                    rows2(&mut regs, x, (w, ws), (s, ss), n);
-                } else {
-                    row1(&mut regs[0], x, w, s, n);
-                }
-            }
-        }
-        for (r, regs) in regs.iter().enumerate().take(R) {
-            for (half, a) in regs.iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { _mm256_storeu_ps(p.add(at[r] + parity * GROUP + HALF * half), *a) };
-            }
-        }
+        };
     }
+    // SAFETY (every kernel below): the caller's layouts hold `n` chunks of the parity from the starts, for every
+    // row and group.
+    if V == 2 {
+        for r in 0..rows {
+            on_pairs!([(r, 0), (r, 1)], 2, |regs, parity| {
+                let (x, w, s, n) = starts(r, parity);
+                if n > 0 {
+                    unsafe { row_groups2(&mut regs, (x, xs), w, s, n) };
+                }
+            });
+        }
+        return;
+    }
+    let mut r = 0;
+    while r + 2 <= rows {
+        on_pairs!([(r, 0), (r + 1, 0)], 2, |regs, parity| {
+            let (x, w, s, n) = starts(r, parity);
+            if n > 0 {
+                unsafe { rows2(&mut regs, x, (w, ws), (s, ss), n) };
+            }
+        });
+        r += 2;
+    }
+    if r < rows {
+        on_pairs!([(r, 0), (r, 0)], 1, |regs, parity| {
+            let (x, w, s, n) = starts(r, parity);
+            if n > 0 {
+                unsafe { row1(&mut regs[0], x, w, s, n) };
+            }
+        });
+    }
+}
+
+/// Step `s` of a one-row, two-group tile in `asm!` text: the row's weight broadcast once into ymm12 (from byte `$w`),
+/// then `$op` (`vmulps` for codes 0 and 1, `vfmadd231ps` after) of it with the four input halves of code `s` straight
+/// from memory (byte `$x` of each group's chunk) into the `te` (even `s`: ymm4..8) or `to` (odd: ymm8..12) registers.
+#[rustfmt::skip]
+macro_rules! step_groups2 {
+    ($x:literal, $w:literal, $op:literal, $t0:literal $t1:literal $t2:literal $t3:literal) => {
+        concat!(
+            "vbroadcastss ymm12, dword ptr [{w} + ", $w, "]\n",
+            $op, " ymm", $t0, ", ymm12, ymmword ptr [{x} + ", $x, "]\n",
+            $op, " ymm", $t1, ", ymm12, ymmword ptr [{x} + ", $x, " + 32]\n",
+            $op, " ymm", $t2, ", ymm12, ymmword ptr [{x} + {xs} + ", $x, "]\n",
+            $op, " ymm", $t3, ", ymm12, ymmword ptr [{x} + {xs} + ", $x, " + 32]\n",
+        )
+    };
+}
+
+/// One row against both halves of two groups over the chunks of one parity, in `asm!`: four accumulators (ymm0..4),
+/// four `te` (ymm4..8) and four `to` (ymm8..12), one broadcast weight; the inputs are the FMAs' memory operands. Per
+/// input the operations are the contract's.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `n >= 1` chunks of the parity from the pointers: `x` (group 0's inputs at chunk
+/// `c`, group 1's `xs` bytes on), `w` (the row's weight 0 at chunk `c`, weight `s` 64 · `s` bytes on), `sc` (its
+/// multiplier of lane `k` at chunk `c`); each chunk after the next at 1024, 8 and 32 bytes on.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_groups2(
+    acc: &mut [[__m256; 2]; 2],
+    (x, xs): (*const f32, usize),
+    w: *const f32,
+    sc: *const f32,
+    n: usize,
+) {
+    let [[mut a0, mut a1], [mut a2, mut a3]] = *acc;
+    // SAFETY: the caller guarantees every address the loop reads.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            step_groups2!("0", "0", "vmulps", "4" "5" "6" "7"),
+            step_groups2!("64", "64", "vmulps", "8" "9" "10" "11"),
+            step_groups2!("128", "128", "vfmadd231ps", "4" "5" "6" "7"),
+            step_groups2!("192", "192", "vfmadd231ps", "8" "9" "10" "11"),
+            step_groups2!("256", "256", "vfmadd231ps", "4" "5" "6" "7"),
+            step_groups2!("320", "320", "vfmadd231ps", "8" "9" "10" "11"),
+            step_groups2!("384", "384", "vfmadd231ps", "4" "5" "6" "7"),
+            step_groups2!("448", "448", "vfmadd231ps", "8" "9" "10" "11"),
+            "vbroadcastss ymm12, dword ptr [{s}]\n",
+            "vaddps ymm4, ymm4, ymm8\n", "vfmadd231ps ymm0, ymm4, ymm12\n",
+            "vaddps ymm5, ymm5, ymm9\n", "vfmadd231ps ymm1, ymm5, ymm12\n",
+            "vaddps ymm6, ymm6, ymm10\n", "vfmadd231ps ymm2, ymm6, ymm12\n",
+            "vaddps ymm7, ymm7, ymm11\n", "vfmadd231ps ymm3, ymm7, ymm12\n",
+            "add {x}, 1024\n", "add {w}, 8\n", "add {s}, 32\n",
+            "dec {n}\n", "jnz 2b\n",
+            x = inout(reg) x => _, xs = in(reg) xs,
+            w = inout(reg) w => _,
+            s = inout(reg) sc => _,
+            n = inout(reg) n => _,
+            inout("ymm0") a0, inout("ymm1") a1, inout("ymm2") a2, inout("ymm3") a3,
+            out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+            out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+            out("ymm12") _,
+            options(nostack, readonly),
+        );
+    }
+    *acc = [[a0, a1], [a2, a3]];
 }
 
 /// One row's products of step `s` in `asm!` text: its weight broadcast once into ymm14 (from byte `$off` of `$w`),
