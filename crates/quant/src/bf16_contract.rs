@@ -241,17 +241,19 @@ thread_local! {
 }
 
 /// `out[r · t_rows + t]` = `rows[r] · x_t` for every row and input, the inputs laid out across the lanes
-/// (`crate::simd::avx512_bf16_lanes::token_lanes` of the `t_rows` inputs), each bit-identical to [`dot_ref`]. For
-/// each block of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
-/// (`crate::simd::avx512_bf16_lanes::tile`). Rows must all have the same length, a multiple of [`CHUNK`], and the CPU
-/// AVX-512 ([`crate::simd::has_avx512`]); anything else fills `out` with NaN.
+/// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_ref`]. On AVX-512, for each
+/// block of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
+/// (`crate::simd::avx512_bf16_lanes::tile`); on AVX2, for each block, each element and each four groups, every row
+/// in turn (`crate::simd::avx2_bf16_lanes::tiles`). Rows must all have the same length, a multiple of [`CHUNK`], and
+/// the CPU AVX-512 or AVX2 ([`crate::simd::has_avx2_fma`]); anything else fills `out` with NaN.
 #[cfg(target_arch = "x86_64")]
 pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
-    use crate::simd::avx512_bf16_lanes::{GROUP, accumulators_len, finish, tile, token_lanes_len};
+    use crate::bf16_lanes::{GROUP, accumulators_len, token_lanes_len};
+    use crate::simd::avx512_bf16_lanes::{finish, tile};
     let cols = rows.first().map_or(0, |w| w.len());
     let n = cols / CHUNK;
     let groups = t_rows.div_ceil(GROUP);
-    let fits = crate::simd::has_avx512()
+    let fits = crate::simd::has_avx2_fma()
         && cols.is_multiple_of(CHUNK)
         && rows.iter().all(|w| w.len() == cols)
         && xt.len() >= token_lanes_len(cols, t_rows)
@@ -271,6 +273,9 @@ pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
             *acc = Lines::zeroed(len);
         }
         let acc = &mut acc[..len];
+        if !crate::simd::has_avx512() {
+            return dot_lanes_avx2(rows, xt, t_rows, n, acc, out);
+        }
         for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
             let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
             for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
@@ -318,24 +323,72 @@ pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
     });
 }
 
+/// [`dot_lanes`] on AVX2 (checked by the caller), with `acc` sized for the rows and groups: for each block of
+/// [`AVX2_LANES_BLOCK_CHUNKS`] chunks, each element and each four groups, every row in turn, so that the groups'
+/// inputs over the block (16 KiB for four) stay in L1 while the rows pass over them.
+#[cfg(target_arch = "x86_64")]
+fn dot_lanes_avx2(
+    rows: &[&[u16]],
+    xt: &[f32],
+    t_rows: usize,
+    n: usize,
+    acc: &mut [f32],
+    out: &mut [f32],
+) {
+    use crate::bf16_lanes::GROUP;
+    use crate::simd::avx2_bf16_lanes::{finish, tiles};
+    let groups = t_rows.div_ceil(GROUP);
+    for c0 in (0..n).step_by(AVX2_LANES_BLOCK_CHUNKS) {
+        let span = (c0, (c0 + AVX2_LANES_BLOCK_CHUNKS).min(n));
+        for e in 0..CHUNK {
+            let mut g = 0;
+            while g < groups {
+                let v = (groups - g).min(4);
+                // SAFETY (every arm): AVX2 and FMA present; rows of `32 · n` weights, the inputs laid out for `n`
+                // chunks and `groups` groups, `acc` holding every pair (checked by `dot_lanes`).
+                match v {
+                    4 => unsafe { tiles::<4>(rows, xt, (g, e), span, n, acc, groups) },
+                    3 => unsafe { tiles::<3>(rows, xt, (g, e), span, n, acc, groups) },
+                    2 => unsafe { tiles::<2>(rows, xt, (g, e), span, n, acc, groups) },
+                    _ => unsafe { tiles::<1>(rows, xt, (g, e), span, n, acc, groups) },
+                }
+                g += v;
+            }
+        }
+    }
+    for r in 0..rows.len() {
+        for g in 0..groups {
+            // SAFETY: AVX2 present; `acc` holds every pair.
+            let sums = unsafe { finish(acc, r, g, groups) };
+            let k = GROUP.min(t_rows - g * GROUP);
+            out[r * t_rows + g * GROUP..][..k].copy_from_slice(&sums[..k]);
+        }
+    }
+}
+
+/// Chunks per block of [`dot_lanes`] on AVX2: four groups' inputs over a block (16 KiB) stay in a 32 KiB L1.
+#[cfg(target_arch = "x86_64")]
+const AVX2_LANES_BLOCK_CHUNKS: usize = 64;
+
 /// Whether multi-token bf16 products run with the inputs across the lanes ([`dot_lanes`]) rather than in tiles of
 /// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
 /// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
 /// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
 /// process, on 48 rows of 2,048 bf16 weights against 64 inputs (a few milliseconds), unless `DELTAFIN_BF16_LANES` is
-/// `on` or `off`. Never on a CPU without AVX-512.
+/// `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_chosen() -> bool {
     use std::sync::OnceLock;
     static CHOSEN: OnceLock<bool> = OnceLock::new();
     *CHOSEN.get_or_init(|| {
-        if !crate::simd::has_avx512() {
+        if !crate::simd::has_avx2_fma() {
             return false;
         }
         match std::env::var("DELTAFIN_BF16_LANES").as_deref() {
             Ok("on") => true,
             Ok("off") => false,
-            _ => lanes_measured_faster(),
+            // Without AVX-512 the tiles are one product at a time.
+            _ => !crate::simd::has_avx512() || lanes_measured_faster(),
         }
     })
 }
@@ -355,7 +408,7 @@ fn lanes_measured_faster() -> bool {
     let row_refs: Vec<&[u16]> = w.chunks_exact(cols).collect();
     let xps: Vec<Lines> = x.chunks_exact(cols).map(permute_input).collect();
     let xp_refs: Vec<&[f32]> = xps.iter().map(|p| &p[..]).collect();
-    let xt = crate::simd::avx512_bf16_lanes::token_lanes(&x, cols, tokens);
+    let xt = crate::bf16_lanes::token_lanes(&x, cols, tokens);
     let mut out = vec![0.0f32; rows * tokens];
     let (mut tiles, mut lanes) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..3 {

@@ -447,7 +447,7 @@ fn bf16_lanes_inputs(
     wanted.then(|| {
         x[..t_rows * cols]
             .par_chunks(TOKEN_BLOCK * cols)
-            .map(|xb| crate::simd::avx512_bf16_lanes::token_lanes(xb, cols, xb.len() / cols))
+            .map(|xb| crate::bf16_lanes::token_lanes(xb, cols, xb.len() / cols))
             .collect()
     })
 }

@@ -7,6 +7,7 @@
 
 pub mod aligned;
 pub mod bf16_contract;
+pub mod bf16_lanes;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dense;

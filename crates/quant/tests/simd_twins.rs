@@ -1208,25 +1208,33 @@ fn bf16_tiles_match_their_twin_for_every_row_and_input() {
     }
 }
 
-/// The bf16 products with the inputs across the lanes (`bf16_contract::dot_lanes`, AVX-512), called directly whatever
-/// this machine's `lanes_chosen` says, against the contract's reference for every pair: rows that fill six-row tiles
-/// and every smaller shape, 16 to 70 inputs (one to five groups, partial ones included), one chunk, a block and a
-/// partial one, and rows whose neighbours hold infinities and NaN-free extremes, so that a kernel reading past its
-/// row or its element would show.
+/// The bf16 products with the inputs across the lanes (`bf16_contract::dot_lanes`: AVX-512, or AVX2 where AVX-512 is
+/// missing or turned off), called directly whatever this machine's `lanes_chosen` says, against the contract's
+/// reference for every pair: rows that fill six-row tiles and every smaller shape, 16 to 70 inputs (one to five
+/// groups, partial ones included), one chunk, a block and a partial one, and rows whose neighbours hold infinities
+/// and NaN-free extremes, so that a kernel reading past its row or its element would show.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn bf16_lanes_match_their_twin_for_every_row_and_input() {
-    if !deltafin_quant::simd::has_avx512() {
-        let hardware = std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw");
+    eprintln!(
+        "bf16 lanes on {}",
+        if deltafin_quant::simd::has_avx512() {
+            "avx512"
+        } else {
+            "avx2"
+        }
+    );
+    if !deltafin_quant::simd::has_avx2_fma() {
+        let hardware = std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma");
         if hardware {
-            // Turned off (`DELTAFIN_NO_AVX512`): the kernel refuses rather than run.
+            // Turned off (`DELTAFIN_NO_SIMD`): the kernel refuses rather than run.
             let mut out = vec![0.0f32; 16];
             bf16_contract::dot_lanes(&[&[0x3f80u16; 32][..]], &[1.0; 512], 16, &mut out);
             assert!(out.iter().all(|v| v.is_nan()));
             return;
         }
-        if !cpu_has_or_skip("avx512", false) {
+        if !cpu_has_or_skip("avx2", false) {
             return;
         }
     }
@@ -1249,7 +1257,7 @@ fn bf16_lanes_match_their_twin_for_every_row_and_input() {
         // wrong element shows as a different sum or a NaN.
         let x = randn(&mut r, tokens * n);
         let rows_ref: Vec<&[u16]> = w.chunks_exact(n).collect();
-        let xt = deltafin_quant::simd::avx512_bf16_lanes::token_lanes(&x, n, tokens);
+        let xt = deltafin_quant::bf16_lanes::token_lanes(&x, n, tokens);
         let mut out = vec![f32::NAN; rows * tokens];
         bf16_contract::dot_lanes(&rows_ref, &xt, tokens, &mut out);
         for (i, row) in rows_ref.iter().enumerate() {

@@ -10,48 +10,12 @@
 //! operations and their order are the contract's, so every result is bit-identical to
 //! [`crate::bf16_contract::dot_ref`].
 //!
-//! Inputs ([`token_lanes`]): group `g` of 16 inputs, element `e`, chunk `c`, input `t` at `((g · 32 + e) · n + c) · 16
-//! + t` (`n` chunks): for one `e` a group's chunks are contiguous.
+//! The layouts are [`crate::bf16_lanes`]'s.
 
 use std::arch::x86_64::*;
 
-use crate::aligned::Lines;
 use crate::bf16_contract::{CHUNK, LANES};
-
-/// Inputs per vector (one group).
-pub const GROUP: usize = 16;
-
-/// `t_rows` inputs of `cols` values (`x`, row-major; `cols` a multiple of 32) in the inputs' layout (see the module
-/// header), zero past the last input.
-pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
-    let n = cols / CHUNK;
-    let mut xt = Lines::zeroed(token_lanes_len(cols, t_rows));
-    for (t, row) in x.chunks_exact(cols.max(1)).take(t_rows).enumerate() {
-        let (g, lane) = (t / GROUP, t % GROUP);
-        for (i, &v) in row.iter().enumerate() {
-            let (c, e) = (i / CHUNK, i % CHUNK);
-            xt[((g * CHUNK + e) * n + c) * GROUP + lane] = v;
-        }
-    }
-    xt
-}
-
-/// Values of [`token_lanes`]`(_, cols, t_rows)`.
-pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
-    t_rows.div_ceil(GROUP) * CHUNK * (cols / CHUNK) * GROUP
-}
-
-/// Values of the accumulators of every (row, group) pair of a task, one vector per element `e`:
-/// `[rows][groups][32]` vectors of 16.
-pub fn accumulators_len(rows: usize, groups: usize) -> usize {
-    rows * groups * CHUNK * GROUP
-}
-
-/// Where pair (`r`, `g`)'s element-`e` accumulator starts ([`accumulators_len`]`(_, groups)`).
-#[inline]
-fn acc_at(r: usize, g: usize, groups: usize, e: usize) -> usize {
-    ((r * groups + g) * CHUNK + e) * GROUP
-}
+use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
 
 /// One tile: rows `r0 .. r0 + R` of the task (`rows[r0 + r]`, each `32 · n` bf16 weights, the rows `row_stride`
 /// weights apart in memory when [`rows6`] runs them) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for

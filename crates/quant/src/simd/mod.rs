@@ -8,6 +8,8 @@
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
+pub mod avx2_bf16_lanes;
+#[cfg(target_arch = "x86_64")]
 pub mod avx2_tokens;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
