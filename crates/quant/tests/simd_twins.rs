@@ -316,9 +316,9 @@ fn mxfp4_gemm_matches_twin_for_every_shape_and_batch() {
             let m = Mxfp4Matrix::new(&packed, &s, rows, cols).expect("valid");
             // 2 and 3 run with fixed register accumulators, 4 to 11 in tiles of three inputs on AVX-512
             // (remainders of one and two included), 12 and more with the inputs across the lanes (one group of 16,
-            // a partial one, pairs of groups and a pair plus one); on AVX2 from 8 inputs across the lanes (half a
-            // group), with fewer one product at a time.
-            for t_rows in [1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 40] {
+            // a partial one, pairs of groups and a pair plus one); on AVX2 from 8 inputs across the lanes, in
+            // halves of a group (one to seven of them), with fewer one product at a time.
+            for t_rows in [1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 40, 56] {
                 let xs = randn(&mut r, t_rows * cols);
                 let mut y = vec![0.0; t_rows * rows];
                 m.gemm(&xs, t_rows, &mut y).expect("gemm");
@@ -354,8 +354,10 @@ fn mxfp4_batch_matches_twin_for_mixed_shapes() {
         (129, 384, 5),
         (40, 3584, 9),
         (64, 32, 0),
-        // More inputs than a token block (`dense::TOKEN_BLOCK`): cut into pieces, the last one partial.
+        // More inputs than a token block (`dense::TOKEN_BLOCK`; 256 for the AVX2 lanes): cut into pieces, the last
+        // one partial.
         (48, 160, 150),
+        (20, 96, 300),
         // Enough outputs (rows × inputs ≥ 65536) that they are copied into `y` in parallel, over several tasks
         // of rows with the inputs across the lanes.
         (1100, 96, 64),

@@ -73,21 +73,23 @@ pub fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]) {
 }
 
 /// Every row of a task (`w`: lane `k` of its `rows` rows decoded over a block of chunks from `c0`, [`decode_lane`];
-/// `sc`: its multipliers) against groups `g .. g + V` (`V` 1 or 2) of the inputs (`xt`), lane `k`, chunks `c0 ..
-/// c1`, into the pairs' accumulators in `acc`: one row by both groups at a time ([`row_groups2`]), or two rows by the
-/// one group ([`rows2`], then [`row1`] for an odd last row). The groups' inputs over the block (8 KiB each) stay in L1
-/// while every row passes over them. A row's first block (`c0 == 0`) starts the pairs' accumulators at zero whatever
-/// `acc` holds, so a task need not clear them first. The even chunks run first, then the odd ones: the contract's
-/// two accumulators of a lane never meet before its reduction. One row by two groups runs fastest on AMD Zen 3, where
-/// a broadcast from memory takes a vector unit's slot: its weight serves four FMAs instead of two.
+/// `sc`: its multipliers) against `H` (1 to 4) halves of groups of the inputs (`xt`) from group `g`'s first half,
+/// lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`: with four halves (two groups) one row at a
+/// time ([`row_groups2`]), with two (one group) two rows at a time ([`rows2`], an odd last row alone), with one or
+/// three (the last inputs of a product, in halves of 8 so that few lanes go to waste) one row at a time
+/// ([`row_halves`]). The halves' inputs over the block (4 KiB each) stay in L1 while every row passes over them. A
+/// row's first block (`c0 == 0`) starts the pairs' accumulators at zero whatever `acc` holds, so a task need not
+/// clear them first. The even chunks run first, then the odd ones: the contract's two accumulators of a lane never
+/// meet before its reduction. One row by two groups runs fastest on AMD Zen 3, where a broadcast from memory takes a
+/// vector unit's slot: its weight serves four FMAs instead of two.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `w` holds `rows` rows, `sc` `rows` rows and `xt` groups `g .. g + V` of the
-/// layouts for `n_pad` chunks; `c1 <= n_pad`, `c1 - c0 <=` [`BLOCK_CHUNKS_MAX`]; `acc` holds the pairs (`groups`
-/// groups per row).
+/// The CPU must support AVX2 and FMA; `w` holds `rows` rows, `sc` `rows` rows and `xt` groups `g .. g + H / 2` (the
+/// last one whole) of the layouts for `n_pad` chunks; `c1 <= n_pad`, `c1 - c0 <=` [`BLOCK_CHUNKS_MAX`]; `acc` holds
+/// the pairs (`groups` groups per row).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn tiles<const V: usize>(
+pub unsafe fn tiles<const H: usize>(
     (w, sc): (&[f32], &[f32]),
     xt: &[f32],
     (rows, g, k): (usize, usize, usize),
@@ -96,10 +98,14 @@ pub unsafe fn tiles<const V: usize>(
     acc: &mut [f32],
     groups: usize,
 ) {
-    debug_assert!((1..=2).contains(&V) && c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX);
+    // Groups touched (the last one perhaps by half).
+    let v_groups = H.div_ceil(2);
+    debug_assert!((1..=4).contains(&H) && c1 <= n_pad && c1 - c0 <= BLOCK_CHUNKS_MAX);
     debug_assert!(w.len() >= lane_weights(rows) && sc.len() >= rows * row_scales_per_row(n_pad));
-    debug_assert!(xt.len() >= (g + V) * CHUNK_LANES * lane_stride(n_pad));
-    debug_assert!(rows == 0 || acc.len() >= acc_at(rows - 1, g + V - 1, groups, k) + 2 * GROUP);
+    debug_assert!(xt.len() >= (g + v_groups) * CHUNK_LANES * lane_stride(n_pad));
+    debug_assert!(
+        rows == 0 || acc.len() >= acc_at(rows - 1, g + v_groups - 1, groups, k) + 2 * GROUP
+    );
     let f = std::mem::size_of::<f32>();
     // Weight s of row r's lane k of chunk c is at `w + r · ws + s · 64 + 4c` bytes, the block starting at chunk c0.
     let ws = lane_weights(1) * f;
@@ -154,32 +160,36 @@ pub unsafe fn tiles<const V: usize>(
     }
     // SAFETY (every kernel below): the caller's layouts hold `n` chunks of the parity from the starts, for every
     // row and group.
-    if V == 2 {
-        for r in 0..rows {
-            on_pairs!([(r, 0), (r, 1)], 2, |regs, parity| {
+    if H == 2 {
+        let mut r = 0;
+        while r + 2 <= rows {
+            on_pairs!([(r, 0), (r + 1, 0)], 2, |regs, parity| {
                 let (x, w, s, n) = starts(r, parity);
                 if n > 0 {
-                    unsafe { row_groups2(&mut regs, (x, xs), w, s, n) };
+                    unsafe { rows2(&mut regs, x, (w, ws), (s, ss), n) };
+                }
+            });
+            r += 2;
+        }
+        if r < rows {
+            on_pairs!([(r, 0), (r, 0)], 1, |regs, parity| {
+                let (x, w, s, n) = starts(r, parity);
+                if n > 0 {
+                    unsafe { row_halves::<2>(&mut regs, (x, xs), w, s, n) };
                 }
             });
         }
         return;
     }
-    let mut r = 0;
-    while r + 2 <= rows {
-        on_pairs!([(r, 0), (r + 1, 0)], 2, |regs, parity| {
+    for r in 0..rows {
+        on_pairs!([(r, 0), (r, 1)], v_groups, |regs, parity| {
             let (x, w, s, n) = starts(r, parity);
             if n > 0 {
-                unsafe { rows2(&mut regs, x, (w, ws), (s, ss), n) };
-            }
-        });
-        r += 2;
-    }
-    if r < rows {
-        on_pairs!([(r, 0), (r, 0)], 1, |regs, parity| {
-            let (x, w, s, n) = starts(r, parity);
-            if n > 0 {
-                unsafe { row1(&mut regs[0], x, w, s, n) };
+                if H == 4 {
+                    unsafe { row_groups2(&mut regs, (x, xs), w, s, n) };
+                } else {
+                    unsafe { row_halves::<H>(&mut regs, (x, xs), w, s, n) };
+                }
             }
         });
     }
@@ -333,27 +343,47 @@ unsafe fn rows2(
     *acc = [[a0, a1], [a2, a3]];
 }
 
-/// [`rows2`] for one row (a task's last, odd row), with intrinsics.
+/// One row against the first `H` (1 to 3) halves of two groups, with intrinsics: a task's last, odd row against one
+/// group (`H` 2), or the last inputs of a product. Per input the operations are the contract's.
 ///
 /// # Safety
-/// As [`rows2`] for row 0 only.
+/// As [`row_groups2`] for the halves used.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn row1(acc: &mut [__m256; 2], x: *const f32, w: *const f32, sc: *const f32, n: usize) {
+unsafe fn row_halves<const H: usize>(
+    acc: &mut [[__m256; 2]; 2],
+    (x, xs): (*const f32, usize),
+    w: *const f32,
+    sc: *const f32,
+    n: usize,
+) {
+    // Half h: group h / 2, lanes 8 · (h % 2) ..
+    let at = |h: usize| (h / 2) * xs + (h % 2) * HALF * std::mem::size_of::<f32>();
     for i in 0..n {
         // SAFETY (every access): the caller guarantees `n` chunks of the parity from the pointers.
         let (x, w) = unsafe { (x.add(i * 2 * CODES_PER_LANE * GROUP), w.add(2 * i)) };
-        let xs = |s: usize, half: usize| unsafe { _mm256_loadu_ps(x.add(s * GROUP + HALF * half)) };
+        let xs = |s: usize, h: usize| unsafe {
+            _mm256_loadu_ps(x.add(s * GROUP).wrapping_byte_add(at(h)))
+        };
         let b = |s: usize| unsafe { _mm256_set1_ps(*w.add(s * BLOCK_CHUNKS_MAX)) };
         let scale = unsafe { _mm256_set1_ps(*sc.add(i * 2 * CHUNK / MXFP4_GROUP)) };
-        for (half, a) in acc.iter_mut().enumerate() {
-            let mut te = _mm256_mul_ps(b(0), xs(0, half));
-            let mut to = _mm256_mul_ps(b(1), xs(1, half));
-            for s in (2..CODES_PER_LANE).step_by(2) {
-                te = _mm256_fmadd_ps(b(s), xs(s, half), te);
-                to = _mm256_fmadd_ps(b(s + 1), xs(s + 1, half), to);
+        let mut te = [_mm256_setzero_ps(); H];
+        let mut to = [_mm256_setzero_ps(); H];
+        for s in (0..CODES_PER_LANE).step_by(2) {
+            let (be, bo) = (b(s), b(s + 1));
+            for h in 0..H {
+                if s == 0 {
+                    te[h] = _mm256_mul_ps(be, xs(s, h));
+                    to[h] = _mm256_mul_ps(bo, xs(s + 1, h));
+                } else {
+                    te[h] = _mm256_fmadd_ps(be, xs(s, h), te[h]);
+                    to[h] = _mm256_fmadd_ps(bo, xs(s + 1, h), to[h]);
+                }
             }
-            *a = _mm256_fmadd_ps(_mm256_add_ps(te, to), scale, *a);
+        }
+        for h in 0..H {
+            let a = &mut acc[h / 2][h % 2];
+            *a = _mm256_fmadd_ps(_mm256_add_ps(te[h], to[h]), scale, *a);
         }
     }
 }
