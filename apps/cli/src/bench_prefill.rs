@@ -72,7 +72,8 @@ struct Run {
 struct Report {
     prompt_len: usize,
     flop: f64,
-    /// Storage rate before and after the runs (bytes/s), and FMA peak before and after (FLOP/s).
+    /// Storage rate before and after the runs (bytes/s), and FMA peak before and after (FLOP/s, each the best of
+    /// three probes).
     disk_before_bytes_per_s: f64,
     disk_after_bytes_per_s: f64,
     fma_peak_before: f64,
@@ -149,7 +150,13 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
         })
         .collect::<anyhow::Result<_>>()?;
     let flop = prompt_flop(&engine, prompt.len());
-    let peak = || deltafin_runtime::flops::fma_peak(20_000_000);
+    // The best of three probes: on a shared VM one probe can read a third low while the prompt itself runs at full
+    // speed, which would make the compute bound, and the goal, look easier than they are.
+    let peak = || {
+        (0..3)
+            .map(|_| deltafin_runtime::flops::fma_peak(20_000_000))
+            .fold(0.0, f64::max)
+    };
     let (fma_before, disk_before) = (peak(), disk_rate(&engine, 0, args.disk_spans)?);
     let streamed: u64 = engine
         .layer_spine_bytes()

@@ -238,6 +238,8 @@ thread_local! {
     /// Per-thread accumulators of [`dot_lanes`], kept between tasks (fresh, a task's hundreds of KiB were new zeroed
     /// pages each time).
     static LANES_ACC: std::cell::RefCell<Lines> = std::cell::RefCell::new(Lines::zeroed(0));
+    /// Per-thread words of a block of rows for [`dot_lanes`] on AVX2 (`crate::simd::avx2_bf16_lanes::transpose_pairs`).
+    static LANES_PAIRS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `out[r · t_rows + t]` = `rows[r] · x_t` for every row and input, the inputs laid out across the lanes
@@ -336,26 +338,32 @@ fn dot_lanes_avx2(
     out: &mut [f32],
 ) {
     use crate::bf16_lanes::GROUP;
-    use crate::simd::avx2_bf16_lanes::{finish, tiles};
+    use crate::simd::avx2_bf16_lanes::{finish, tiles, transpose_pairs};
     let groups = t_rows.div_ceil(GROUP);
-    for c0 in (0..n).step_by(AVX2_LANES_BLOCK_CHUNKS) {
-        let span = (c0, (c0 + AVX2_LANES_BLOCK_CHUNKS).min(n));
-        for e in 0..CHUNK {
-            let mut g = 0;
-            while g < groups {
-                let v = (groups - g).min(4);
-                // SAFETY (every arm): AVX2 and FMA present; rows of `32 · n` weights, the inputs laid out for `n`
-                // chunks and `groups` groups, `acc` holding every pair (checked by `dot_lanes`).
-                match v {
-                    4 => unsafe { tiles::<4>(rows, xt, (g, e), span, n, acc, groups) },
-                    3 => unsafe { tiles::<3>(rows, xt, (g, e), span, n, acc, groups) },
-                    2 => unsafe { tiles::<2>(rows, xt, (g, e), span, n, acc, groups) },
-                    _ => unsafe { tiles::<1>(rows, xt, (g, e), span, n, acc, groups) },
+    LANES_PAIRS.with_borrow_mut(|words| {
+        words.resize(rows.len() * LANES * AVX2_LANES_BLOCK_CHUNKS.min(n), 0);
+        for c0 in (0..n).step_by(AVX2_LANES_BLOCK_CHUNKS) {
+            let span = (c0, (c0 + AVX2_LANES_BLOCK_CHUNKS).min(n));
+            // SAFETY: AVX2 present; every row holds the block's chunks, `words` sized for them.
+            unsafe { transpose_pairs(rows, c0, span.1 - c0, words) };
+            let pairs = (&words[..], rows.len());
+            for e in 0..CHUNK {
+                let mut g = 0;
+                while g < groups {
+                    let v = (groups - g).min(4);
+                    // SAFETY (every arm): AVX2 and FMA present; the block's words of every row, the inputs laid out
+                    // for `n` chunks and `groups` groups, `acc` holding every pair (checked by `dot_lanes`).
+                    match v {
+                        4 => unsafe { tiles::<4>(pairs, xt, (g, e), span, n, acc, groups) },
+                        3 => unsafe { tiles::<3>(pairs, xt, (g, e), span, n, acc, groups) },
+                        2 => unsafe { tiles::<2>(pairs, xt, (g, e), span, n, acc, groups) },
+                        _ => unsafe { tiles::<1>(pairs, xt, (g, e), span, n, acc, groups) },
+                    }
+                    g += v;
                 }
-                g += v;
             }
         }
-    }
+    });
     for r in 0..rows.len() {
         for g in 0..groups {
             // SAFETY: AVX2 present; `acc` holds every pair.

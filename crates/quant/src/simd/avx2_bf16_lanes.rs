@@ -16,18 +16,94 @@ use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
 /// Inputs per 256-bit vector: half a group.
 const HALF: usize = GROUP / 2;
 
-/// Every row of a task (`rows`, each `32 · n` bf16 weights) against groups `g0 .. g0 + V` (`V` 1 to 4) of the inputs
-/// (`xt`, laid out for `n` chunks), element `e`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`: row by
-/// row, while the groups' inputs over the block stay in L1. A row's first block (`c0 == 0`) starts its accumulators
-/// at zero, whatever `acc` holds.
+/// The 32-bit words (pairs of bf16) of chunks `c0 .. c0 + nb` of `rows` with pairs and chunks swapped: pair `p`
+/// (elements `2p` and `2p + 1`) of chunk `c0 + j` of row `r` at `(r · 16 + p) · nb + j` of `out` (`rows.len() · 16 ·
+/// nb` words). One element's weights over a block are then `nb` consecutive words for [`tiles`]; read from the rows
+/// themselves, each was on a cache line of its own, and the lines of a task's rows, fetched again from L2 for every
+/// element, left the inputs too little of L1 (0.51–0.56 of the FMA peak at 64 inputs and more on an AMD Zen 3 core).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; every row holds `32 · n` weights, `xt` groups `g0 .. g0 + V` of the layout for
-/// `n` chunks; `c1 <= n`; `acc` holds the pairs (`groups` groups per row).
+/// The CPU must support AVX2; every row holds chunks `c0 .. c0 + nb` and `out` `rows.len() · 16 · nb` words.
+#[target_feature(enable = "avx2")]
+pub unsafe fn transpose_pairs(rows: &[&[u16]], c0: usize, nb: usize, out: &mut [u32]) {
+    debug_assert!(out.len() >= rows.len() * LANES * nb);
+    debug_assert!(rows.iter().all(|w| w.len() >= (c0 + nb) * CHUNK));
+    for (r, w) in rows.iter().enumerate() {
+        let src = w[c0 * CHUNK..].as_ptr() as *const u32;
+        let dst = out[r * LANES * nb..].as_mut_ptr();
+        // Eight chunks at a time: two 8×8 transposes of their words (pairs 0..8 and 8..16).
+        let whole = nb / 8 * 8;
+        for j0 in (0..whole).step_by(8) {
+            for q in 0..2 {
+                // SAFETY: chunks j0 .. j0 + 8 of the block lie in the row, words 8q .. 8q + 8 of each.
+                let mut v: [__m256i; 8] = std::array::from_fn(|j| unsafe {
+                    _mm256_loadu_si256(src.add((j0 + j) * LANES + 8 * q) as *const __m256i)
+                });
+                transpose8(&mut v);
+                for (p, line) in v.iter().enumerate() {
+                    // SAFETY: pair 8q + p of chunks j0 .. j0 + 8 lies in row r's words.
+                    unsafe {
+                        _mm256_storeu_si256(dst.add((8 * q + p) * nb + j0) as *mut __m256i, *line)
+                    };
+                }
+            }
+        }
+        for j in whole..nb {
+            for p in 0..LANES {
+                // SAFETY: as above, one word at a time.
+                unsafe { *dst.add(p * nb + j) = (src.add(j * LANES + p)).read_unaligned() };
+            }
+        }
+    }
+}
+
+/// Transposes eight vectors of eight 32-bit words: word `k` of `v[j]` becomes word `j` of `v[k]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn transpose8(v: &mut [__m256i; 8]) {
+    let t: [__m256i; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_epi32(a, b)
+        } else {
+            _mm256_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4h + m]: word m (lane 0) and word m + 4 (lane 1) of rows 4h .. 4h + 4. `t[4h]` interleaves words 0 and 1 (4
+    // and 5) of rows 4h and 4h + 1, `t[4h + 1]` their words 2 and 3; `t[4h + 2]`, `t[4h + 3]` the next two rows'.
+    let u: [__m256i; 8] = std::array::from_fn(|i| {
+        let (h, m) = (i / 4, i % 4);
+        let (a, b) = (t[4 * h + m / 2], t[4 * h + 2 + m / 2]);
+        if m % 2 == 0 {
+            _mm256_unpacklo_epi64(a, b)
+        } else {
+            _mm256_unpackhi_epi64(a, b)
+        }
+    });
+    // Word k = m + 4·lane: that lane of rows 0..4, then of rows 4..8.
+    for (k, out) in v.iter_mut().enumerate() {
+        let (m, lane) = (k % 4, k / 4);
+        let (a, b) = (u[m], u[4 + m]);
+        *out = if lane == 0 {
+            _mm256_permute2x128_si256::<0x20>(a, b)
+        } else {
+            _mm256_permute2x128_si256::<0x31>(a, b)
+        };
+    }
+}
+
+/// Every row of a task (`pairs`: its `rows` rows' words over chunks `c0 .. c1`, [`transpose_pairs`]) against groups
+/// `g0 .. g0 + V` (`V` 1 to 4) of the inputs (`xt`, laid out for `n` chunks), element `e`, into the pairs'
+/// accumulators in `acc`: row by row, while the groups' inputs over the block stay in L1. A row's first block (`c0 ==
+/// 0`) starts its accumulators at zero, whatever `acc` holds.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `pairs` holds `rows · 16 · (c1 - c0)` words, `xt` groups `g0 .. g0 + V` of the
+/// layout for `n` chunks; `c1 <= n`; `acc` holds the pairs (`groups` groups per row).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn tiles<const V: usize>(
-    rows: &[&[u16]],
+    (pairs, rows): (&[u32], usize),
     xt: &[f32],
     (g0, e): (usize, usize),
     (c0, c1): (usize, usize),
@@ -35,23 +111,20 @@ pub unsafe fn tiles<const V: usize>(
     acc: &mut [f32],
     groups: usize,
 ) {
+    let nb = c1.saturating_sub(c0);
     debug_assert!((1..=4).contains(&V) && c1 <= n && e < CHUNK);
-    debug_assert!(rows.iter().all(|w| w.len() == n * CHUNK));
+    debug_assert!(pairs.len() >= rows * LANES * nb);
     debug_assert!(xt.len() >= token_lanes_len(n * CHUNK, (g0 + V) * GROUP));
-    debug_assert!(
-        rows.is_empty() || acc.len() >= acc_at(rows.len() - 1, g0 + V - 1, groups, e) + GROUP
-    );
-    if c0 >= c1 {
+    debug_assert!(rows == 0 || acc.len() >= acc_at(rows - 1, g0 + V - 1, groups, e) + GROUP);
+    if nb == 0 {
         return;
     }
-    // The 32-bit word that holds element e of chunk c of a row is at `w + 32c` (in bf16).
-    let word = 2 * (e / 2);
     // Group v's input vector of chunk c at `x + v · xs + 16c` (in f32), halves 8 apart.
     let x = xt[(g0 * CHUNK + e) * n * GROUP + c0 * GROUP..].as_ptr();
     let xs = CHUNK * n * GROUP;
     let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
     let p = acc.as_mut_ptr();
-    for (r, w) in rows.iter().enumerate() {
+    for r in 0..rows {
         let at: [usize; V] = std::array::from_fn(|v| acc_at(r, g0 + v, groups, e));
         // [group][half]
         let mut regs: [[__m256; 2]; V] = std::array::from_fn(|v| {
@@ -64,10 +137,11 @@ pub unsafe fn tiles<const V: usize>(
                 }
             })
         });
-        let wp = w[word + c0 * CHUNK..].as_ptr();
-        for c in 0..c1 - c0 {
-            // SAFETY (every access below): the caller's row and inputs hold chunk c0 + c.
-            let pair = unsafe { (wp.add(c * CHUNK) as *const i32).read_unaligned() };
+        // The words holding element e of the row's chunks, one after another.
+        let wp = pairs[(r * LANES + e / 2) * nb..].as_ptr();
+        for c in 0..nb {
+            // SAFETY (every access below): the caller's words and inputs hold chunk c0 + c.
+            let pair = unsafe { *wp.add(c) } as i32;
             let b = _mm256_set1_epi32(pair);
             let wv = if e % 2 == 0 {
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(b))
