@@ -314,14 +314,10 @@ pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
                 }
             }
         }
-        for r in 0..rows.len() {
-            for g in 0..groups {
-                // SAFETY: AVX-512F present; `acc` holds every pair.
-                let sums = unsafe { finish(acc, r, g, groups) };
-                let k = GROUP.min(t_rows - g * GROUP);
-                out[r * t_rows + g * GROUP..][..k].copy_from_slice(&sums[..k]);
-            }
-        }
+        let acc = &*acc;
+        // SAFETY: AVX-512F present; `acc` holds every pair.
+        let sums = |r, g| unsafe { finish(acc, r, g, groups) };
+        crate::simd::copy_group_sums(&mut out[..rows.len() * t_rows], t_rows, sums);
     });
 }
 
@@ -364,14 +360,10 @@ fn dot_lanes_avx2(
             }
         }
     });
-    for r in 0..rows.len() {
-        for g in 0..groups {
-            // SAFETY: AVX2 present; `acc` holds every pair.
-            let sums = unsafe { finish(acc, r, g, groups) };
-            let k = GROUP.min(t_rows - g * GROUP);
-            out[r * t_rows + g * GROUP..][..k].copy_from_slice(&sums[..k]);
-        }
-    }
+    let acc = &*acc;
+    // SAFETY: AVX2 present; `acc` holds every pair.
+    let sums = |r, g| unsafe { finish(acc, r, g, groups) };
+    crate::simd::copy_group_sums(&mut out[..rows.len() * t_rows], t_rows, sums);
 }
 
 /// Chunks per block of [`dot_lanes`] on AVX2: four groups' inputs over a block (16 KiB) stay in a 32 KiB L1.

@@ -447,14 +447,10 @@ impl<'a> Mxfp4Matrix<'a> {
                     }
                 }
             }
-            for r in 0..rows_here {
-                for g in 0..groups {
-                    // SAFETY: AVX-512F present; `acc` holds every pair.
-                    let sums = unsafe { finish(acc, r, g, groups) };
-                    let n = GROUP.min(t_rows - g * GROUP);
-                    out[r * t_rows + g * GROUP..][..n].copy_from_slice(&sums[..n]);
-                }
-            }
+            let acc = &*acc;
+            // SAFETY: AVX-512F present; `acc` holds every pair.
+            let sums = |r, g| unsafe { finish(acc, r, g, groups) };
+            crate::simd::copy_group_sums(&mut out[..rows_here * t_rows], t_rows, sums);
         });
     }
 
@@ -507,40 +503,32 @@ impl<'a> Mxfp4Matrix<'a> {
                         let acc = &mut acc[accumulators_len(q, groups)..];
                         let mut h = 0;
                         while h < halves {
-                            let (g, nr) = (h / 2, rows.len());
+                            let (g, nr, here) = (h / 2, rows.len(), (halves - h).min(4));
                             // SAFETY (every arm): AVX2 and FMA present; the decoded lane, the multipliers, the inputs
                             // and the accumulators hold every row and group, and `span.1 <= n_chunks <= n_pad`.
-                            let done = match halves - h {
+                            match here {
                                 1 => unsafe {
-                                    tiles::<1>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups);
-                                    1
+                                    tiles::<1>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups)
                                 },
                                 2 => unsafe {
-                                    tiles::<2>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups);
-                                    2
+                                    tiles::<2>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups)
                                 },
                                 3 => unsafe {
-                                    tiles::<3>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups);
-                                    3
+                                    tiles::<3>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups)
                                 },
                                 _ => unsafe {
-                                    tiles::<4>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups);
-                                    4
+                                    tiles::<4>((w, sc), xt, (nr, g, k), span, n_pad, acc, groups)
                                 },
-                            };
-                            h += done;
+                            }
+                            h += here;
                         }
                     }
                 }
             }
-            for r in 0..rows_here {
-                for g in 0..groups {
-                    // SAFETY: AVX2 present; `acc` holds every pair.
-                    let sums = unsafe { finish(acc, r, g, groups) };
-                    let n = GROUP.min(t_rows - g * GROUP);
-                    out[r * t_rows + g * GROUP..][..n].copy_from_slice(&sums[..n]);
-                }
-            }
+            let acc = &*acc;
+            // SAFETY: AVX2 present; `acc` holds every pair.
+            let sums = |r, g| unsafe { finish(acc, r, g, groups) };
+            crate::simd::copy_group_sums(&mut out[..rows_here * t_rows], t_rows, sums);
         });
     }
 

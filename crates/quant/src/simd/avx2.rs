@@ -557,3 +557,19 @@ pub unsafe fn quantise(x: &[f32], step: f32, q: &mut [i16]) {
     }
     crate::quantise::quantise_ref(&x[whole..n], step, &mut q[whole..n]);
 }
+
+/// The sum of sixteen vectors in the lanes contracts' order (`v[k] + v[k + 8]`, then `+ 4`, `+ 2`, `+ 1`): the end of
+/// a reduction of the products of many inputs (`avx2_tokens::finish`, `avx2_bf16_lanes::finish`), one input per
+/// vector lane.
+#[inline]
+#[target_feature(enable = "avx")]
+pub(crate) fn halving_sum(mut v: [__m256; 16]) -> __m256 {
+    let mut width = 8;
+    while width > 0 {
+        for k in 0..width {
+            v[k] = _mm256_add_ps(v[k], v[k + width]);
+        }
+        width /= 2;
+    }
+    v[0]
+}

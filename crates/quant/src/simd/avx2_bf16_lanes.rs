@@ -177,21 +177,19 @@ pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GR
     for half in 0..2 {
         // v[l] = even[l] + odd[l]: elements 2l and 2l + 1.
         // SAFETY: the caller's `acc` holds the pair's 32 vectors.
-        let mut v: [__m256; LANES] = std::array::from_fn(|l| unsafe {
+        let v: [__m256; LANES] = std::array::from_fn(|l| unsafe {
             _mm256_add_ps(
                 _mm256_loadu_ps(p.add(acc_at(r, g, groups, 2 * l) + HALF * half)),
                 _mm256_loadu_ps(p.add(acc_at(r, g, groups, 2 * l + 1) + HALF * half)),
             )
         });
-        let mut width = LANES / 2;
-        while width > 0 {
-            for l in 0..width {
-                v[l] = _mm256_add_ps(v[l], v[l + width]);
-            }
-            width /= 2;
-        }
         // SAFETY: `out` holds 16 f32.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(HALF * half), v[0]) };
+        unsafe {
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(HALF * half),
+                super::avx2::halving_sum(v),
+            )
+        };
     }
     out
 }

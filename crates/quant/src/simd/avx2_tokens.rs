@@ -400,22 +400,20 @@ pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GR
     let mut out = [0.0f32; GROUP];
     for half in 0..2 {
         // SAFETY: the caller's `acc` holds the pair's 32 vectors of 16.
-        let mut v: [__m256; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
+        let v: [__m256; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
             let at = acc_at(r, g, groups, k) + HALF * half;
             _mm256_add_ps(
                 _mm256_loadu_ps(p.add(at)),
                 _mm256_loadu_ps(p.add(at + GROUP)),
             )
         });
-        let mut width = CHUNK_LANES / 2;
-        while width > 0 {
-            for k in 0..width {
-                v[k] = _mm256_add_ps(v[k], v[k + width]);
-            }
-            width /= 2;
-        }
         // SAFETY: `out` holds 16 f32.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(HALF * half), v[0]) };
+        unsafe {
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(HALF * half),
+                super::avx2::halving_sum(v),
+            )
+        };
     }
     out
 }

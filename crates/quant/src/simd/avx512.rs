@@ -1220,3 +1220,19 @@ fn lanes_mask(left: usize) -> __mmask16 {
         (1u16 << left) - 1
     }
 }
+
+/// The sum of sixteen vectors in the lanes contracts' order (`v[k] + v[k + 8]`, then `+ 4`, `+ 2`, `+ 1`): the end of
+/// a reduction of the products of many inputs (`avx512_tokens::finish`, `avx512_bf16_lanes::finish`), one input per
+/// vector lane.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) fn halving_sum(mut v: [__m512; 16]) -> __m512 {
+    let mut width = 8;
+    while width > 0 {
+        for k in 0..width {
+            v[k] = _mm512_add_ps(v[k], v[k + width]);
+        }
+        width /= 2;
+    }
+    v[0]
+}

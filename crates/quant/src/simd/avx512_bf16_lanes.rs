@@ -235,21 +235,14 @@ pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GR
     let p = acc.as_ptr();
     // v[l] = even[l] + odd[l]: elements 2l and 2l + 1.
     // SAFETY: the caller's `acc` holds the pair's 32 vectors.
-    let mut v: [__m512; LANES] = std::array::from_fn(|l| unsafe {
+    let v: [__m512; LANES] = std::array::from_fn(|l| unsafe {
         _mm512_add_ps(
             _mm512_loadu_ps(p.add(acc_at(r, g, groups, 2 * l))),
             _mm512_loadu_ps(p.add(acc_at(r, g, groups, 2 * l + 1))),
         )
     });
-    let mut width = LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            v[l] = _mm512_add_ps(v[l], v[l + width]);
-        }
-        width /= 2;
-    }
     let mut out = [0.0f32; GROUP];
     // SAFETY: `out` holds 16 f32.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v[0]) };
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), super::avx512::halving_sum(v)) };
     out
 }

@@ -464,22 +464,15 @@ unsafe fn tile_rows4<const V: usize>(
 pub unsafe fn finish(acc: &[f32], r: usize, g: usize, groups: usize) -> [f32; GROUP] {
     let p = acc.as_ptr();
     // SAFETY: the caller's `acc` holds the pair's 32 vectors.
-    let mut v: [__m512; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
+    let v: [__m512; CHUNK_LANES] = std::array::from_fn(|k| unsafe {
         let at = acc_at(r, g, groups, k);
         _mm512_add_ps(
             _mm512_loadu_ps(p.add(at)),
             _mm512_loadu_ps(p.add(at + GROUP)),
         )
     });
-    let mut width = CHUNK_LANES / 2;
-    while width > 0 {
-        for k in 0..width {
-            v[k] = _mm512_add_ps(v[k], v[k + width]);
-        }
-        width /= 2;
-    }
     let mut out = [0.0f32; GROUP];
     // SAFETY: `out` holds 16 f32.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v[0]) };
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), super::avx512::halving_sum(v)) };
     out
 }

@@ -110,6 +110,24 @@ pub fn prefetch_slice<T>(v: &[T]) {
     let _ = v;
 }
 
+/// Copies the reduced sums of every (row, group of 16 inputs) pair of a product with the inputs across the lanes into
+/// `out` (`[rows][t_rows]`, row-major by weight row): `sums(r, g)` gives inputs `16g ..`, the last group cut at
+/// `t_rows`. Shared by the MXFP4 and bf16 lane kernels of every width.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn copy_group_sums(
+    out: &mut [f32],
+    t_rows: usize,
+    sums: impl Fn(usize, usize) -> [f32; crate::mxfp4_lanes::GROUP],
+) {
+    use crate::mxfp4_lanes::GROUP;
+    const _: () = assert!(GROUP == crate::bf16_lanes::GROUP);
+    for (r, row) in out.chunks_exact_mut(t_rows.max(1)).enumerate() {
+        for (g, dst) in row.chunks_mut(GROUP).enumerate() {
+            dst.copy_from_slice(&sums(r, g)[..dst.len()]);
+        }
+    }
+}
+
 /// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16); without one they run
 /// their scalar reference, far slower than the f32 path.
 pub fn mxfp4_bf16_is_fast() -> bool {
