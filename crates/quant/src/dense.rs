@@ -558,124 +558,39 @@ pub const TOKEN_BLOCK: usize = 64;
 
 /// Fills each `(rows, y [t_rows, rows])` of `outs` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
 /// most [`TOKEN_BLOCK`] inputs, the tasks of every product in one threaded job: `f(k, r0, tokens, out)` fills `out
-/// [rows_here, tokens.len()]` (by weight row) for rows `r0 ..` of product `k` and the inputs `tokens`.
+/// [rows_here, tokens.len()]` (by weight row, zeroed before) for rows `r0 ..` of product `k` and the inputs
+/// `tokens`, and the task writes it into `y` ([`crate::by_input`]).
 fn par_row_tiles(
     t_rows: usize,
     outs: &mut [(usize, &mut [f32])],
     f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
-    let blocks: Vec<std::ops::Range<usize>> = (0..t_rows)
-        .step_by(TOKEN_BLOCK)
-        .map(|t0| t0..(t0 + TOKEN_BLOCK).min(t_rows))
+    use crate::by_input::{ByInput, with_block};
+    // (product, first row, rows, inputs): every product's rows by inputs, each pair in exactly one task.
+    let mut tasks: Vec<(usize, usize, usize, std::ops::Range<usize>)> = Vec::new();
+    for (k, &(rows, _)) in outs.iter().enumerate() {
+        for t0 in (0..t_rows).step_by(TOKEN_BLOCK) {
+            let tokens = t0..(t0 + TOKEN_BLOCK).min(t_rows);
+            for r0 in (0..rows).step_by(TILE_ROWS_PER_TASK) {
+                tasks.push((k, r0, TILE_ROWS_PER_TASK.min(rows - r0), tokens.clone()));
+            }
+        }
+    }
+    let targets: Vec<ByInput<'_>> = outs
+        .iter_mut()
+        .map(|(rows, y)| ByInput::new(y, *rows, t_rows))
         .collect();
-    // by_block[k][b]: product k's outputs for token block b, by weight row.
-    let mut by_block: Vec<Vec<Vec<f32>>> = outs
-        .iter()
-        .map(|&(rows, _)| {
-            blocks
-                .iter()
-                .map(|b| vec![0.0f32; rows * b.len()])
-                .collect()
-        })
-        .collect();
-    let mut tasks: Vec<(usize, usize, std::ops::Range<usize>, &mut [f32])> = Vec::new();
-    for (k, bufs) in by_block.iter_mut().enumerate() {
-        for (b, buf) in blocks.iter().zip(bufs.iter_mut()) {
-            for (j, out) in buf.chunks_mut(TILE_ROWS_PER_TASK * b.len()).enumerate() {
-                tasks.push((k, j * TILE_ROWS_PER_TASK, b.clone(), out));
-            }
-        }
-    }
-    if tasks.len() < 2 {
-        tasks
-            .into_iter()
-            .for_each(|(k, r0, b, out)| f(k, r0, b, out));
-    } else {
-        tasks
-            .into_par_iter()
-            .for_each(|(k, r0, b, out)| f(k, r0, b, out));
-    }
-    scatter_rows(
-        outs.iter_mut()
-            .zip(&by_block)
-            .map(|((rows, y), bufs)| ByRow {
-                y,
-                rows: *rows,
-                blocks: blocks
-                    .iter()
-                    .cloned()
-                    .zip(bufs.iter().map(Vec::as_slice))
-                    .collect(),
-            })
-            .collect(),
-    );
-}
-
-/// One product's outputs for [`scatter_rows`]: `y [t_rows, rows]` (by input) and the blocks its kernels wrote by
-/// weight row, each `(inputs, values [rows, inputs.len()])`, the blocks' inputs covering `0 .. t_rows`.
-pub(crate) struct ByRow<'a> {
-    pub(crate) y: &'a mut [f32],
-    pub(crate) rows: usize,
-    pub(crate) blocks: Vec<(std::ops::Range<usize>, &'a [f32])>,
-}
-
-/// Weight rows per task of [`scatter_rows`]: the task's part of every input's output row stays in L1 while its
-/// blocks are read in order.
-const SCATTER_ROWS: usize = 256;
-
-/// Copies every product's blocks into its `y`, transposing `[rows, inputs]` to `[inputs, rows]`, in parallel over
-/// ranges of [`SCATTER_ROWS`] weight rows of every product. Each task reads its blocks' rows in address order and
-/// writes one element of each input's row at a time, moving along all of them together, so both sides stay in
-/// cache; writing input by input instead read each block with a stride of a whole row (a cache line per value),
-/// a few per cent of a long prompt's time.
-pub(crate) fn scatter_rows(outs: Vec<ByRow<'_>>) {
-    let total: usize = outs.iter().map(|o| o.y.len()).sum();
-    let mut ys = Vec::with_capacity(outs.len());
-    let mut blocks = Vec::with_capacity(outs.len());
-    for o in outs {
-        ys.push((o.y, o.rows));
-        blocks.push(o.blocks);
-    }
-    // (the product's blocks, its first weight row here, this range's part of every input's output row)
-    type Task<'t, 'b> = (
-        &'b [(std::ops::Range<usize>, &'b [f32])],
-        usize,
-        Vec<&'t mut [f32]>,
-    );
-    let mut tasks: Vec<Task<'_, '_>> = Vec::new();
-    for ((y, rows), bl) in ys.into_iter().zip(&blocks) {
-        let first = tasks.len();
-        let ranges = rows.div_ceil(SCATTER_ROWS);
-        for k in 0..ranges {
-            tasks.push((bl.as_slice(), k * SCATTER_ROWS, Vec::new()));
-        }
-        for y_t in y.chunks_mut(rows.max(1)) {
-            for (k, part) in y_t.chunks_mut(SCATTER_ROWS).enumerate() {
-                tasks[first + k].2.push(part);
-            }
-        }
-    }
-    let fill = |(blocks, r0, mut parts): Task<'_, '_>| {
-        let Some(n) = parts.first().map(|p| p.len()) else {
-            return;
-        };
-        for (inputs, values) in blocks {
-            let w = inputs.len();
-            if w == 0 {
-                continue;
-            }
-            // Weight row r0 + i of the block: its value for each of the block's inputs.
-            for (i, row) in values[r0 * w..(r0 + n) * w].chunks_exact(w).enumerate() {
-                for (part, &v) in parts[inputs.clone()].iter_mut().zip(row) {
-                    part[i] = v;
-                }
-            }
-        }
+    let run = |(k, r0, n, tokens): (usize, usize, usize, std::ops::Range<usize>)| {
+        with_block(n * tokens.len(), |out| {
+            f(k, r0, tokens.clone(), out);
+            // SAFETY: the tasks cover disjoint rows-by-inputs blocks of each product.
+            unsafe { targets[k].put(r0, tokens, out) };
+        });
     };
-    if total < 1 << 16 {
-        tasks.into_iter().for_each(fill);
+    if tasks.len() < 2 {
+        tasks.into_iter().for_each(run);
     } else {
-        tasks.into_par_iter().for_each(fill);
+        tasks.into_par_iter().for_each(run);
     }
 }
 

@@ -8,6 +8,7 @@
 pub mod aligned;
 pub mod bf16_contract;
 pub mod bf16_lanes;
+mod by_input;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dense;

@@ -920,25 +920,29 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
             firsts.par_iter().map(build).collect()
         }
     };
-    // Outputs by weight row (`[rows, t_rows]`), so a task's rows are contiguous; transposed into `y` after.
-    let mut by_row: Vec<Vec<f32>> = products
-        .iter()
-        .map(|p| vec![0.0f32; p.matrix.rows * p.t_rows])
-        .collect();
-    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
-    for (i, (p, out)) in products.iter().zip(by_row.iter_mut()).enumerate() {
+    // Each task computes its rows by weight row (`[rows, t_rows]`, contiguous) and writes them into `y` itself.
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, p) in products.iter().enumerate() {
         if p.t_rows == 0 {
             continue;
         }
-        let per_task = rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]]);
-        for (k, block) in out.chunks_mut(per_task * p.t_rows).enumerate() {
-            tasks.push((i, k * per_task, block));
+        let per_task = rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]]).max(1);
+        for r0 in (0..p.matrix.rows).step_by(per_task) {
+            tasks.push((i, r0, per_task.min(p.matrix.rows - r0)));
         }
     }
-    let run = |(i, r0, out): (usize, usize, &mut [f32])| {
-        let p = &products[i];
-        p.matrix
-            .rows_permuted(r0, &inputs[input_of[i]], p.t_rows, out);
+    let (matrices, t_rows): (Vec<Mxfp4Matrix<'_>>, Vec<usize>) =
+        products.iter().map(|p| (p.matrix, p.t_rows)).unzip();
+    let targets: Vec<crate::by_input::ByInput<'_>> = products
+        .iter_mut()
+        .map(|p| crate::by_input::ByInput::new(&mut *p.y, p.matrix.rows, p.t_rows))
+        .collect();
+    let run = |(i, r0, n): (usize, usize, usize)| {
+        crate::by_input::with_block(n * t_rows[i], |out| {
+            matrices[i].rows_permuted(r0, &inputs[input_of[i]], t_rows[i], out);
+            // SAFETY: the tasks cover disjoint row ranges of each product, every input.
+            unsafe { targets[i].put(r0, 0..t_rows[i], out) };
+        });
     };
     if tasks.len() < 2 {
         tasks.into_iter().for_each(run);
@@ -946,18 +950,6 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
         use rayon::prelude::*;
         tasks.into_par_iter().for_each(run);
     }
-    // Into each `y` by output row (one input each), in parallel: for a long prompt, millions of values.
-    crate::dense::scatter_rows(
-        products
-            .iter_mut()
-            .zip(&by_row)
-            .map(|(p, out)| crate::dense::ByRow {
-                rows: p.matrix.rows,
-                blocks: vec![(0..p.t_rows, out.as_slice())],
-                y: &mut *p.y,
-            })
-            .collect(),
-    );
     Ok(())
 }
 
