@@ -119,9 +119,11 @@ impl Engine {
             .served_bytes("")
             .saturating_sub(layer_bytes.iter().sum::<u64>() + embed_bytes);
         let mut pool = ReadPoolOptions::default();
-        if let Some(n) = options.read_threads {
-            pool.threads = n;
-        }
+        pool.threads = options.read_threads.unwrap_or(if on_gpu {
+            GPU_READ_THREADS
+        } else {
+            pool.threads
+        });
         let expert_bytes = (0..n_layers)
             .find(|&l| map.n_experts(l) > 0)
             .and_then(|l| map.span(l, 0).ok())
@@ -558,6 +560,12 @@ pub struct OpenTimes {
     /// The expert store, tokenizer and the rest after the load.
     pub after_load_secs: f64,
 }
+
+/// Expert reader threads on a GPU when `K3_READ_THREADS` is not set. Each read lands in a page-locked buffer that
+/// goes up by DMA; with four readers the upload helper waited on reads most of a token. Full-size K3 on the H200
+/// machine (2026-12-05, one call, docs/PERFORMANCE.md): 0.965 s/token with 4, 0.748 with 8, 0.787 with 12, 0.886 with
+/// 16 (more readers compete with the DMA for host memory and leave it as the tail).
+const GPU_READ_THREADS: usize = 8;
 
 /// Whether the model will load onto a GPU: one is asked for (`cuda`, or `auto`) and opens. Where CUDA is unavailable
 /// the model's load says why (`cuda`) or falls back to the CPU (`auto`).
