@@ -374,9 +374,8 @@ const AVX2_LANES_BLOCK_CHUNKS: usize = 64;
 /// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
 /// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
 /// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
-/// process, on 48 rows of 2,048 bf16 weights against 64 inputs per thread of the pool, all threads at once (a few
-/// milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`: on the device host's 16 Intel cores, where one
-/// task timed alone chose the lanes, the tiles ran 64-token products at 0.49 of the FMA peak against 0.32. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
+/// process, on 48 rows of 2,048 bf16 weights against 64 inputs (a few milliseconds), unless `DELTAFIN_BF16_LANES` is
+/// `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_chosen() -> bool {
     use std::sync::OnceLock;
@@ -394,17 +393,13 @@ pub fn lanes_chosen() -> bool {
     })
 }
 
-/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product per thread of the pool, run together, alternated
-/// three times, and says whether the lanes' best time is the shorter.
+/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product, alternated three times, and says whether the
+/// lanes' best time is the shorter.
 #[cfg(target_arch = "x86_64")]
 fn lanes_measured_faster() -> bool {
-    use rayon::prelude::*;
     use std::time::Instant;
-    // One task-sized product per thread of the pool, all at once: cores that share a level of cache or a vector
-    // unit (hyperthreads) slow the lanes' accumulators more than the tiles' registers, which a lone task hides.
     let (rows, cols, tokens) = (48, 2048, 64);
-    let tasks = rayon::current_num_threads().max(1);
-    let w: Vec<u16> = (0..tasks * rows * cols)
+    let w: Vec<u16> = (0..rows * cols)
         .map(|i| 0x3c00 + ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u16)
         .collect();
     let x: Vec<f32> = (0..tokens * cols)
@@ -414,24 +409,15 @@ fn lanes_measured_faster() -> bool {
     let xps: Vec<Lines> = x.chunks_exact(cols).map(permute_input).collect();
     let xp_refs: Vec<&[f32]> = xps.iter().map(|p| &p[..]).collect();
     let xt = crate::bf16_lanes::token_lanes(&x, cols, tokens);
-    let mut out = vec![0.0f32; tasks * rows * tokens];
-    let mut timed = |lanes: bool| {
-        let t = Instant::now();
-        out.par_chunks_mut(rows * tokens)
-            .zip(row_refs.par_chunks(rows))
-            .for_each(|(out, rows)| {
-                if lanes {
-                    dot_lanes(rows, &xt, tokens, out);
-                } else {
-                    dot_tiles(rows, &xp_refs, out);
-                }
-            });
-        t.elapsed().as_secs_f64()
-    };
+    let mut out = vec![0.0f32; rows * tokens];
     let (mut tiles, mut lanes) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..3 {
-        tiles = tiles.min(timed(false));
-        lanes = lanes.min(timed(true));
+        let t = Instant::now();
+        dot_tiles(&row_refs, &xp_refs, &mut out);
+        tiles = tiles.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        dot_lanes(&row_refs, &xt, tokens, &mut out);
+        lanes = lanes.min(t.elapsed().as_secs_f64());
     }
     lanes < tiles
 }
