@@ -16,11 +16,30 @@ pub struct Lines {
 }
 
 impl Lines {
-    /// `len` zeros, rounded up to whole lines.
+    /// `len` zeros, rounded up to whole lines. The memory comes zeroed from the allocator (for large sizes, fresh
+    /// pages that are zero-filled when first written), so a buffer filled in parallel takes its page faults on the
+    /// threads that fill it instead of all on the allocating one; `vec!` of a non-primitive element wrote every
+    /// zero on the calling thread (1.1–1.3 ms for a 1.8 MB input layout of fresh memory on this project's VM).
     pub fn zeroed(len: usize) -> Self {
-        Self {
-            lines: vec![Line([0.0; LINE]); len.div_ceil(LINE)],
+        let n = len.div_ceil(LINE);
+        let Ok(layout) = std::alloc::Layout::array::<Line>(n) else {
+            // An impossible size: let `vec!` report it as it always did.
+            return Self {
+                lines: vec![Line([0.0; LINE]); n],
+            };
+        };
+        if layout.size() == 0 {
+            return Self { lines: Vec::new() };
         }
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<Line>();
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` lines (so capacity `n`), and
+        // all-zero bytes are `n` valid lines of 0.0.
+        let lines = unsafe { Vec::from_raw_parts(ptr, n, n) };
+        Self { lines }
     }
 
     /// A copy of `x`, zero-padded to whole lines.
@@ -65,5 +84,21 @@ mod tests {
         assert_eq!(v.as_ptr() as usize % 64, 0);
         assert_eq!(v.len(), 16);
         assert_eq!(&v[..4], &[1.0, 2.0, 3.0, 0.0]);
+    }
+
+    #[test]
+    fn zeroed_is_zero_aligned_and_whole_lines_at_every_size() {
+        for len in [0, 1, 16, 17, 1 << 20] {
+            let mut v = Lines::zeroed(len);
+            assert_eq!(v.len(), len.div_ceil(16) * 16, "len {len}");
+            assert!(v.iter().all(|&x| x.to_bits() == 0), "len {len}");
+            assert_eq!(v.as_ptr() as usize % 64, 0, "len {len}");
+            // Writable, and a clone is a separate copy.
+            if let Some(x) = v.last_mut() {
+                *x = 5.0;
+            }
+            let w = v.clone();
+            assert_eq!(w, v);
+        }
     }
 }

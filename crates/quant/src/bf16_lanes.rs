@@ -19,15 +19,32 @@ pub const GROUP: usize = 16;
 
 /// `t_rows` inputs of `cols` values (`x`, row-major; `cols` a multiple of 32) in the inputs' layout (see the module
 /// header), zero past the last input.
+///
+/// One group of 16 inputs per parallel item, chunk by chunk: a chunk's 16 × 32 values are read as 16 rows of 128
+/// bytes and written as 32 whole lines of 16, so both sides stay in L1. A 64-input block at K3's width (7,168) took
+/// 1.0–1.1 ms on one thread while every other thread waited for the product to start; now 0.87–0.92 ms on one
+/// thread and 0.53–0.55 on two (2 Zen 3 vCPUs; up to four groups run at once).
 pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
+    use rayon::prelude::*;
     let n = cols / CHUNK;
     let mut xt = Lines::zeroed(token_lanes_len(cols, t_rows));
-    for (t, row) in x.chunks_exact(cols.max(1)).take(t_rows).enumerate() {
-        let (g, lane) = (t / GROUP, t % GROUP);
-        for (i, &v) in row.iter().enumerate() {
-            let (c, e) = (i / CHUNK, i % CHUNK);
-            xt[((g * CHUNK + e) * n + c) * GROUP + lane] = v;
+    let t_rows = t_rows.min(x.len() / cols.max(1));
+    let fill = |(g, out): (usize, &mut [f32])| {
+        let tokens = g * GROUP..((g + 1) * GROUP).min(t_rows);
+        for c in 0..n {
+            for (lane, t) in tokens.clone().enumerate() {
+                let src = &x[t * cols + c * CHUNK..t * cols + (c + 1) * CHUNK];
+                for (e, &v) in src.iter().enumerate() {
+                    out[(e * n + c) * GROUP + lane] = v;
+                }
+            }
         }
+    };
+    let per_group = (CHUNK * n * GROUP).max(1);
+    if t_rows * cols < 1 << 16 {
+        xt.chunks_mut(per_group).enumerate().for_each(fill);
+    } else {
+        xt.par_chunks_mut(per_group).enumerate().for_each(fill);
     }
     xt
 }
