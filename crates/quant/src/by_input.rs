@@ -4,7 +4,8 @@
 //! and its accumulators copy out in order). Each task now transposes its own block into `y` while the block is
 //! still in L1, instead of every product's blocks going to freshly allocated memory first and through a separate
 //! transposing pass (4% of a long prompt's time on two cores, plus faulting in that memory). Blocks are built in a
-//! per-thread scratch buffer ([`with_block`]) that is reused from task to task.
+//! per-thread scratch buffer ([`with_block`]) that is reused from task to task. [`fill`] cuts every product into
+//! a grid of such blocks and runs them, so the tasks' writes are disjoint by construction.
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -12,7 +13,7 @@ use std::ops::Range;
 
 /// A product's output `y [t_rows, rows]` (by input), shared by the tasks that each write one block of weight rows
 /// by inputs into it ([`ByInput::put`]).
-pub(crate) struct ByInput<'a> {
+struct ByInput<'a> {
     ptr: *mut f32,
     rows: usize,
     t_rows: usize,
@@ -27,7 +28,7 @@ unsafe impl Sync for ByInput<'_> {}
 
 impl<'a> ByInput<'a> {
     /// `y` holds at least `rows * t_rows` values (fewer shrink `t_rows` to the whole inputs it holds).
-    pub(crate) fn new(y: &'a mut [f32], rows: usize, t_rows: usize) -> ByInput<'a> {
+    fn new(y: &'a mut [f32], rows: usize, t_rows: usize) -> ByInput<'a> {
         let t_rows = y
             .len()
             .checked_div(rows)
@@ -46,7 +47,7 @@ impl<'a> ByInput<'a> {
     /// # Safety
     /// No other call on this `ByInput` may run at the same time with a block that overlaps this one (same rows and
     /// same inputs).
-    pub(crate) unsafe fn put(&self, r0: usize, inputs: Range<usize>, block: &[f32]) {
+    unsafe fn put(&self, r0: usize, inputs: Range<usize>, block: &[f32]) {
         let w = inputs.len();
         if w == 0 {
             return;
@@ -72,6 +73,53 @@ impl<'a> ByInput<'a> {
     }
 }
 
+/// One product's output for [`fill`]: `y [t_rows, rows]` (by input), computed in blocks of `row_step` weight rows by
+/// `input_step` inputs (the last ones shorter; a step of 0 counts as 1).
+pub(crate) struct Grid<'a> {
+    pub(crate) y: &'a mut [f32],
+    pub(crate) rows: usize,
+    pub(crate) t_rows: usize,
+    pub(crate) row_step: usize,
+    pub(crate) input_step: usize,
+}
+
+/// Fills every grid's `y`: for each block, `compute(k, r0, inputs, out)` fills `out [n, inputs.len()]` (by weight
+/// row, zeroed before) with rows `r0 .. r0 + n` of product `k` for `inputs`, and the block goes into `y`. The blocks
+/// of every product run as one threaded job (on the calling thread when there is only one).
+pub(crate) fn fill(
+    grids: Vec<Grid<'_>>,
+    compute: impl Fn(usize, usize, Range<usize>, &mut [f32]) + Sync,
+) {
+    use rayon::prelude::*;
+    // (product, first row, rows, inputs): each (row, input) pair of a product in exactly one block.
+    let mut blocks: Vec<(usize, usize, usize, Range<usize>)> = Vec::new();
+    for (k, g) in grids.iter().enumerate() {
+        let (row_step, input_step) = (g.row_step.max(1), g.input_step.max(1));
+        for t0 in (0..g.t_rows).step_by(input_step) {
+            let inputs = t0..(t0 + input_step).min(g.t_rows);
+            for r0 in (0..g.rows).step_by(row_step) {
+                blocks.push((k, r0, row_step.min(g.rows - r0), inputs.clone()));
+            }
+        }
+    }
+    let targets: Vec<ByInput<'_>> = grids
+        .into_iter()
+        .map(|g| ByInput::new(g.y, g.rows, g.t_rows))
+        .collect();
+    let run = |(k, r0, n, inputs): (usize, usize, usize, Range<usize>)| {
+        with_block(n * inputs.len(), |out| {
+            compute(k, r0, inputs.clone(), out);
+            // SAFETY: the blocks above partition each product's rows by inputs, so no two overlap.
+            unsafe { targets[k].put(r0, inputs, out) };
+        });
+    };
+    if blocks.len() < 2 {
+        blocks.into_iter().for_each(run);
+    } else {
+        blocks.into_par_iter().for_each(run);
+    }
+}
+
 thread_local! {
     /// This thread's block buffer for [`with_block`].
     static BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -80,7 +128,7 @@ thread_local! {
 /// Runs `f` on a zeroed scratch block of `len` values, this thread's buffer reused from call to call. The buffer is
 /// taken out for the call, so a nested call (a task stolen while `f` waits) gets a fresh one instead of a borrow
 /// error.
-pub(crate) fn with_block<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+fn with_block<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     let mut buf = BLOCK.with_borrow_mut(std::mem::take);
     buf.clear();
     buf.resize(len, 0.0);
@@ -116,6 +164,50 @@ mod tests {
         ];
         for (t, row) in expect.iter().enumerate() {
             assert_eq!(&y[t * rows..(t + 1) * rows], row, "input {t}");
+        }
+    }
+
+    #[test]
+    fn fill_covers_every_output_once_whatever_the_steps() {
+        let (rows, t_rows) = (7, 5);
+        for (row_step, input_step) in [(1, 1), (2, 3), (3, 2), (7, 5), (10, 10), (0, 0)] {
+            let mut a = vec![f32::NAN; rows * t_rows];
+            let mut b = vec![f32::NAN; 3 * 2];
+            let grids = vec![
+                Grid {
+                    y: &mut a,
+                    rows,
+                    t_rows,
+                    row_step,
+                    input_step,
+                },
+                Grid {
+                    y: &mut b,
+                    rows: 3,
+                    t_rows: 2,
+                    row_step,
+                    input_step,
+                },
+            ];
+            fill(grids, |k, r0, inputs, out| {
+                let w = inputs.len();
+                for (i, row) in out.chunks_exact_mut(w).enumerate() {
+                    for (o, t) in row.iter_mut().zip(inputs.clone()) {
+                        assert_eq!(*o, 0.0, "blocks start zeroed");
+                        *o = (100 * k + 10 * (r0 + i) + t) as f32;
+                    }
+                }
+            });
+            for (k, y, rows) in [(0, &a, rows), (1, &b, 3)] {
+                for (j, &v) in y.iter().enumerate() {
+                    let (t, r) = (j / rows, j % rows);
+                    assert_eq!(
+                        v,
+                        (100 * k + 10 * r + t) as f32,
+                        "steps {row_step}/{input_step} product {k}"
+                    );
+                }
+            }
         }
     }
 

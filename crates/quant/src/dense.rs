@@ -524,27 +524,21 @@ pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usi
         }
         return;
     }
-    // [rows, t_rows] first (contiguous per task), then transposed into y.
-    let mut by_row = vec![0.0f32; rows * t_rows];
-    by_row
-        .par_chunks_mut(ROWS_PER_TASK * t_rows)
-        .enumerate()
-        .for_each(|(chunk, out)| {
-            let r0 = chunk * ROWS_PER_TASK;
-            for (i, row_out) in out.chunks_exact_mut(t_rows).enumerate() {
-                for (t, o) in row_out.iter_mut().enumerate() {
-                    *o = f(r0 + i, t);
-                }
+    // Blocks of rows by every input, each written into y by its task ([`crate::by_input`]).
+    let grid = crate::by_input::Grid {
+        y,
+        rows,
+        t_rows,
+        row_step: ROWS_PER_TASK,
+        input_step: t_rows,
+    };
+    crate::by_input::fill(vec![grid], |_, r0, inputs, out| {
+        for (i, row_out) in out.chunks_exact_mut(inputs.len()).enumerate() {
+            for (o, t) in row_out.iter_mut().zip(inputs.clone()) {
+                *o = f(r0 + i, t);
             }
-        });
-    // Into `y` by output row (one input each), in parallel.
-    y.par_chunks_mut(rows.max(1))
-        .enumerate()
-        .for_each(|(t, y_t)| {
-            for (r, o) in y_t.iter_mut().enumerate() {
-                *o = by_row[r * t_rows + t];
-            }
-        });
+        }
+    });
 }
 
 /// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
@@ -565,33 +559,17 @@ fn par_row_tiles(
     outs: &mut [(usize, &mut [f32])],
     f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
-    use crate::by_input::{ByInput, with_block};
-    // (product, first row, rows, inputs): every product's rows by inputs, each pair in exactly one task.
-    let mut tasks: Vec<(usize, usize, usize, std::ops::Range<usize>)> = Vec::new();
-    for (k, &(rows, _)) in outs.iter().enumerate() {
-        for t0 in (0..t_rows).step_by(TOKEN_BLOCK) {
-            let tokens = t0..(t0 + TOKEN_BLOCK).min(t_rows);
-            for r0 in (0..rows).step_by(TILE_ROWS_PER_TASK) {
-                tasks.push((k, r0, TILE_ROWS_PER_TASK.min(rows - r0), tokens.clone()));
-            }
-        }
-    }
-    let targets: Vec<ByInput<'_>> = outs
+    let grids = outs
         .iter_mut()
-        .map(|(rows, y)| ByInput::new(y, *rows, t_rows))
+        .map(|(rows, y)| crate::by_input::Grid {
+            y,
+            rows: *rows,
+            t_rows,
+            row_step: TILE_ROWS_PER_TASK,
+            input_step: TOKEN_BLOCK,
+        })
         .collect();
-    let run = |(k, r0, n, tokens): (usize, usize, usize, std::ops::Range<usize>)| {
-        with_block(n * tokens.len(), |out| {
-            f(k, r0, tokens.clone(), out);
-            // SAFETY: the tasks cover disjoint rows-by-inputs blocks of each product.
-            unsafe { targets[k].put(r0, tokens, out) };
-        });
-    };
-    if tasks.len() < 2 {
-        tasks.into_iter().for_each(run);
-    } else {
-        tasks.into_par_iter().for_each(run);
-    }
+    crate::by_input::fill(grids, f);
 }
 
 /// Fills `y` (one output per weight row) in parallel over blocks of [`DENSE_ROWS_PER_TASK`] rows: `f(r0, out)`

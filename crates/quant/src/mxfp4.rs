@@ -920,36 +920,26 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
             firsts.par_iter().map(build).collect()
         }
     };
-    // Each task computes its rows by weight row (`[rows, t_rows]`, contiguous) and writes them into `y` itself.
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, p) in products.iter().enumerate() {
-        if p.t_rows == 0 {
-            continue;
-        }
-        let per_task = rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]]).max(1);
-        for r0 in (0..p.matrix.rows).step_by(per_task) {
-            tasks.push((i, r0, per_task.min(p.matrix.rows - r0)));
-        }
-    }
-    let (matrices, t_rows): (Vec<Mxfp4Matrix<'_>>, Vec<usize>) =
-        products.iter().map(|p| (p.matrix, p.t_rows)).unzip();
-    let targets: Vec<crate::by_input::ByInput<'_>> = products
+    // Blocks of rows by every input, each written into `y` by its task ([`crate::by_input`]).
+    let matrices: Vec<Mxfp4Matrix<'_>> = products.iter().map(|p| p.matrix).collect();
+    let grids = products
         .iter_mut()
-        .map(|p| crate::by_input::ByInput::new(&mut *p.y, p.matrix.rows, p.t_rows))
+        .enumerate()
+        .map(|(i, p)| crate::by_input::Grid {
+            rows: p.matrix.rows,
+            t_rows: p.t_rows,
+            row_step: if p.t_rows == 0 {
+                1
+            } else {
+                rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]])
+            },
+            input_step: p.t_rows,
+            y: &mut *p.y,
+        })
         .collect();
-    let run = |(i, r0, n): (usize, usize, usize)| {
-        crate::by_input::with_block(n * t_rows[i], |out| {
-            matrices[i].rows_permuted(r0, &inputs[input_of[i]], t_rows[i], out);
-            // SAFETY: the tasks cover disjoint row ranges of each product, every input.
-            unsafe { targets[i].put(r0, 0..t_rows[i], out) };
-        });
-    };
-    if tasks.len() < 2 {
-        tasks.into_iter().for_each(run);
-    } else {
-        use rayon::prelude::*;
-        tasks.into_par_iter().for_each(run);
-    }
+    crate::by_input::fill(grids, |i, r0, tokens, out| {
+        matrices[i].rows_permuted(r0, &inputs[input_of[i]], tokens.len(), out)
+    });
     Ok(())
 }
 
