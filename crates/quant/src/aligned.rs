@@ -18,8 +18,8 @@ pub struct Lines {
 impl Lines {
     /// `len` zeros, rounded up to whole lines. The memory comes zeroed from the allocator (for large sizes, fresh
     /// pages that are zero-filled when first written), so a buffer filled in parallel takes its page faults on the
-    /// threads that fill it instead of all on the allocating one; `vec!` of a non-primitive element wrote every
-    /// zero on the calling thread (1.1–1.3 ms for a 1.8 MB input layout of fresh memory on this project's VM).
+    /// threads that fill it instead of all on the allocating one (`vec!` of a non-primitive element writes every
+    /// zero on the calling thread).
     pub fn zeroed(len: usize) -> Self {
         let n = len.div_ceil(LINE);
         let Ok(layout) = std::alloc::Layout::array::<Line>(n) else {

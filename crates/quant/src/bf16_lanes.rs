@@ -21,9 +21,8 @@ pub const GROUP: usize = 16;
 /// header), zero past the last input.
 ///
 /// One group of 16 inputs per parallel item, chunk by chunk: a chunk's 16 × 32 values are read as 16 rows of 128
-/// bytes and written as 32 whole lines of 16, so both sides stay in L1. A 64-input block at K3's width (7,168) took
-/// 1.0–1.1 ms on one thread while every other thread waited for the product to start; now 0.87–0.92 ms on one
-/// thread and 0.53–0.55 on two (2 Zen 3 vCPUs; up to four groups run at once).
+/// bytes and written as 32 whole lines of 16, so both sides stay in L1. Built on one thread, a long prompt's block
+/// kept every other thread waiting for the product to start (docs/performance-log.md).
 pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
     use rayon::prelude::*;
     let n = cols / CHUNK;

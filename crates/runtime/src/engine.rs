@@ -562,9 +562,8 @@ pub struct OpenTimes {
 }
 
 /// Expert reader threads on a GPU when `K3_READ_THREADS` is not set. Each read lands in a page-locked buffer that
-/// goes up by DMA; with four readers the upload helper waited on reads most of a token. Full-size K3 on the H200
-/// machine (2026-12-05, one call, docs/PERFORMANCE.md): 0.965 s/token with 4, 0.748 with 8, 0.787 with 12, 0.886 with
-/// 16 (more readers compete with the DMA for host memory and leave it as the tail).
+/// goes up by DMA; with four readers the upload helper waited on reads most of a token, and with 12 or 16 the reads
+/// competed with the DMA for host memory (docs/PERFORMANCE.md, CUDA item 3).
 const GPU_READ_THREADS: usize = 8;
 
 /// Whether the model will load onto a GPU: one is asked for (`cuda`, or `auto`) and opens. Where CUDA is unavailable
