@@ -7,6 +7,8 @@
 //! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16 or VNNI, for
 //! the kernels that need them) it says so and skips the kernel. Last, the time to quantise one 7168-wide input to
 //! int16 (as an int8 product does on one thread before its rows start) with the scalar reference, AVX2 and AVX-512.
+//! On a CPU with AVX2 but no AVX-512 it measures the AVX2 MXFP4 kernels (exact f32 inputs one row at a time, int16
+//! inputs two rows at a time) on the same matrix instead.
 
 // The measured kernels are x86-64 only: elsewhere this only type-checks, and its helpers go unused.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_variables))]
@@ -51,22 +53,18 @@ fn main() {
     use deltafin_quant::simd::{has_avx512, has_avx512_bf16, has_avx512_vnni};
     use deltafin_quant::{mxfp4_bf16_contract, mxfp4_contract, mxfp4_i16_contract, quantise};
 
+    let mx = Mxfp4Case::new();
+    let (rows, row, mx_bytes) = (mx.rows, |r| mx.row(r), mx.bytes());
     if !has_avx512() {
-        println!("no AVX-512 on this CPU: nothing to measure");
+        if deltafin_quant::simd::has_avx2_fma() {
+            avx2_mxfp4(&mx);
+        } else {
+            println!("neither AVX-512 nor AVX2 on this CPU: nothing to measure");
+        }
         return;
     }
-    let (rows, cols) = (128usize, 3584usize);
-    let packed: Vec<u8> = (0..rows * cols / 2).map(pseudo_random).collect();
-    let scales = vec![120u8; rows * cols / 32];
-    let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect();
-    let row = |r: usize| {
-        (
-            &packed[r * cols / 2..(r + 1) * cols / 2],
-            &scales[r * cols / 32..(r + 1) * cols / 32],
-        )
-    };
-    let mx_bytes = packed.len() + scales.len();
-    let xp = mxfp4_contract::permute_input(&x);
+    let x = &mx.x;
+    let xp = mxfp4_contract::permute_input(x);
     let sweep_pairs = |f: &dyn Fn([RowBytes<'_>; 2]) -> [f32; 2]| {
         (0..rows)
             .step_by(2)
@@ -79,7 +77,7 @@ fn main() {
     });
     println!("mxfp4, f32 inputs   {f32_rate:6.1} GB/s");
     if has_avx512_bf16() {
-        let xb = mxfp4_bf16_contract::permute_input(&x);
+        let xb = mxfp4_bf16_contract::permute_input(x);
         // SAFETY: AVX-512 BF16 present as well (checked); whole rows and one paired input.
         let bf16_rate = rate(mx_bytes, || {
             sweep_pairs(&|rs| unsafe { mxfp4_bf16_dot_rows::<2>(rs, &xb) })
@@ -89,7 +87,7 @@ fn main() {
         println!("mxfp4, bf16 inputs  (no AVX-512 BF16 on this CPU)");
     }
     if has_avx512_vnni() {
-        let xq = mxfp4_i16_contract::permute_input(&x);
+        let xq = mxfp4_i16_contract::permute_input(x);
         // SAFETY: AVX-512 VNNI present as well (checked); whole rows and one quantised input.
         let i16_rate = rate(mx_bytes, || {
             sweep_pairs(&|rs| unsafe { mxfp4_i16_dot_rows::<2>(rs, &xq) })
@@ -155,6 +153,65 @@ fn main() {
     println!(
         "int16 quantisation of a {cols}-wide input: scalar {scalar:.2} us, AVX2 {avx2:.2} us, AVX-512 {avx512:.2} us"
     );
+}
+
+/// The MXFP4 matrix every kernel is measured on: `[128, 3584]` (229 KB of codes, within L2) and one input.
+struct Mxfp4Case {
+    rows: usize,
+    cols: usize,
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+    x: Vec<f32>,
+}
+
+impl Mxfp4Case {
+    fn new() -> Self {
+        let (rows, cols) = (128usize, 3584usize);
+        Self {
+            rows,
+            cols,
+            packed: (0..rows * cols / 2).map(pseudo_random).collect(),
+            scales: vec![120u8; rows * cols / 32],
+            x: (0..cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect(),
+        }
+    }
+
+    fn row(&self, r: usize) -> RowBytes<'_> {
+        let (c, g) = (self.cols / 2, self.cols / 32);
+        (
+            &self.packed[r * c..(r + 1) * c],
+            &self.scales[r * g..(r + 1) * g],
+        )
+    }
+
+    /// Weight bytes of the matrix (codes and scales).
+    fn bytes(&self) -> usize {
+        self.packed.len() + self.scales.len()
+    }
+}
+
+/// The AVX2 MXFP4 kernels on one core (a CPU without AVX-512).
+#[cfg(target_arch = "x86_64")]
+fn avx2_mxfp4(mx: &Mxfp4Case) {
+    use deltafin_quant::simd::avx2::{mxfp4_dot, mxfp4_i16_dot_rows};
+    use deltafin_quant::{mxfp4_contract, mxfp4_i16_contract};
+    let xp = mxfp4_contract::permute_input(&mx.x);
+    // SAFETY: AVX2 and FMA present (checked by the caller); whole rows and one permuted input.
+    let f32_rate = rate(mx.bytes(), || {
+        (0..mx.rows)
+            .map(|r| unsafe { mxfp4_dot(mx.row(r).0, mx.row(r).1, &xp) })
+            .sum()
+    });
+    println!("AVX2 mxfp4, f32 inputs   {f32_rate:6.1} GB/s");
+    let xq = mxfp4_i16_contract::permute_input(&mx.x);
+    // SAFETY: as above; whole rows and one quantised input.
+    let i16_rate = rate(mx.bytes(), || {
+        (0..mx.rows)
+            .step_by(2)
+            .map(|r| unsafe { mxfp4_i16_dot_rows::<2>([mx.row(r), mx.row(r + 1)], &xq) }[0])
+            .sum()
+    });
+    println!("AVX2 mxfp4, int16 inputs {i16_rate:6.1} GB/s");
 }
 
 /// Median microseconds of one call of `f`, over [`PASSES`] passes of [`SWEEPS`] calls after a warm-up pass.

@@ -266,41 +266,127 @@ pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
     unsafe { int8_rows([q0, q1], xq) }
 }
 
-/// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves. The
-/// 16-entry table does not fit one AVX2 permute, so each code's magnitude comes from an 8-entry permute and its sign
-/// bit is moved into place.
+/// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves, each
+/// half's 64 weights decoded by byte lookups ([`decode_half_chunk`]). The row is prefetched
+/// [`MXFP4_PREFETCH_BYTES`](crate::simd::avx512::MXFP4_PREFETCH_BYTES) ahead as the AVX-512 kernels do. One row at a
+/// time: two rows sharing the input's loads need more than AVX2's sixteen vector registers, and ran slower.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `xp.len() == chunks(cols) * 128` and `packed`, `scales` are one row's
 /// bytes (no scale byte 255).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
-    use crate::mxfp4_contract::{CHUNK, CHUNK_LANES};
-    let mags = e2m1_mags();
+    use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES};
+    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
+    let tables = E2m1Bytes::new();
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xp.len() / CHUNK {
+        let ahead = packed
+            .as_ptr()
+            .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
+        // A hint: it never faults, even past the row.
+        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
             // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
-            let words = unsafe { half_chunk_codes(packed, c, half) };
-            let w = |s: i32| e2m1_decode(mags, _mm256_srlv_epi32(words, _mm256_set1_epi32(4 * s)));
+            let w = decode_half_chunk(&tables, unsafe { half_chunk_codes(packed, c, half) });
             // SAFETY: chunk c of `xp` is whole; lanes 8·half .. 8·half + 8 of each code vector.
             let x = |s: usize| unsafe {
                 _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + s * CHUNK_LANES + 8 * half))
             };
-            let mut te = _mm256_mul_ps(w(0), x(0));
-            let mut to = _mm256_mul_ps(w(1), x(1));
-            te = _mm256_fmadd_ps(w(2), x(2), te);
-            to = _mm256_fmadd_ps(w(3), x(3), to);
-            te = _mm256_fmadd_ps(w(4), x(4), te);
-            to = _mm256_fmadd_ps(w(5), x(5), to);
-            te = _mm256_fmadd_ps(w(6), x(6), te);
-            to = _mm256_fmadd_ps(w(7), x(7), to);
+            let mut te = _mm256_mul_ps(w[0], x(0));
+            let mut to = _mm256_mul_ps(w[1], x(1));
+            te = _mm256_fmadd_ps(w[2], x(2), te);
+            to = _mm256_fmadd_ps(w[3], x(3), to);
+            te = _mm256_fmadd_ps(w[4], x(4), te);
+            to = _mm256_fmadd_ps(w[5], x(5), to);
+            te = _mm256_fmadd_ps(w[6], x(6), te);
+            to = _mm256_fmadd_ps(w[7], x(7), to);
             let scale = half_chunk_scales(scales, c, half);
             *a = _mm256_fmadd_ps(_mm256_add_ps(te, to), scale, *a);
         }
     }
     reduce16(acc)
+}
+
+/// The top two bytes of the f32 value of every E2M1 code, as byte tables for [`decode_half_chunk`]: every E2M1
+/// value is a bf16, so its f32 has zeros in the low two bytes.
+pub(crate) struct E2m1Bytes {
+    /// Byte 3 (sign and high exponent bits) of the f32 of code `n` at byte `n` of each 128-bit half.
+    high: __m256i,
+    /// Byte 2 (low exponent bit and mantissa) likewise.
+    low: __m256i,
+}
+
+impl E2m1Bytes {
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn new() -> Self {
+        const fn table(byte: u32) -> [u8; 32] {
+            let mut t = [0u8; 32];
+            let mut i = 0;
+            while i < 32 {
+                t[i] = (crate::mxfp4::E2M1_TABLE[i % 16].to_bits() >> (8 * byte)) as u8;
+                i += 1;
+            }
+            t
+        }
+        const HIGH: [u8; 32] = table(3);
+        const LOW: [u8; 32] = table(2);
+        // SAFETY: both tables hold 32 bytes.
+        unsafe {
+            Self {
+                high: _mm256_loadu_si256(HIGH.as_ptr() as *const __m256i),
+                low: _mm256_loadu_si256(LOW.as_ptr() as *const __m256i),
+            }
+        }
+    }
+}
+
+/// The exact f32 weights `w[s]` (code `s` of each of the eight 32-bit lanes, lane order kept) of a half chunk's 32
+/// code bytes. AVX2 has no 16-entry permute of 32-bit values, and its 8-entry one (`vpermps`) costs a Zen 3 core
+/// more than a cycle, so the codes go through byte lookups instead, a few cheap shuffles for 64 weights:
+/// - a byte shuffle orders each 128-bit half's bytes as lane 0's bytes 0, 1, lane 1's bytes 0, 1, …, then the lanes'
+///   bytes 2, 3 likewise; the low nibbles of that vector are the even codes, the high nibbles the odd ones;
+/// - each nibble vector is looked up in the two byte tables ([`E2m1Bytes`]), and interleaving the two results gives
+///   16-bit words, the top halves of the weights' f32 values: in the 32-bit lane of contract lane `k`, codes 0 and 2
+///   (then 4 and 6; odd codes alike) as its low and high word;
+/// - a low word shifted up, or a high word with the low word cleared, is the weight.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn decode_half_chunk(t: &E2m1Bytes, codes: __m256i) -> [__m256; 8] {
+    let order = _mm256_setr_epi8(
+        0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7,
+        10, 11, 14, 15,
+    );
+    let nibble = _mm256_set1_epi8(0x0f);
+    let bytes = _mm256_shuffle_epi8(codes, order);
+    let even = _mm256_and_si256(bytes, nibble);
+    let odd = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble);
+    let words = |n: __m256i| {
+        let (high, low) = (
+            _mm256_shuffle_epi8(t.high, n),
+            _mm256_shuffle_epi8(t.low, n),
+        );
+        (
+            _mm256_unpacklo_epi8(low, high),
+            _mm256_unpackhi_epi8(low, high),
+        )
+    };
+    let ((e02, e46), (o13, o57)) = (words(even), words(odd));
+    let low_word = |w: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+    let high_word =
+        |w: __m256i| _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+    [
+        low_word(e02),
+        low_word(o13),
+        high_word(e02),
+        high_word(o13),
+        low_word(e46),
+        low_word(o57),
+        high_word(e46),
+        high_word(o57),
+    ]
 }
 
 /// The magnitude of E2M1 code m (0..8) at index m, with m's three bits already xored into bits 28..31, for
