@@ -389,34 +389,6 @@ pub(crate) fn decode_half_chunk(t: &E2m1Bytes, codes: __m256i) -> [__m256; 8] {
     ]
 }
 
-/// The magnitude of E2M1 code m (0..8) at index m, with m's three bits already xored into bits 28..31, for
-/// [`e2m1_decode`].
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(crate) fn e2m1_mags() -> __m256 {
-    const MAGS: [u32; 8] = {
-        let mut bits = [0u32; 8];
-        let mut m = 0;
-        while m < 8 {
-            bits[m] = crate::mxfp4::E2M1_TABLE[m].to_bits() ^ ((m as u32) << 28);
-            m += 1;
-        }
-        bits
-    };
-    // SAFETY: `MAGS` holds 8 values.
-    _mm256_castsi256_ps(unsafe { _mm256_loadu_si256(MAGS.as_ptr() as *const __m256i) })
-}
-
-/// The exact E2M1 values of the low four bits of each lane of `codes` (higher bits ignored): the permute reads the
-/// magnitude with the code's low three bits xored into bits 28..31 ([`e2m1_mags`]); xoring the code shifted to bits
-/// 28..32 takes them out again and puts the code's sign bit on bit 31, one instruction for both.
-#[inline]
-#[target_feature(enable = "avx2")]
-pub(crate) fn e2m1_decode(mags: __m256, codes: __m256i) -> __m256 {
-    let mag = _mm256_permutevar8x32_ps(mags, codes);
-    _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32::<28>(codes)))
-}
-
 /// The MXFP4 contracts' reduction ([`crate::mxfp4_contract::reduce16`]) of `acc[c % 2][half]`, the sixteen lanes of
 /// each accumulator as two 8-lane halves.
 #[inline]

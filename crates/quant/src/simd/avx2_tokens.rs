@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::avx2::{e2m1_decode, e2m1_mags};
+use super::avx2::{E2m1Bytes, decode_half_chunk};
 use crate::mxfp4::MXFP4_GROUP;
 use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES, CODES_PER_LANE, group_scale};
 use crate::mxfp4_lanes::{
@@ -23,14 +23,15 @@ const HALF: usize = GROUP / 2;
 /// `w`, [`lane_weights`]`(rows.len())` values: weight `s` of chunk `c0 + j` of row `r` at `(r · 8 + s) · 16 + j`.
 /// Exact; past a row's end and past `nb` the weights are 0, as the contract reads them. The lane's words are read
 /// one by one (one per chunk line, which the tiles of every lane of the block read again from L1; two gathers were no
-/// faster), then one shift and one table permute decode code `s` of eight chunks.
+/// faster), then eight chunks' words are decoded at once by byte lookups ([`decode_half_chunk`]: the same eight
+/// 32-bit words of eight codes as eight lanes of a half chunk).
 ///
 /// # Safety
 /// The CPU must support AVX2; `w` holds [`lane_weights`]`(rows.len())` values.
 #[target_feature(enable = "avx2")]
 pub unsafe fn decode_lane(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, k: usize, w: &mut [f32]) {
     debug_assert!(nb <= BLOCK_CHUNKS_MAX && w.len() >= lane_weights(rows.len()));
-    let mags = e2m1_mags();
+    let tables = E2m1Bytes::new();
     for (r, (packed, _)) in rows.iter().enumerate() {
         let mut words = [0u32; BLOCK_CHUNKS_MAX];
         for (j, d) in words.iter_mut().enumerate().take(nb) {
@@ -43,11 +44,7 @@ pub unsafe fn decode_lane(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, k: usiz
             // SAFETY: `words` holds 16 words.
             let line =
                 unsafe { _mm256_loadu_si256(words.as_ptr().add(HALF * half) as *const __m256i) };
-            for s in 0..CODES_PER_LANE {
-                let v = e2m1_decode(
-                    mags,
-                    _mm256_srlv_epi32(line, _mm256_set1_epi32(4 * s as i32)),
-                );
+            for (s, &v) in decode_half_chunk(&tables, line).iter().enumerate() {
                 // SAFETY: `(r · 8 + s) · 16 + 8 · half .. + 8` lies in `w`.
                 unsafe {
                     _mm256_storeu_ps(
