@@ -27,9 +27,9 @@ pub struct EngineArgs {
     #[arg(long, value_parser = parse_on_off)]
     pub prefetch: Option<bool>,
     /// How routed experts read their inputs on the CPU: f32 (exact; matches the f32 reference), bf16 (rounded as
-    /// the reference's native dtype does; faster kernels with AVX-512 BF16) or i16 (quantised per group of 32,
-    /// within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI, AVX2 or NEON)
-    /// [K3_EXPERT_INPUT; default f32].
+    /// the reference's native dtype does; faster kernels with AVX-512 BF16, slower ones with AVX2 alone) or i16
+    /// (quantised per group of 32, within 1/65534 of the group's largest input; faster kernels with AVX-512 VNNI,
+    /// AVX2 or NEON) [K3_EXPERT_INPUT; default f32].
     #[arg(long)]
     pub expert_input: Option<deltafin_model::ExpertInput>,
     /// Tokens per prefill pass: auto (the longest pass the memory budget has scratch room for) or a count

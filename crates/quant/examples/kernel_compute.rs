@@ -7,8 +7,8 @@
 //! the median of 5 timed passes after a warm-up. On a CPU without AVX-512 (or without AVX-512 BF16 or VNNI, for
 //! the kernels that need them) it says so and skips the kernel. Last, the time to quantise one 7168-wide input to
 //! int16 (as an int8 product does on one thread before its rows start) with the scalar reference, AVX2 and AVX-512.
-//! On a CPU with AVX2 but no AVX-512 it measures the AVX2 MXFP4 kernels (exact f32 inputs one row at a time, int16
-//! inputs two rows at a time) on the same matrix instead.
+//! On a CPU with AVX2 but no AVX-512 it measures the AVX2 MXFP4 kernels (exact f32 and bf16 inputs one row at a time,
+//! the latter also with its flushes forced on, int16 inputs two rows at a time) on the same matrix instead.
 
 // The measured kernels are x86-64 only: elsewhere this only type-checks, and its helpers go unused.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_variables))]
@@ -193,7 +193,7 @@ impl Mxfp4Case {
 /// The AVX2 MXFP4 kernels on one core (a CPU without AVX-512).
 #[cfg(target_arch = "x86_64")]
 fn avx2_mxfp4(mx: &Mxfp4Case) {
-    use deltafin_quant::simd::avx2::{mxfp4_dot, mxfp4_i16_dot_rows};
+    use deltafin_quant::simd::avx2::{mxfp4_bf16_dot, mxfp4_dot, mxfp4_i16_dot_rows};
     use deltafin_quant::{mxfp4_contract, mxfp4_i16_contract};
     let xp = mxfp4_contract::permute_input(&mx.x);
     // SAFETY: AVX2 and FMA present (checked by the caller); whole rows and one permuted input.
@@ -203,6 +203,20 @@ fn avx2_mxfp4(mx: &Mxfp4Case) {
             .sum()
     });
     println!("AVX2 mxfp4, f32 inputs   {f32_rate:6.1} GB/s");
+    let xb = deltafin_quant::mxfp4_bf16_contract::permute_input(&mx.x);
+    // SAFETY: as above; whole rows and one paired input (flush-free: plain inputs).
+    let bf16_rate = rate(mx.bytes(), || {
+        (0..mx.rows)
+            .map(|r| unsafe { mxfp4_bf16_dot::<false>(mx.row(r).0, mx.row(r).1, &xb) })
+            .sum()
+    });
+    // SAFETY: as above.
+    let flushed_rate = rate(mx.bytes(), || {
+        (0..mx.rows)
+            .map(|r| unsafe { mxfp4_bf16_dot::<true>(mx.row(r).0, mx.row(r).1, &xb) })
+            .sum()
+    });
+    println!("AVX2 mxfp4, bf16 inputs  {bf16_rate:6.1} GB/s ({flushed_rate:.1} with every flush)");
     let xq = mxfp4_i16_contract::permute_input(&mx.x);
     // SAFETY: as above; whole rows and one quantised input.
     let i16_rate = rate(mx.bytes(), || {

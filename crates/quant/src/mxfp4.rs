@@ -538,10 +538,28 @@ impl<'a> Mxfp4Matrix<'a> {
             chunk_words: mxfp4_bf16_contract::CHUNK_WORDS,
             reference: mxfp4_bf16_contract::dot_row_ref,
             #[cfg(target_arch = "x86_64")]
-            simd: crate::simd::has_avx512_bf16().then_some((
-                crate::simd::avx512::mxfp4_bf16_dot_rows::<2>,
-                crate::simd::avx512::mxfp4_bf16_row_multi,
-            )),
+            simd: if crate::simd::has_avx512_bf16() {
+                Some((
+                    crate::simd::avx512::mxfp4_bf16_dot_rows::<2>,
+                    crate::simd::avx512::mxfp4_bf16_row_multi,
+                ))
+            } else if crate::simd::has_avx2_fma() {
+                // The flushes lengthen each lane's chain of FMAs (2.7× the time from L2 on a Zen 3 core); inputs of
+                // any trained model's size make them no-ops (`flush_free`), so they run only where one could matter.
+                Some(if mxfp4_bf16_contract::flush_free(xbs) {
+                    (
+                        crate::simd::avx2::mxfp4_bf16_dot_pair::<false>,
+                        crate::simd::avx2::mxfp4_bf16_row_multi::<false>,
+                    )
+                } else {
+                    (
+                        crate::simd::avx2::mxfp4_bf16_dot_pair::<true>,
+                        crate::simd::avx2::mxfp4_bf16_row_multi::<true>,
+                    )
+                })
+            } else {
+                None
+            },
             // No NEON kernel: see `crate::simd::neon` for why.
             #[cfg(target_arch = "aarch64")]
             simd: None,
@@ -698,8 +716,9 @@ pub enum Mxfp4Input {
     #[default]
     F32,
     /// Rounded to bf16 first ([`crate::mxfp4_bf16_contract`]), as the reference does in its native bf16 dtype;
-    /// about 1.5× the f32 kernel's compute rate on CPUs with AVX-512 BF16, and the scalar reference (slow) on
-    /// others, aarch64 included (`crate::simd::neon` says why).
+    /// about 1.5× the f32 kernel's compute rate on CPUs with AVX-512 BF16, an exact form of f32 FMAs with AVX2 alone
+    /// (slower than the f32 kernel: one chain of eight FMAs a lane), and the scalar reference (slow) on others,
+    /// aarch64 included (`crate::simd::neon` says why).
     Bf16,
     /// Quantised to int16 per group of 32 ([`crate::mxfp4_i16_contract`]): each input moves by at most 1/65534 of
     /// its group's largest magnitude, and the products sum exactly in integers; the fast kernels need AVX-512 VNNI,

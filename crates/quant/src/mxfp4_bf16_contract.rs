@@ -65,6 +65,18 @@ fn flush(v: f32) -> f32 {
     }
 }
 
+/// Whether no partial sum of a product with the paired inputs `xb` can be denormal, so that a kernel may skip the
+/// contract's flushes: every input half is a zero, not finite, or a normal bf16 of magnitude at least 2^-100. Then
+/// every input is a multiple of 2^-107 and every weight of 2^-1, so every exact product and sum of the contract's
+/// chain is a multiple of 2^-108; rounded to f32 it stays one (below 2^-84 it is exact, above it the unit in the last
+/// place is at least 2^-107), and a nonzero multiple of 2^-108 is normal. Infinities and NaNs stay what they are.
+pub fn flush_free(xb: &[u32]) -> bool {
+    /// bf16 exponent field of 2^-100.
+    const MIN_EXPONENT: u16 = 127 - 100;
+    let fine = |h: u16| h & 0x7fff == 0 || (h >> 7) & 0xff >= MIN_EXPONENT;
+    xb.iter().all(|&w| fine(w as u16) && fine((w >> 16) as u16))
+}
+
 /// Chunks of a row of `cols` weights (the last one may be partial).
 pub fn chunks(cols: usize) -> usize {
     crate::mxfp4_contract::chunks(cols)
@@ -114,6 +126,22 @@ pub fn dot_row_ref(packed: &[u8], scales: &[u8], xb: &[u32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flush_free_accepts_zeros_normals_and_non_finite_only_above_its_floor() {
+        let word = |lo: f32, hi: f32| bf16_round(lo) as u32 | (bf16_round(hi) as u32) << 16;
+        assert!(flush_free(&[
+            word(0.0, -0.0),
+            word(1.5, -3.0e38),
+            word(f32::INFINITY, f32::NAN)
+        ]));
+        assert!(flush_free(&[word(2f32.powi(-100), -(2f32.powi(-100)))]));
+        assert!(!flush_free(&[word(1.0, 2f32.powi(-101))]));
+        assert!(!flush_free(&[word(-f32::MIN_POSITIVE, 1.0)]));
+        // A denormal bf16 (which `permute_input` never writes, the contract reads as zero) is not flush-free.
+        assert!(!flush_free(&[0x0001_0000]));
+        assert!(flush_free(&[]));
+    }
 
     #[test]
     fn rounding_is_nearest_even_and_flushes_denormals() {

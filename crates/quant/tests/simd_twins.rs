@@ -791,6 +791,94 @@ fn mxfp4_bf16_kernels_match_twin_where_the_cpu_has_them() {
     }
 }
 
+/// The AVX2 bf16-input kernels, with and without the flushes, against the scalar twin: plain inputs (where the
+/// flushes cannot matter, so both variants must agree), edge inputs (denormals, huge values) and inputs at the bottom
+/// of the normal range against the largest scale (denormal partial sums, flushed), for the pair and multi kernels.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn mxfp4_bf16_avx2_kernels_match_twin() {
+    use deltafin_quant::mxfp4_bf16_contract::{dot_row_ref, flush_free, permute_input};
+    use deltafin_quant::simd::avx2::{mxfp4_bf16_dot_pair, mxfp4_bf16_row_multi};
+    let present =
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma");
+    if !cpu_has_or_skip("avx2", present) {
+        return;
+    }
+    let mut r = rng();
+    let mut differs = 0;
+    for &cols in MXFP4_COLS {
+        let (packed, s) = random_mxfp4(&mut r, 2, cols, &[0, 3, 127, 131, 254]);
+        let (tiny_packed, tiny_s) = random_mxfp4(&mut r, 2, cols, &[254]);
+        let tiny: Vec<f32> = (0..cols)
+            .map(|_| f32::MIN_POSITIVE * r.random_range(-2.0f32..2.0))
+            .collect();
+        let cases = [
+            ("plain", &packed, &s, permute_input(&randn(&mut r, cols))),
+            (
+                "edge",
+                &packed,
+                &s,
+                permute_input(&edge_inputs(&mut r, cols)),
+            ),
+            ("tiny", &tiny_packed, &tiny_s, permute_input(&tiny)),
+        ];
+        for (what, packed, s, xb) in cases {
+            let row = |i: usize| {
+                (
+                    &packed[i * cols / 2..(i + 1) * cols / 2],
+                    &s[i * cols / 32..(i + 1) * cols / 32],
+                )
+            };
+            let want = [0, 1].map(|i| dot_row_ref(row(i).0, row(i).1, &xb));
+            let xbs: Vec<u32> = xb.iter().chain(xb.iter()).copied().collect();
+            let free = flush_free(&xb);
+            assert_eq!(free, what == "plain", "{what}: flush_free {free}");
+            let check = |flush: bool| {
+                let mut multi = [0.0f32; 2];
+                // SAFETY: AVX2 and FMA detected; two whole rows and their paired input (twice for the multi kernel).
+                let pair = unsafe {
+                    if flush {
+                        mxfp4_bf16_row_multi::<true>(
+                            row(1).0,
+                            row(1).1,
+                            &xbs,
+                            xb.len(),
+                            &mut multi,
+                        );
+                        mxfp4_bf16_dot_pair::<true>([row(0), row(1)], &xb)
+                    } else {
+                        mxfp4_bf16_row_multi::<false>(
+                            row(1).0,
+                            row(1).1,
+                            &xbs,
+                            xb.len(),
+                            &mut multi,
+                        );
+                        mxfp4_bf16_dot_pair::<false>([row(0), row(1)], &xb)
+                    }
+                };
+                for i in 0..2 {
+                    let tag = format!("{what} flush {flush} cols {cols}");
+                    same_bits(pair[i], want[i], &format!("{tag} row {i}"));
+                    same_bits(multi[i], want[1], &format!("{tag} multi input {i}"));
+                }
+            };
+            check(true);
+            if free {
+                check(false);
+            } else if what == "tiny" {
+                // Without the flushes some result comes out different: the flush path is what makes them equal.
+                // SAFETY: as above.
+                let unflushed = unsafe { mxfp4_bf16_dot_pair::<false>([row(0), row(1)], &xb) };
+                differs += (0..2)
+                    .filter(|&i| unflushed[i].to_bits() != want[i].to_bits())
+                    .count();
+            }
+        }
+    }
+    assert!(differs > 0, "no tiny case reached a denormal partial sum");
+}
+
 /// A random `[64, 3584]` MXFP4 matrix and an input (through `round`) multiplied on the f32 and the bf16-input paths:
 /// `(Σ|w·x| per row, f32 results, bf16-input results)`.
 fn f32_and_bf16_paths(round: impl Fn(f32) -> f32) -> (Vec<f64>, Vec<f32>, Vec<f32>) {

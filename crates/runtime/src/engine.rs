@@ -206,7 +206,7 @@ impl Engine {
         let slow = match options.expert_input {
             ExpertInput::F32 => None,
             ExpertInput::Bf16 => {
-                (!deltafin_quant::simd::mxfp4_bf16_is_fast()).then_some("AVX-512 BF16")
+                (!deltafin_quant::simd::mxfp4_bf16_is_fast()).then_some("AVX2 or AVX-512 BF16")
             }
             ExpertInput::I16 => {
                 (!deltafin_quant::simd::mxfp4_i16_is_fast()).then_some("AVX2, AVX-512 VNNI or NEON")

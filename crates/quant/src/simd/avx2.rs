@@ -1,6 +1,6 @@
 //! AVX2/FMA kernels (x86-64-v3). Each follows its scalar twin's contract exactly: [`crate::dot`] for f32 and bf16
-//! rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`] and [`crate::mxfp4_i16_contract`] for
-//! MXFP4 rows, [`crate::quantise`] for the int16 quantisation. The dense and int8 kernels take two neighbouring rows
+//! rows, [`crate::int8_contract`] for int8 rows, [`crate::mxfp4_contract`], [`crate::mxfp4_bf16_contract`] and
+//! [`crate::mxfp4_i16_contract`] for MXFP4 rows, [`crate::quantise`] for the int16 quantisation. The dense and int8 kernels take two neighbouring rows
 //! per call and, like the AVX-512 ones, prefetch the weights ahead as one stream in address order.
 
 use std::arch::x86_64::*;
@@ -307,6 +307,99 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
         }
     }
     reduce16(acc)
+}
+
+/// AVX2 twin of [`crate::mxfp4_bf16_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves, the
+/// weights decoded by byte lookups ([`decode_half_chunk`]), each pair's two bf16 inputs widened to exact f32 by a
+/// shift (low half) and a mask (high half), and the lane's chain of eight FMAs run in the contract's order. With
+/// `FLUSH` every input and every partial sum that is denormal becomes a zero of its sign, as the contract (after
+/// `vdpbf16ps`) says; without it the caller has checked [`flush_free`](crate::mxfp4_bf16_contract::flush_free) on the
+/// input, under which no flush can change a value.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `xb.len() == chunks(cols) * 64` and `packed`, `scales` are one row's bytes (no
+/// scale byte 255).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_bf16_dot<const FLUSH: bool>(packed: &[u8], scales: &[u8], xb: &[u32]) -> f32 {
+    use crate::mxfp4_bf16_contract::{CHUNK_WORDS, PAIRS};
+    use crate::mxfp4_contract::{CHUNK_BYTES, CHUNK_LANES};
+    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
+    let tables = E2m1Bytes::new();
+    let magnitude = _mm256_set1_epi32(0x7fff_ffff);
+    let min_normal = _mm256_set1_epi32(f32::MIN_POSITIVE.to_bits() as i32);
+    let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    // A denormal to a zero of its sign (only with `FLUSH`).
+    let flush = |v: __m256| {
+        if !FLUSH {
+            return v;
+        }
+        let bits = _mm256_castps_si256(v);
+        let tiny = _mm256_cmpgt_epi32(min_normal, _mm256_and_si256(bits, magnitude));
+        _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_and_si256(tiny, magnitude), bits))
+    };
+    // acc[c % 2][half]
+    let mut acc = [[_mm256_setzero_ps(); 2]; 2];
+    for c in 0..xb.len() / CHUNK_WORDS {
+        let ahead = packed
+            .as_ptr()
+            .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
+        // A hint: it never faults, even past the row.
+        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        for (half, a) in acc[c % 2].iter_mut().enumerate() {
+            // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
+            let w = decode_half_chunk(&tables, unsafe { half_chunk_codes(packed, c, half) });
+            let mut t = _mm256_setzero_ps();
+            for j in 0..PAIRS {
+                // SAFETY: chunk c of `xb` is whole; lanes 8·half .. 8·half + 8 of pair j.
+                let pair = unsafe {
+                    _mm256_loadu_si256(
+                        xb.as_ptr()
+                            .add(c * CHUNK_WORDS + j * CHUNK_LANES + 8 * half)
+                            as *const __m256i,
+                    )
+                };
+                let x_low = flush(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(pair)));
+                let x_high = flush(_mm256_castsi256_ps(_mm256_and_si256(pair, high)));
+                t = flush(_mm256_fmadd_ps(w[j + 4], x_high, t));
+                t = flush(_mm256_fmadd_ps(w[j], x_low, t));
+            }
+            let scale = half_chunk_scales(scales, c, half);
+            *a = _mm256_fmadd_ps(t, scale, *a);
+        }
+    }
+    reduce16(acc)
+}
+
+/// [`mxfp4_bf16_dot`] for two rows against one input.
+///
+/// # Safety
+/// As [`mxfp4_bf16_dot`], for both rows.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_bf16_dot_pair<const FLUSH: bool>(
+    rows: [(&[u8], &[u8]); 2],
+    xb: &[u32],
+) -> [f32; 2] {
+    // SAFETY: forwarded from the caller.
+    rows.map(|(packed, scales)| unsafe { mxfp4_bf16_dot::<FLUSH>(packed, scales, xb) })
+}
+
+/// [`mxfp4_bf16_dot`] of one row against several inputs: `out[t] = row · x_t`, where `x_t` is `xbs[t * xb_len ..][..
+/// xb_len]`.
+///
+/// # Safety
+/// As [`mxfp4_bf16_dot`] for every input; `xbs.len() >= out.len() * xb_len`.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_bf16_row_multi<const FLUSH: bool>(
+    packed: &[u8],
+    scales: &[u8],
+    xbs: &[u32],
+    xb_len: usize,
+    out: &mut [f32],
+) {
+    for (o, xb) in out.iter_mut().zip(xbs.chunks_exact(xb_len.max(1))) {
+        // SAFETY: forwarded from the caller, one input of `xb_len` words.
+        *o = unsafe { mxfp4_bf16_dot::<FLUSH>(packed, scales, xb) };
+    }
 }
 
 /// The top two bytes of the f32 value of every E2M1 code, as byte tables for [`decode_half_chunk`]: every E2M1

@@ -128,11 +128,11 @@ pub(crate) fn copy_group_sums(
     }
 }
 
-/// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16); without one they run
-/// their scalar reference, far slower than the f32 path.
+/// Whether the bf16-input MXFP4 products run a SIMD kernel on this machine (AVX-512 BF16, or AVX2); without one they
+/// run their scalar reference, far slower than the f32 path.
 pub fn mxfp4_bf16_is_fast() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return has_avx512_bf16();
+    return has_avx512_bf16() || has_avx2_fma();
     #[allow(unreachable_code)]
     false
 }
@@ -208,7 +208,7 @@ pub fn kernel_set(contract: Contract) -> &'static str {
         if avx512 {
             return "avx512";
         }
-        if contract != Contract::Mxfp4Bf16 && has_avx2_fma() {
+        if has_avx2_fma() {
             return "avx2";
         }
     }
