@@ -267,29 +267,22 @@ pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
 }
 
 /// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves, each
-/// half's 64 weights decoded by byte lookups ([`decode_half_chunk`]). The row is prefetched
-/// [`MXFP4_PREFETCH_BYTES`](crate::simd::avx512::MXFP4_PREFETCH_BYTES) ahead as the AVX-512 kernels do. One row at a
-/// time: two rows sharing the input's loads need more than AVX2's sixteen vector registers, and ran slower.
+/// half's 64 weights decoded by byte lookups ([`decode_half_chunk`]), the row prefetched ahead
+/// ([`prefetch_chunk_ahead`]). One row at a time: two rows sharing the input's loads need more than AVX2's sixteen vector registers, and ran slower.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `xp.len() == chunks(cols) * 128` and `packed`, `scales` are one row's
 /// bytes (no scale byte 255).
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
-    use crate::mxfp4_contract::{CHUNK, CHUNK_BYTES, CHUNK_LANES};
-    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
+    use crate::mxfp4_contract::{CHUNK, CHUNK_LANES};
     let tables = E2m1Bytes::new();
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xp.len() / CHUNK {
-        let ahead = packed
-            .as_ptr()
-            .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
-        // A hint: it never faults, even past the row.
-        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        prefetch_chunk_ahead(packed, c);
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
-            // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
-            let w = decode_half_chunk(&tables, unsafe { half_chunk_codes(packed, c, half) });
+            let w = half_chunk_weights(&tables, packed, c, half);
             // SAFETY: chunk c of `xp` is whole; lanes 8·half .. 8·half + 8 of each code vector.
             let x = |s: usize| unsafe {
                 _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + s * CHUNK_LANES + 8 * half))
@@ -322,8 +315,7 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn mxfp4_bf16_dot<const FLUSH: bool>(packed: &[u8], scales: &[u8], xb: &[u32]) -> f32 {
     use crate::mxfp4_bf16_contract::{CHUNK_WORDS, PAIRS};
-    use crate::mxfp4_contract::{CHUNK_BYTES, CHUNK_LANES};
-    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
+    use crate::mxfp4_contract::CHUNK_LANES;
     let tables = E2m1Bytes::new();
     let magnitude = _mm256_set1_epi32(0x7fff_ffff);
     let min_normal = _mm256_set1_epi32(f32::MIN_POSITIVE.to_bits() as i32);
@@ -340,14 +332,9 @@ pub unsafe fn mxfp4_bf16_dot<const FLUSH: bool>(packed: &[u8], scales: &[u8], xb
     // acc[c % 2][half]
     let mut acc = [[_mm256_setzero_ps(); 2]; 2];
     for c in 0..xb.len() / CHUNK_WORDS {
-        let ahead = packed
-            .as_ptr()
-            .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
-        // A hint: it never faults, even past the row.
-        _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+        prefetch_chunk_ahead(packed, c);
         for (half, a) in acc[c % 2].iter_mut().enumerate() {
-            // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
-            let w = decode_half_chunk(&tables, unsafe { half_chunk_codes(packed, c, half) });
+            let w = half_chunk_weights(&tables, packed, c, half);
             let mut t = _mm256_setzero_ps();
             for j in 0..PAIRS {
                 // SAFETY: chunk c of `xb` is whole; lanes 8·half .. 8·half + 8 of pair j.
@@ -400,6 +387,27 @@ pub unsafe fn mxfp4_bf16_row_multi<const FLUSH: bool>(
         // SAFETY: forwarded from the caller, one input of `xb_len` words.
         *o = unsafe { mxfp4_bf16_dot::<FLUSH>(packed, scales, xb) };
     }
+}
+
+/// Prefetches the line [`MXFP4_PREFETCH_BYTES`](crate::simd::avx512::MXFP4_PREFETCH_BYTES) past chunk `c` of a row's
+/// codes, as the AVX-512 kernels do (a hint: it never faults, even past the row).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prefetch_chunk_ahead(packed: &[u8], c: usize) {
+    use crate::mxfp4_contract::CHUNK_BYTES;
+    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
+    let ahead = packed
+        .as_ptr()
+        .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
+    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+}
+
+/// The exact weights of half `half` of chunk `c` of a row ([`decode_half_chunk`]; zero past the row's end).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn half_chunk_weights(t: &E2m1Bytes, packed: &[u8], c: usize, half: usize) -> [__m256; 8] {
+    // SAFETY: AVX2 present; the half chunk is read within `packed` or zero-padded.
+    decode_half_chunk(t, unsafe { half_chunk_codes(packed, c, half) })
 }
 
 /// The top two bytes of the f32 value of every E2M1 code, as byte tables for [`decode_half_chunk`]: every E2M1
