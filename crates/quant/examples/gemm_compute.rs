@@ -5,7 +5,8 @@
 //! For each token count (default 64 and 1024), on one thread and on every thread: the FMA peak
 //! (`deltafin_quant::flops`), then bf16 and f32 `[3072, 7168]` times that many inputs through `DenseMatrix::gemm`
 //! (each weight row once, every token's product in the contract's order; f32 also one `dot_f32` at a time, as the
-//! products ran before the f32 tiles) and eight MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
+//! products ran before the f32 tiles), row-wise int8 (the int8 spine's form, inputs quantised to int16) and eight
+//! MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
 //! each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
 //! passes after a warm-up. First, which bf16 kernel this machine runs (`bf16_contract::lanes_chosen`).
@@ -65,6 +66,17 @@ fn run(tokens: usize) {
         .iter()
         .map(|&b| f32::from_bits((b as u32) << 16))
         .collect();
+    // Row-wise int8 (the spine `cargo xtask convert-spine-int8` writes): the bf16 bits' top byte as the value.
+    let q: Vec<i8> = bits.iter().map(|&b| (b >> 8) as i8).collect();
+    let m8 = DenseMatrix::new(
+        rows,
+        cols,
+        DenseData::Int8 {
+            q: q.into(),
+            scales: vec![0.01; rows],
+        },
+    )
+    .expect("shape");
     let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("shape");
     let mf = DenseMatrix::new(rows, cols, DenseData::F32(f32s.clone())).expect("shape");
     let one_at_a_time = || {
@@ -132,6 +144,7 @@ fn run(tokens: usize) {
             let mut bf16 = Vec::new();
             let mut f32t = Vec::new();
             let mut f32o = Vec::new();
+            let mut i8s = Vec::new();
             let mut mx = Vec::new();
             let mut peaks = Vec::new();
             for _ in 0..PASSES {
@@ -144,6 +157,9 @@ fn run(tokens: usize) {
                 f32o.push(timed(&mut peaks, flop, || {
                     std::hint::black_box(one_at_a_time());
                 }));
+                i8s.push(timed(&mut peaks, flop, || {
+                    std::hint::black_box(m8.gemm(&x, tokens).expect("gemm"));
+                }));
                 mx.push(timed(&mut peaks, mx_flop, &mut run_mx));
             }
             let med = |v: &[(f64, f64)]| {
@@ -154,14 +170,17 @@ fn run(tokens: usize) {
             };
             let ((bf16_rate, bf16_share), (mx_rate, mx_share)) = (med(&bf16), med(&mx));
             let ((ft_rate, ft_share), (fo_rate, fo_share)) = (med(&f32t), med(&f32o));
+            let (i8_rate, i8_share) = med(&i8s);
             println!(
                 "{threads} thread(s): bf16 [{rows}, {cols}] x {tokens} tokens {:.1} GFLOP/s ({bf16_share:.2} of the FMA \
-                 peak); f32 tiles {:.1} ({ft_share:.2}), f32 one product at a time {:.1} ({fo_share:.2}); MXFP4 \
+                 peak); f32 tiles {:.1} ({ft_share:.2}), f32 one product at a time {:.1} ({fo_share:.2}); int8 {:.1} \
+                 ({i8_share:.2}); MXFP4 \
                  {experts} x [{er}, {ec}] x {tokens} tokens {:.1} GFLOP/s ({mx_share:.2}); FMA peak {:.0} GFLOP/s \
                  (median)",
                 bf16_rate / 1e9,
                 ft_rate / 1e9,
                 fo_rate / 1e9,
+                i8_rate / 1e9,
                 mx_rate / 1e9,
                 median(peaks) / 1e9,
             );

@@ -361,15 +361,12 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
         input_of.push(at);
     }
     let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t_rows * m.rows]).collect();
-    // The bf16 and f32 matrices in tiles of rows by inputs (each weight row loaded, and widened, once for every input
-    // of a tile), together.
-    let tiled: Vec<usize> = (0..mats.len())
-        .filter(|&i| matches!(mats[i].data, DenseData::Bf16(_) | DenseData::F32(_)))
-        .collect();
-    let inputs: Vec<Vec<&[f32]>> = tiled
+    // Every matrix in tiles of rows by inputs (each weight row loaded, and widened, once for every input of a tile),
+    // together: per matrix, its inputs as the float kernels read them, and as the int8 kernels do.
+    let inputs: Vec<Vec<&[f32]>> = input_of
         .iter()
-        .map(|&i| {
-            kinds[input_of[i]]
+        .map(|&at| {
+            kinds[at]
                 .1
                 .iter()
                 .filter_map(|p| match p {
@@ -380,20 +377,32 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
                 .collect()
         })
         .collect();
+    let quantised: Vec<Vec<&QuantizedInput>> = input_of
+        .iter()
+        .map(|&at| {
+            kinds[at]
+                .1
+                .iter()
+                .filter_map(|p| match p {
+                    Prepared::Int8(xq) => Some(xq),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
     // The bf16 matrices' inputs across the vector lanes, one layout per piece of `TOKEN_BLOCK` inputs, where the
     // lane kernels run (`bf16_contract::dot_lanes`).
-    let lanes = bf16_lanes_inputs(mats, &tiled, x, t_rows);
+    let lanes = bf16_lanes_inputs(mats, x, t_rows);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = &lanes;
     {
-        let mut outs: Vec<(usize, &mut [f32])> = Vec::new();
-        for (i, y) in ys.iter_mut().enumerate() {
-            if tiled.contains(&i) {
-                outs.push((mats[i].rows, y.as_mut_slice()));
-            }
-        }
+        let mut outs: Vec<(usize, &mut [f32])> = mats
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(m, y)| (m.rows, y.as_mut_slice()))
+            .collect();
         par_row_tiles(t_rows, &mut outs, |k, r0, tokens, out| {
-            let m = mats[tiled[k]];
+            let m = mats[k];
             let r1 = r0 + out.len() / tokens.len();
             match &m.data {
                 DenseData::Bf16(v) => {
@@ -413,26 +422,22 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
                     let rows: Vec<&[f32]> = (r0..r1).map(|r| row(v, r, m.cols)).collect();
                     crate::dot::dot_f32_tiles(&rows, &inputs[k][tokens], out);
                 }
-                DenseData::Int8 { .. } => {}
+                DenseData::Int8 { q, scales } => {
+                    let rows: Vec<&[i8]> = (r0..r1).map(|r| row(q, r, m.cols)).collect();
+                    int8_contract::dot_tiles(&rows, &scales[r0..r1], &quantised[k][tokens], out);
+                }
             }
         });
-    }
-    for (i, y) in ys.iter_mut().enumerate() {
-        if !tiled.contains(&i) {
-            let xs = &kinds[input_of[i]].1;
-            par_rows(mats[i].rows, t_rows, y, |r, t| mats[i].row_with(r, &xs[t]));
-        }
     }
     ys
 }
 
 /// The inputs `x [t_rows, cols]` laid out across the vector lanes for the bf16 lane kernels, one layout per piece of
-/// [`TOKEN_BLOCK`] inputs (built in parallel), where those kernels run: a bf16 matrix among the tiled ones, rows a
-/// multiple of 32 long, at least `bf16_contract::LANES_MIN_TOKENS` inputs, and `bf16_contract::lanes_chosen`.
+/// [`TOKEN_BLOCK`] inputs (built in parallel), where those kernels run: a bf16 matrix among `mats`, rows a multiple
+/// of 32 long, at least `bf16_contract::LANES_MIN_TOKENS` inputs, and `bf16_contract::lanes_chosen`.
 #[cfg(target_arch = "x86_64")]
 fn bf16_lanes_inputs(
     mats: &[&DenseMatrix],
-    tiled: &[usize],
     x: &[f32],
     t_rows: usize,
 ) -> Option<Vec<crate::aligned::Lines>> {
@@ -440,9 +445,7 @@ fn bf16_lanes_inputs(
     let wanted = t_rows >= bf16_contract::LANES_MIN_TOKENS
         && cols > 0
         && cols.is_multiple_of(bf16_contract::CHUNK)
-        && tiled
-            .iter()
-            .any(|&i| matches!(mats[i].data, DenseData::Bf16(_)))
+        && mats.iter().any(|m| matches!(m.data, DenseData::Bf16(_)))
         && bf16_contract::lanes_chosen();
     wanted.then(|| {
         x[..t_rows * cols]
@@ -456,7 +459,6 @@ fn bf16_lanes_inputs(
 #[cfg(not(target_arch = "x86_64"))]
 fn bf16_lanes_inputs(
     _: &[&DenseMatrix],
-    _: &[usize],
     _: &[f32],
     _: usize,
 ) -> Option<Vec<crate::aligned::Lines>> {
@@ -505,41 +507,10 @@ impl Prepared {
     }
 }
 
-/// Output rows handled by one task.
-const ROWS_PER_TASK: usize = 16;
-
 /// Rows per task for one activation row of a dense matrix (even, so row pairs stay together): larger tasks cost
 /// less scheduling per byte (int8 `[7168, 7168]` from memory: 0.63–0.81 of the memory read rate with 16-row tasks,
 /// 0.85–0.89 with 64, in the same minutes). MXFP4 tasks are sized the same way, by bytes (`crate::mxfp4`).
 const DENSE_ROWS_PER_TASK: usize = 64;
-
-/// Fills `y [t_rows, rows]` with `f(r, t)`, in parallel over output rows. Each weight row is visited once for all
-/// activation rows.
-pub fn par_rows(rows: usize, t_rows: usize, y: &mut [f32], f: impl Fn(usize, usize) -> f32 + Sync) {
-    if rows * t_rows < 4096 {
-        for r in 0..rows {
-            for t in 0..t_rows {
-                y[t * rows + r] = f(r, t);
-            }
-        }
-        return;
-    }
-    // Blocks of rows by every input, each written into y by its task ([`crate::by_input`]).
-    let grid = crate::by_input::Grid {
-        y,
-        rows,
-        t_rows,
-        row_step: ROWS_PER_TASK,
-        input_step: t_rows,
-    };
-    crate::by_input::fill(vec![grid], |_, r0, inputs, out| {
-        for (i, row_out) in out.chunks_exact_mut(inputs.len()).enumerate() {
-            for (o, t) in row_out.iter_mut().zip(inputs.clone()) {
-                *o = f(r0 + i, t);
-            }
-        }
-    });
-}
 
 /// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
 /// still give every thread several tasks.

@@ -103,6 +103,88 @@ pub fn dot(q: &[i8], x: &QuantizedInput) -> i64 {
     dot_ref(q, x)
 }
 
+/// `out[i · xs.len() + t] = xs[t].finish(Σ rows[i] · xs[t], scales[i])` for every row and input (prefill's
+/// multi-token form), each equal to what [`dot`] and [`QuantizedInput::finish`] give one product. On AVX2 without
+/// AVX-512 VNNI the sums run in tiles of two rows by four inputs ([`crate::simd::avx2::int8_tile`]), each row's 32
+/// weights widened once for all of a tile's inputs; elsewhere, or for rows and inputs of unequal lengths, one product
+/// at a time.
+pub fn dot_tiles(rows: &[&[i8]], scales: &[f32], xs: &[&QuantizedInput], out: &mut [f32]) {
+    let tokens = xs.len();
+    let n = rows.first().map_or(0, |q| q.len());
+    let fits = rows.iter().all(|q| q.len() == n)
+        && xs.iter().all(|x| x.len() == n)
+        && scales.len() >= rows.len()
+        && out.len() >= rows.len() * tokens;
+    #[cfg(target_arch = "x86_64")]
+    if fits && !crate::simd::has_avx512_vnni() && crate::simd::has_avx2_fma() {
+        let mut r0 = 0;
+        while r0 < rows.len() {
+            let nr = (rows.len() - r0).min(TILE_ROWS);
+            let mut t0 = 0;
+            while t0 < tokens {
+                let nt = (tokens - t0).min(TILE_INPUTS);
+                let at = (r0, t0);
+                // SAFETY (every arm): AVX2 present; rows of one length `n`, inputs of `n` values padded to a
+                // multiple of 64 (checked above).
+                unsafe {
+                    match (nr, nt) {
+                        (2, 4) => avx2_tile::<2, 4>(rows, scales, xs, at, out),
+                        (2, 3) => avx2_tile::<2, 3>(rows, scales, xs, at, out),
+                        (2, 2) => avx2_tile::<2, 2>(rows, scales, xs, at, out),
+                        (2, _) => avx2_tile::<2, 1>(rows, scales, xs, at, out),
+                        (_, 4) => avx2_tile::<1, 4>(rows, scales, xs, at, out),
+                        (_, 3) => avx2_tile::<1, 3>(rows, scales, xs, at, out),
+                        (_, 2) => avx2_tile::<1, 2>(rows, scales, xs, at, out),
+                        _ => avx2_tile::<1, 1>(rows, scales, xs, at, out),
+                    }
+                }
+                t0 += nt;
+            }
+            r0 += nr;
+        }
+        return;
+    }
+    let _ = fits;
+    for (i, q) in rows.iter().enumerate() {
+        for (t, x) in xs.iter().enumerate() {
+            out[i * tokens + t] = x.finish(dot(q, x), scales[i]);
+        }
+    }
+}
+
+/// Rows per AVX2 tile of [`dot_tiles`]: two rows by four inputs hold eight accumulators, four widened weight vectors
+/// and an input's two vectors in AVX2's sixteen registers.
+#[cfg(target_arch = "x86_64")]
+const TILE_ROWS: usize = 2;
+/// Inputs per AVX2 tile of [`dot_tiles`].
+#[cfg(target_arch = "x86_64")]
+const TILE_INPUTS: usize = 4;
+
+/// The tile of rows `r0 .. r0 + R` by inputs `t0 .. t0 + T` of [`dot_tiles`] into `out`.
+///
+/// # Safety
+/// The CPU must support AVX2; the rows have one length `n` and the inputs `n` values each.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2_tile<const R: usize, const T: usize>(
+    rows: &[&[i8]],
+    scales: &[f32],
+    xs: &[&QuantizedInput],
+    (r0, t0): (usize, usize),
+    out: &mut [f32],
+) {
+    let tokens = xs.len();
+    let tile_rows: [&[i8]; R] = std::array::from_fn(|k| rows[r0 + k]);
+    let inputs: [&[i16]; T] = std::array::from_fn(|k| xs[t0 + k].values());
+    // SAFETY: forwarded from the caller; `QuantizedInput` pads its values to a multiple of 64.
+    let sums = unsafe { crate::simd::avx2::int8_tile(tile_rows, inputs) };
+    for (k, row) in sums.iter().enumerate() {
+        for (j, &sum) in row.iter().enumerate() {
+            out[(r0 + k) * tokens + t0 + j] = xs[t0 + j].finish(sum, scales[r0 + k]);
+        }
+    }
+}
+
 /// Two rows against one input (neighbouring rows of a matrix read fastest), each equal to [`dot_ref`].
 pub fn dot_x2(q0: &[i8], q1: &[i8], x: &QuantizedInput) -> [i64; 2] {
     #[cfg(target_arch = "x86_64")]

@@ -89,6 +89,51 @@ fn int8_sums_stay_exact_at_the_extremes() {
             // SAFETY: as above, two rows of n.
             let pair = unsafe { deltafin_quant::simd::avx2::int8_dot_x2(&q, &q, xq.values()) };
             assert_eq!(pair, [exact; 2], "avx2 pair n={n}");
+            // SAFETY: as above, two rows by four inputs of n.
+            let tile = unsafe { deltafin_quant::simd::avx2::int8_tile([&q, &q], [xq.values(); 4]) };
+            assert_eq!(tile, [[exact; 4]; 2], "avx2 tile n={n}");
+        }
+        let mut out = [0.0f32; 6];
+        int8_contract::dot_tiles(&[&q, &q], &[1.0, 0.5], &[&xq; 3], &mut out);
+        let want = [1.0f32, 0.5].map(|s| xq.finish(exact, s));
+        assert_eq!(
+            out,
+            [want[0], want[0], want[0], want[1], want[1], want[1]],
+            "tiles n={n}"
+        );
+    }
+}
+
+/// Products of several int8 rows by several inputs (`int8_contract::dot_tiles`: on AVX2 in tiles of two rows by
+/// four inputs, with partial tiles at both edges) equal one product at a time of the scalar reference, for every
+/// length, including ones that are not a multiple of the 32-column block.
+#[test]
+fn int8_tiles_match_twin() {
+    exercised("int8_tiles_match_twin", &[Contract::Int8]);
+    let mut r = rng();
+    for &n in LENGTHS {
+        for (rows, inputs) in [(1, 1), (2, 4), (3, 5), (5, 7), (4, 9)] {
+            let qs: Vec<Vec<i8>> = (0..rows)
+                .map(|_| (0..n).map(|_| r.random_range(-128i8..=127)).collect())
+                .collect();
+            let scales: Vec<f32> = (0..rows).map(|_| r.random_range(0.001f32..0.1)).collect();
+            let xs: Vec<QuantizedInput> = (0..inputs)
+                .map(|_| QuantizedInput::new(&randn(&mut r, n)))
+                .collect();
+            let row_refs: Vec<&[i8]> = qs.iter().map(|q| q.as_slice()).collect();
+            let x_refs: Vec<&QuantizedInput> = xs.iter().collect();
+            let mut out = vec![f32::NAN; rows * inputs];
+            int8_contract::dot_tiles(&row_refs, &scales, &x_refs, &mut out);
+            for (i, q) in qs.iter().enumerate() {
+                for (t, x) in xs.iter().enumerate() {
+                    let want = x.finish(int8_contract::dot_ref(q, x), scales[i]);
+                    same_bits(
+                        out[i * inputs + t],
+                        want,
+                        &format!("n {n} row {i} of {rows}, input {t} of {inputs}"),
+                    );
+                }
+            }
         }
     }
 }

@@ -155,75 +155,88 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; 
     })
 }
 
-/// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, two
-/// sign extensions to int16 and two `vpmaddwd` (each adds two products to every 32-bit lane), widened to 64 bits
-/// every [`SEGMENT_STEPS`] of those steps. The rows share the input's loads and are prefetched as one stream in
-/// address order, as the AVX-512 kernels do.
+/// `R` neighbouring int8 rows against one quantised input: [`int8_tile`] with one input, whose loads the rows share.
 ///
 /// # Safety
-/// The CPU must support AVX2; every row has the same length `n`, and `xq` holds at least `n` values rounded up to a
-/// multiple of 32.
+/// As [`int8_tile`].
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_tile(rows, [xq]) }.map(|[sum]| sum)
+}
+
+/// `R` neighbouring int8 rows against `T` quantised inputs ([`crate::int8_contract`]): per 32 columns and row, two
+/// sign extensions to int16, then per input two `vpmaddwd` (each adds two products to every 32-bit lane), widened
+/// to 64 bits every [`SEGMENT_STEPS`] of those steps. Each row's 32 weights are widened once for every input, and
+/// the rows are prefetched as one stream in address order, as the AVX-512 kernels do. The sums are exact integers,
+/// so their order is free and every result equals [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// The CPU must support AVX2; every row has the same length `n`, and every input holds at least `n` values rounded up
+/// to a multiple of 32.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub unsafe fn int8_tile<const R: usize, const T: usize>(
+    rows: [&[i8]; R],
+    xs: [&[i16]; T],
+) -> [[i64; T]; R] {
     let n = rows.iter().fold(usize::MAX, |n, q| n.min(q.len()));
     let full = n / 32 * 32;
-    let xp = xq.as_ptr();
     let p0 = rows[0].as_ptr();
-    let mut wide = [_mm256_setzero_si256(); R];
+    let mut wide = [[_mm256_setzero_si256(); T]; R];
     // Adds one segment's 32-bit lanes into the 64-bit sums.
-    let widen = |wide: &mut [__m256i; R], acc: [__m256i; R]| {
-        for (wd, a) in wide.iter_mut().zip(acc) {
-            let lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(a));
-            let hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256::<1>(a));
+    let widen = |wide: &mut [[__m256i; T]; R], acc: [[__m256i; T]; R]| {
+        for (wd, a) in wide.iter_mut().flatten().zip(acc.iter().flatten()) {
+            let lo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(*a));
+            let hi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256::<1>(*a));
             *wd = _mm256_add_epi64(*wd, _mm256_add_epi64(lo, hi));
         }
     };
-    // One block of 32 columns of every row: `w(row)` gives the row's 32 weights.
-    let block = |acc: &mut [__m256i; R], x: [__m256i; 2], w: &dyn Fn(usize) -> [__m128i; 2]| {
-        for (r, a) in acc.iter_mut().enumerate() {
-            let [w0, w1] = w(r);
-            let p0 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(w0), x[0]);
-            let p1 = _mm256_madd_epi16(_mm256_cvtepi8_epi16(w1), x[1]);
-            *a = _mm256_add_epi32(*a, _mm256_add_epi32(p0, p1));
+    // One block of 32 columns from column `c` of every row and input: `w(row)` gives the row's 32 weights.
+    let block = |acc: &mut [[__m256i; T]; R], c: usize, w: &dyn Fn(usize) -> [__m128i; 2]| {
+        let w: [[__m256i; 2]; R] =
+            std::array::from_fn(|r| w(r).map(|half| _mm256_cvtepi8_epi16(half)));
+        for (t, x) in xs.iter().enumerate() {
+            // SAFETY: the caller pads every input to a multiple of 32 past n, and c < n.
+            let x = unsafe {
+                [
+                    _mm256_loadu_si256(x.as_ptr().add(c) as *const __m256i),
+                    _mm256_loadu_si256(x.as_ptr().add(c + 16) as *const __m256i),
+                ]
+            };
+            for (a, w) in acc.iter_mut().zip(&w) {
+                let p0 = _mm256_madd_epi16(w[0], x[0]);
+                let p1 = _mm256_madd_epi16(w[1], x[1]);
+                a[t] = _mm256_add_epi32(a[t], _mm256_add_epi32(p0, p1));
+            }
         }
     };
     let mut c = 0;
     while c < full {
         // Two steps per block of 32 columns.
         let end = full.min(c + 32 * (SEGMENT_STEPS / 2));
-        let mut acc = [_mm256_setzero_si256(); R];
+        let mut acc = [[_mm256_setzero_si256(); T]; R];
         while c < end {
             prefetch_ahead(p0.wrapping_add(R * c), R * 32);
-            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
-            unsafe {
-                let x = [
-                    _mm256_loadu_si256(xp.add(c) as *const __m256i),
-                    _mm256_loadu_si256(xp.add(c + 16) as *const __m256i),
-                ];
-                block(&mut acc, x, &|r| {
+            block(&mut acc, c, &|r| {
+                // SAFETY: c + 32 <= full <= n for every row.
+                unsafe {
                     let q = rows[r].as_ptr().add(c);
                     [
                         _mm_loadu_si128(q as *const __m128i),
                         _mm_loadu_si128(q.add(16) as *const __m128i),
                     ]
-                });
-            }
+                }
+            });
             c += 32;
         }
         widen(&mut wide, acc);
     }
     if full < n {
-        // The partial last block, zero-padded (the input is zero past n).
-        let mut acc = [_mm256_setzero_si256(); R];
-        // SAFETY: the caller pads xq to a multiple of 32 past n.
-        let x = unsafe {
-            [
-                _mm256_loadu_si256(xp.add(full) as *const __m256i),
-                _mm256_loadu_si256(xp.add(full + 16) as *const __m256i),
-            ]
-        };
-        block(&mut acc, x, &|r| {
+        // The partial last block, zero-padded (the inputs are zero past n).
+        let mut acc = [[_mm256_setzero_si256(); T]; R];
+        block(&mut acc, full, &|r| {
             let mut tail = [0i8; 32];
             tail[..n - full].copy_from_slice(&rows[r][full..n]);
             // SAFETY: `tail` holds 32 bytes.
@@ -236,14 +249,14 @@ unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
         });
         widen(&mut wide, acc);
     }
-    let mut out = [0i64; R];
-    for (o, wd) in out.iter_mut().zip(wide) {
-        let mut lanes = [0i64; 4];
-        // SAFETY: `lanes` holds 32 bytes.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, wd) };
-        *o = lanes.iter().sum();
-    }
-    out
+    wide.map(|row| {
+        row.map(|wd| {
+            let mut lanes = [0i64; 4];
+            // SAFETY: `lanes` holds 32 bytes.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, wd) };
+            lanes.iter().sum()
+        })
+    })
 }
 
 /// AVX2 twin of [`crate::int8_contract::dot_ref`].
