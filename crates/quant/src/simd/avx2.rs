@@ -280,8 +280,8 @@ pub unsafe fn int8_dot_x2(q0: &[i8], q1: &[i8], xq: &[i16]) -> [i64; 2] {
 }
 
 /// AVX2 twin of [`crate::mxfp4_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves, each
-/// half's 64 weights decoded by byte lookups ([`decode_half_chunk`]), the row prefetched ahead
-/// ([`prefetch_chunk_ahead`]). One row at a time: two rows sharing the input's loads need more than AVX2's sixteen vector registers, and ran slower.
+/// half's 64 weights decoded by byte lookups (`decode_half_chunk`), the row prefetched ahead
+/// (`prefetch_chunk_ahead`). One row at a time: two rows sharing the input's loads need more than AVX2's sixteen vector registers, and ran slower.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; `xp.len() == chunks(cols) * 128` and `packed`, `scales` are one row's
@@ -316,7 +316,7 @@ pub unsafe fn mxfp4_dot(packed: &[u8], scales: &[u8], xp: &[f32]) -> f32 {
 }
 
 /// AVX2 twin of [`crate::mxfp4_bf16_contract::dot_row_ref`]: the contract's sixteen lanes as two 8-lane halves, the
-/// weights decoded by byte lookups ([`decode_half_chunk`]), each pair's two bf16 inputs widened to exact f32 by a
+/// weights decoded by byte lookups (`decode_half_chunk`), each pair's two bf16 inputs widened to exact f32 by a
 /// shift (low half) and a mask (high half), and the lane's chain of eight FMAs run in the contract's order. With
 /// `FLUSH` every input and every partial sum that is denormal becomes a zero of its sign, as the contract (after
 /// `vdpbf16ps`) says; without it the caller has checked [`flush_free`](crate::mxfp4_bf16_contract::flush_free) on the

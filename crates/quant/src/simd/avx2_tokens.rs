@@ -1,7 +1,7 @@
 //! AVX2 MXFP4 products of many inputs with the inputs across the vector lanes (prefill on CPUs without AVX-512),
 //! in the layouts of [`crate::mxfp4_lanes`]: a group of sixteen inputs at one of the contract's lanes `k` is two
 //! 256-bit halves, each decoded weight is broadcast from memory once for both, and the halves are reused by two rows
-//! in registers or two groups share a row's weights ([`rows2`], [`row_groups2`], in `asm!`). Per input the operations and their order are the contract's, so every result
+//! in registers or two groups share a row's weights (`rows2`, `row_groups2`, in `asm!`). Per input the operations and their order are the contract's, so every result
 //! is bit-identical to [`crate::mxfp4_contract::dot_row_ref`].
 //!
 //! Without the lanes every input of a prefill decoded every weight again (one product at a time), a sixth of the
@@ -23,7 +23,7 @@ const HALF: usize = GROUP / 2;
 /// `w`, [`lane_weights`]`(rows.len())` values: weight `s` of chunk `c0 + j` of row `r` at `(r · 8 + s) · 16 + j`.
 /// Exact; past a row's end and past `nb` the weights are 0, as the contract reads them. The lane's words are read
 /// one by one (one per chunk line, which the tiles of every lane of the block read again from L1; two gathers were no
-/// faster), then eight chunks' words are decoded at once by byte lookups ([`decode_half_chunk`]: the same eight
+/// faster), then eight chunks' words are decoded at once by byte lookups (`avx2::decode_half_chunk`: the same eight
 /// 32-bit words of eight codes as eight lanes of a half chunk).
 ///
 /// # Safety
@@ -72,9 +72,9 @@ pub fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]) {
 /// Every row of a task (`w`: lane `k` of its `rows` rows decoded over a block of chunks from `c0`, [`decode_lane`];
 /// `sc`: its multipliers) against `H` (1 to 4) halves of groups of the inputs (`xt`) from group `g`'s first half,
 /// lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`: with four halves (two groups) one row at a
-/// time ([`row_groups2`]), with two (one group) two rows at a time ([`rows2`], an odd last row alone), with one or
+/// time (`row_groups2`), with two (one group) two rows at a time (`rows2`, an odd last row alone), with one or
 /// three (the last inputs of a product, in halves of 8 so that few lanes go to waste) one row at a time
-/// ([`row_halves`]). The halves' inputs over the block (4 KiB each) stay in L1 while every row passes over them. A
+/// (`row_halves`). The halves' inputs over the block (4 KiB each) stay in L1 while every row passes over them. A
 /// row's first block (`c0 == 0`) starts the pairs' accumulators at zero whatever `acc` holds, so a task need not
 /// clear them first. The even chunks run first, then the odd ones: the contract's two accumulators of a lane never
 /// meet before its reduction. One row by two groups runs fastest on AMD Zen 3, where a broadcast from memory takes a
