@@ -258,7 +258,9 @@ impl<'a> Mxfp4Matrix<'a> {
             PermutedInput::F32(xps) => self.rows_f32(r0, xps, t_rows, out),
             #[cfg(target_arch = "x86_64")]
             PermutedInput::F32Lanes(xt) => self.rows_f32_lanes(r0, xt, t_rows, out),
-            PermutedInput::Bf16(xbs) => self.rows_bf16(r0, xbs, t_rows, out),
+            PermutedInput::Bf16 { words, flush_free } => {
+                self.rows_bf16(r0, words, *flush_free, t_rows, out)
+            }
             PermutedInput::I16(xqs) => self.rows_i16(r0, xqs, t_rows, out),
         }
     }
@@ -533,7 +535,10 @@ impl<'a> Mxfp4Matrix<'a> {
     }
 
     /// [`Self::rows_permuted`] for bf16 inputs ([`mxfp4_bf16_contract`]).
-    fn rows_bf16(&self, r0: usize, xbs: &[u32], t_rows: usize, out: &mut [f32]) {
+    fn rows_bf16(&self, r0: usize, xbs: &[u32], flush_free: bool, t_rows: usize, out: &mut [f32]) {
+        // Only the AVX2 kernels skip flushes.
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = flush_free;
         let kernels = WordKernels {
             chunk_words: mxfp4_bf16_contract::CHUNK_WORDS,
             reference: mxfp4_bf16_contract::dot_row_ref,
@@ -546,7 +551,7 @@ impl<'a> Mxfp4Matrix<'a> {
             } else if crate::simd::has_avx2_fma() {
                 // The flushes lengthen each lane's chain of FMAs (2.7× the time from L2 on a Zen 3 core); inputs of
                 // any trained model's size make them no-ops (`flush_free`), so they run only where one could matter.
-                Some(if mxfp4_bf16_contract::flush_free(xbs) {
+                Some(if flush_free {
                     (
                         crate::simd::avx2::mxfp4_bf16_dot_pair::<false>,
                         crate::simd::avx2::mxfp4_bf16_row_multi::<false>,
@@ -817,7 +822,11 @@ enum PermutedInput {
     /// Exact f32 inputs across the vector lanes ([`crate::mxfp4_lanes::token_lanes`]).
     #[cfg(target_arch = "x86_64")]
     F32Lanes(crate::aligned::Lines),
-    Bf16(Vec<u32>),
+    Bf16 {
+        words: Vec<u32>,
+        /// [`mxfp4_bf16_contract::flush_free`] of `words`, checked once for every task that reads them.
+        flush_free: bool,
+    },
     I16(Vec<u32>),
 }
 
@@ -837,7 +846,9 @@ impl PermutedInput {
                     .collect::<Vec<f32>>(),
             )),
             Mxfp4Input::Bf16 => {
-                Self::Bf16(rows.flat_map(mxfp4_bf16_contract::permute_input).collect())
+                let words: Vec<u32> = rows.flat_map(mxfp4_bf16_contract::permute_input).collect();
+                let flush_free = mxfp4_bf16_contract::flush_free(&words);
+                Self::Bf16 { words, flush_free }
             }
             Mxfp4Input::I16 => {
                 Self::I16(rows.flat_map(mxfp4_i16_contract::permute_input).collect())
