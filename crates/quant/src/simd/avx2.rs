@@ -23,13 +23,15 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
-/// Prefetches the cache lines [`PREFETCH_BYTES`] ahead of the `len` bytes at `p`, a streaming kernel's weights (a
-/// hint: it never faults). The AVX-512 kernels read the same way; without a software prefetch the hardware
-/// prefetchers keep too few lines in flight on this project's machine (`docs/performance-log.md`).
+/// Prefetches the cache lines `distance` bytes ahead of the `len` bytes at `p`, a streaming kernel's weights (a
+/// hint: it never faults, even past the weights): [`PREFETCH_BYTES`] for dense rows,
+/// [`MXFP4_PREFETCH_BYTES`](crate::simd::avx512::MXFP4_PREFETCH_BYTES) for MXFP4 ones. The AVX-512 kernels read the
+/// same way; without a software prefetch the hardware prefetchers keep too few lines in flight on this project's
+/// machine (`docs/performance-log.md`).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn prefetch_ahead<T>(p: *const T, len: usize) {
-    let ahead = (p as *const i8).wrapping_add(PREFETCH_BYTES);
+fn prefetch_ahead<T>(p: *const T, len: usize, distance: usize) {
+    let ahead = (p as *const i8).wrapping_add(distance);
     for off in (0..len).step_by(64) {
         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
     }
@@ -51,7 +53,11 @@ unsafe fn dense_rows<const R: usize>(rows: [&[f32]; R], x: &[f32]) -> [f32; R] {
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let mut b = 0;
     while b < full {
-        prefetch_ahead(p0.wrapping_add(R * b), R * BLOCK * size_of::<f32>());
+        prefetch_ahead(
+            p0.wrapping_add(R * b),
+            R * BLOCK * size_of::<f32>(),
+            PREFETCH_BYTES,
+        );
         for k in 0..4 {
             // SAFETY: b + 32 <= full <= n for the input and every row.
             unsafe {
@@ -218,7 +224,7 @@ pub unsafe fn int8_tile<const R: usize, const T: usize>(
         let end = full.min(c + 32 * (SEGMENT_STEPS / 2));
         let mut acc = [[_mm256_setzero_si256(); T]; R];
         while c < end {
-            prefetch_ahead(p0.wrapping_add(R * c), R * 32);
+            prefetch_ahead(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
             block(&mut acc, c, &|r| {
                 // SAFETY: c + 32 <= full <= n for every row.
                 unsafe {
@@ -408,11 +414,11 @@ pub unsafe fn mxfp4_bf16_row_multi<const FLUSH: bool>(
 #[target_feature(enable = "avx2")]
 fn prefetch_chunk_ahead(packed: &[u8], c: usize) {
     use crate::mxfp4_contract::CHUNK_BYTES;
-    use crate::simd::avx512::MXFP4_PREFETCH_BYTES;
-    let ahead = packed
-        .as_ptr()
-        .wrapping_add(c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES);
-    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
+    prefetch_ahead(
+        packed.as_ptr().wrapping_add(c * CHUNK_BYTES),
+        CHUNK_BYTES,
+        crate::simd::avx512::MXFP4_PREFETCH_BYTES,
+    );
 }
 
 /// The exact weights of half `half` of chunk `c` of a row ([`decode_half_chunk`]; zero past the row's end).
@@ -608,11 +614,11 @@ pub unsafe fn mxfp4_i16_dot_rows<const R: usize>(
     let mut acc = [[[_mm256_setzero_ps(); 2]; 2]; R];
     for c in 0..xq.len() / CHUNK_WORDS {
         // The rows' bytes in address order, as the AVX-512 kernels prefetch them.
-        for line in (0..R * CHUNK_BYTES).step_by(64) {
-            let ahead = p0.wrapping_add(R * c * CHUNK_BYTES + MXFP4_PREFETCH_BYTES + line);
-            // A hint: it never faults, even past the rows.
-            _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
-        }
+        prefetch_ahead(
+            p0.wrapping_add(R * c * CHUNK_BYTES),
+            R * CHUNK_BYTES,
+            MXFP4_PREFETCH_BYTES,
+        );
         for half in 0..2 {
             // SAFETY: chunk c of `xq` is whole (c < len / CHUNK_WORDS); lanes 8·half .. 8·half + 8 of each vector.
             let (x, m) = unsafe {
