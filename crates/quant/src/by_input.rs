@@ -3,8 +3,8 @@
 //! The multi-token kernels fill a block of outputs by weight row (`[rows, inputs]`: a task's rows are contiguous
 //! and its accumulators copy out in order). Each task now transposes its own block into `y` while the block is
 //! still in L1, instead of every product's blocks going to freshly allocated memory first and through a separate
-//! transposing pass (a few per cent of a long prompt's time, plus faulting in that memory: docs/performance-log.md). Blocks are built in a
-//! per-thread scratch buffer ([`with_block`]) that is reused from task to task. [`fill`] cuts every product into
+//! transposing pass (a few per cent of a long prompt's time, plus faulting in that memory: docs/performance-log.md).
+//! Blocks are built in a per-thread scratch buffer ([`with_block`]) that is reused from task to task. [`fill`] cuts every product into
 //! a grid of such blocks and runs them, so the tasks' writes are disjoint by construction.
 
 use std::cell::RefCell;

@@ -1,8 +1,8 @@
 //! AVX2 MXFP4 products of many inputs with the inputs across the vector lanes (prefill on CPUs without AVX-512),
 //! in the layouts of [`crate::mxfp4_lanes`]: a group of sixteen inputs at one of the contract's lanes `k` is two
 //! 256-bit halves, each decoded weight is broadcast from memory once for both, and the halves are reused by two rows
-//! in registers or two groups share a row's weights (`rows2`, `row_groups2`, in `asm!`). Per input the operations and their order are the contract's, so every result
-//! is bit-identical to [`crate::mxfp4_contract::dot_row_ref`].
+//! in registers or two groups share a row's weights (`rows2`, `row_groups2`, in `asm!`). Per input the operations and
+//! their order are the contract's, so every result is bit-identical to [`crate::mxfp4_contract::dot_row_ref`].
 //!
 //! Without the lanes every input of a prefill decoded every weight again (one product at a time), a sixth of the
 //! FMA peak on an AMD Zen 3 core; here a weight is decoded once per task and block.
