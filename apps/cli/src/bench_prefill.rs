@@ -10,8 +10,9 @@
 //!   two;
 //! - compute bound = the prompt's FLOP ÷ the f32 FMA peak of every core (`quant::flops`), read right before and
 //!   after too, the faster of the two. FLOP: 2 per weight and token for every dense spine matrix of every layer and
-//!   the `top_k` experts of every MoE layer, the head once, the KDA recurrence (8·H·D² per token and layer) and MLA's attention over
-//!   the prompt (per query at position p and head: q·W_uk, p scores of kv_lora + rope, p context rows, W_uv).
+//!   the `top_k` experts of every MoE layer, the head once, the KDA recurrence (8·H·D² per token and layer) and
+//!   MLA's attention over the prompt (per query at position p and head: q·W_uk, p scores of kv_lora + rope, p context
+//!   rows, W_uv).
 
 use std::time::Instant;
 
