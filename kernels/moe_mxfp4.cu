@@ -955,16 +955,24 @@ __device__ __forceinline__ void gemm_store(const float acc[2][NT][4], float scal
         }
 }
 
+// Word c of a group's hi (or lo) half from `moe_split_hilo_k`'s layout (the four units hold component s of words
+// 0..3), in `moe_split_hilo`'s form: its components 0..3.
+__device__ __forceinline__ uint4 kmaj_word(const uint4* units, int c) {
+    const u32* p = (const u32*)units + c;
+    return make_uint4(__ldg(p), __ldg(p + 4), __ldg(p + 8), __ldg(p + 12));
+}
+
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the split input
 // rows (x rows for gate/up, indexed through pair_row; pairs for down). Needs cols a multiple of 128. SMEM_B: the B
 // fragments go through shared memory (cp.async, double-buffered per batch of four groups, shared by the block's
 // warps) instead of being loaded by every warp through L1. Every n-tile is computed (tokens past the tile's end
 // repeat its last token and are not stored), so the loops have no data-dependent branches and the mmas of all
 // n-tiles interleave. Blocks of WARPS warps; FOLD: each batch through `fold_batch_q` (the folded GEMM above).
-template <int NT, bool GATE_UP, bool SMEM_B, int WARPS = GEMM_WARPS, bool FOLD = false>
+template <int NT, bool GATE_UP, bool SMEM_B, int WARPS = GEMM_WARPS, bool FOLD = false, bool KMAJ = false>
 __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                               float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
     static_assert(SMEM_B || !FOLD, "the folded batches read B from shared memory");
+    static_assert(!(SMEM_B && KMAJ), "k-major input rows are read through L1");
     extern __shared__ uint4 bsm[];
     __shared__ int rows_sm[NT * 8];
     const ExpertSlot& s = tab.s[blockIdx.y];
@@ -980,7 +988,7 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
     const uint4* bp[NT];
     if (!SMEM_B) {
 #pragma unroll
-        for (int j = 0; j < NT; j++) bp[j] = frag + (size_t)rows_sm[8 * j + g] * groups * 8 + c;
+        for (int j = 0; j < NT; j++) bp[j] = frag + (size_t)rows_sm[8 * j + g] * groups * 8 + (KMAJ ? 0 : c);
     }
     // In shared memory, lane (g, c) finds its hi word at unit c (even g) or 4 + c (odd g), and lo at the other.
     const int hi_u = c + 4 * (g & 1), lo_u = c + 4 * (1 - (g & 1));
@@ -1033,6 +1041,9 @@ __device__ void moe_gemm_impl(const SlotTable& tab, const int* pair_row, const u
                         const uint4* tb = xb + (q * NT * 8 + 8 * j + g) * 8;
                         bh = tb[hi_u];
                         bl = tb[lo_u];
+                    } else if (KMAJ) {
+                        bh = kmaj_word(bp[j] + grp * 8, c);
+                        bl = kmaj_word(bp[j] + grp * 8 + 4, c);
                     } else {
                         bh = __ldg(bp[j] + grp * 8);
                         bl = __ldg(bp[j] + grp * 8 + 4);
@@ -1104,3 +1115,311 @@ MOE_GEMM_ENTRY(8, true, _s, 2)
 
 MOE_FOLD_ENTRY(4)
 MOE_FOLD_ENTRY(8)
+
+// ---------------------------------------------------------------------------------------------------------------
+// The folded GEMM on Hopper's warpgroup mmas (`moe_wg_*`, compiled for sm_90a; the same blocks as `moe_fold_*`:
+// 256 threads, 128 gate/up rows or 256 down rows, one token tile of up to 64 tokens).
+//
+// Each warpgroup owns 64 rows of two streams (gate/up: rows r .. r + 64 of W1 and of W3; down: two consecutive
+// 64-row tiles of W2) and multiplies them by all 64 tokens with `wgmma.mma_async.m64n64k16` (A, the folded fp16
+// weights, from registers in mma.sync's fragment layout: lane (g, c) of warp w holds word c of rows 16w + g and
+// 16w + g + 8; B, one k-tile of the tokens' hi or lo halves, from shared memory). Per batch of four groups the
+// sixteen wgmmas of a stream chain into batch sums that start from zero (as `fold_batch_q`), added into the f32
+// running sums once the batch's wgmmas are done.
+//
+// Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
+// WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 1 batches ahead; one barrier a batch.
+// Within a batch each group's A fragments are decoded while the previous group's wgmmas run (two register slots,
+// `wgmma.wait_group 1` before a slot is reused).
+//
+// B tiles: per batch [group q][k-tile t][hi, lo] tiles of 64 tokens x 16 k (2 KB), each in 8x8 core matrices (8
+// tokens x 16 bytes, no swizzle): token n, k-half h at (n / 8) * 256 + h * 128 + (n % 8) * 16. The k order is
+// mma.sync's (k slots 2c, 2c + 1 of k-tile t, half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t =
+// 1; half 1 (2, 6) and (3, 7)), so a 16-byte row of a core matrix is one component of the group's four words:
+// `moe_split_hilo_k` writes exactly those rows.
+//
+// A block whose rows have a scale outside the folding window anywhere runs `moe_gemm_impl` (the mma.sync folded
+// GEMM with its per-group fallback) instead: a barrier-wide vote over the block's scale bytes before the loop.
+
+#define WG_STAGES 4
+// uint4 per batch of B tiles: 4 groups x 2 k-tiles x hi/lo x 128 uint4.
+#define WG_B_UNITS (4 * 2 * 2 * 128)
+// Bytes per quad and stage of the weight ring: 4 stream rows x 4 group chunks of 16 bytes, 4 scale words, padded
+// so that the eight quads of a warp read distinct banks.
+#define WG_QUAD_BYTES 272
+#define WG_W_BYTES (FOLD_WARPS * 8 * WG_QUAD_BYTES)
+
+// The split input rows of the warpgroup GEMM: frag[row][group] = 8 uint4, [hi, lo][component s] = component s of
+// the group's four words (each word's halves in the order (0, 4, 2, 6, 1, 5, 3, 7), as `moe_split_hilo`).
+extern "C" __global__ void moe_split_hilo_k(const float* src, int cols, float* sdown, uint4* frag) {
+    __shared__ float red[32];
+    __shared__ float s_up;
+    const int row = blockIdx.x;
+    const float* x = src + (size_t)row * cols;
+    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
+    float m = 0.f;
+    for (int q = threadIdx.x; q < cols; q += blockDim.x) m = fmaxf(m, fabsf(x[q]));
+    m = warp_max(m);
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float mm = 0.f;
+        for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w]);
+        hilo_factors(mm, &s_up, &sdown[row]);
+    }
+    __syncthreads();
+    const float f = s_up;
+    uint4* out = frag + (size_t)row * (cols / GROUP) * 8;
+    for (int grp = threadIdx.x; grp < cols / GROUP; grp += blockDim.x) {
+        u32 hw[4][4], lw[4][4]; // [word][component]
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const float4* p = (const float4*)(x + (size_t)grp * GROUP + 8 * c);
+            float4 a = p[0], b = p[1];
+            float v[8] = {a.x * f, a.y * f, a.z * f, a.w * f, b.x * f, b.y * f, b.z * f, b.w * f};
+            u32 hi[8], lo[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                hi[k] = f32_to_f16(v[k]);
+                lo[k] = f32_to_f16(v[k] - half_lo(hi[k]));
+            }
+            hw[c][0] = hi[0] | (hi[4] << 16), hw[c][1] = hi[2] | (hi[6] << 16);
+            hw[c][2] = hi[1] | (hi[5] << 16), hw[c][3] = hi[3] | (hi[7] << 16);
+            lw[c][0] = lo[0] | (lo[4] << 16), lw[c][1] = lo[2] | (lo[6] << 16);
+            lw[c][2] = lo[1] | (lo[5] << 16), lw[c][3] = lo[3] | (lo[7] << 16);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            out[grp * 8 + s] = make_uint4(hw[0][s], hw[1][s], hw[2][s], hw[3][s]);
+            out[grp * 8 + 4 + s] = make_uint4(lw[0][s], lw[1][s], lw[2][s], lw[3][s]);
+        }
+    }
+}
+
+// Whether every scale byte of rows [lo, hi) of a [rows, groups] scale matrix lies in the folding window, for
+// this thread's share of the words (groups is a multiple of 4).
+__device__ __forceinline__ bool wg_scales_fold(const u8* sc, int lo, int hi, int groups) {
+    const u32* w = (const u32*)(sc + (size_t)lo * groups);
+    const int n = (hi - lo) * groups / 4;
+    bool ok = true;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ok = ok && __vcmpleu4(__vsub4(__ldg(w + i), 0x68686868u),
+                                                                           0x18181818u) == 0xffffffffu;
+    return ok;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The descriptor of a 64-token B tile at shared address `a`: no swizzle, core matrices 128 bytes apart along k
+// (leading offset) and 256 along the tokens (stride offset).
+__device__ __forceinline__ unsigned long long wg_desc(u32 a) {
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
+           ((unsigned long long)(256 >> 4) << 32);
+}
+
+// d = A . B (+ d when `acc`) for one m64n64k16 tile; A from registers (this warp's 16 rows), B at descriptor `b`.
+__device__ __forceinline__ void wgmma_rs(float d[32], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long b,
+                                         int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(acc));
+}
+
+// Queues batch b's copies into ring slot `slot`: the block's B tiles (64 tokens x 4 groups x 8 chunks), and this
+// lane's weight chunk (group 4b + c of each of its four stream rows) and scale word (stream row c). A warp's copy
+// instruction takes four chunks (64 bytes) of eight tokens, each eight lanes one chunk of the eight: whole sectors
+// from global memory, eight distinct bank quads in shared memory (a token's chunks all land in its quad n % 8).
+__device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const uint4* frag, const int* rows, int groups, int b,
+                                         const u8* const wrow[4], const u8* srow, int c) {
+#pragma unroll
+    for (int it = 0; it < 64 * 32 / (FOLD_WARPS * WARP); it++) {
+        int idx = it * FOLD_WARPS * WARP + threadIdx.x, l = idx & 31, w = idx >> 5;
+        int tok = (w >> 3) * 8 + (l & 7), q = (w >> 1) & 3, k8 = ((l >> 3) & 3) | ((w & 1) << 2);
+        int hl = k8 >> 2, s = k8 & 3;
+        const uint4* src = frag + ((size_t)rows[tok] * groups + 4 * b + q) * 8 + k8;
+        u32 dst = bsm + ((((q * 2 + (s >> 1)) * 2 + hl) * 128) + (tok >> 3) * 16 + (s & 1) * 8 + (tok & 7)) * 16;
+        cp_async16<false>(dst, src, 16);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) cp_async16<true>(wsm + (k * 4 + c) * 16, wrow[k] + (4 * b + c) * 16, 16);
+    cp_async4(wsm + 256 + 4 * c, srow + 4 * b, 4);
+    cp_async_commit();
+}
+
+template <bool GATE_UP>
+__device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
+                            float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
+                            float lin_beta) {
+    extern __shared__ uint4 bsm[];
+    const int cols = GATE_UP ? width : inter, nrows = GATE_UP ? inter : width;
+    const int groups = cols / GROUP, rowbytes = cols / 2, nb = groups / 4;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1), g = lane >> 2, c = lane & 3;
+    const int wg = warp >> 2, wi = warp & 3;
+    // First row of stream 0 of this warp; stream 1 is the other matrix (gate/up) or 64 rows further (down).
+    const int row0 = blockIdx.x * (GATE_UP ? 128 : 256) + wg * (GATE_UP ? 64 : 128) + 16 * wi;
+    const u8* wrow[4]; // stream row k = 2 i + r: stream i, row g + 8 r
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int i = k >> 1, r = k & 1;
+        const u8* mat = (const u8*)(GATE_UP ? (i ? s.w3 : s.w1) : s.w2);
+        wrow[k] = mat + (size_t)min(row0 + (GATE_UP ? 0 : 64 * i) + g + 8 * r, nrows - 1) * rowbytes;
+    }
+    const u8* srow;
+    {
+        const int i = c >> 1, r = c & 1;
+        const u8* sc = (const u8*)(GATE_UP ? (i ? s.s3 : s.s1) : s.s2);
+        srow = sc + (size_t)min(row0 + (GATE_UP ? 0 : 64 * i) + g + 8 * r, nrows - 1) * groups;
+    }
+    const u32 b_base = smem_addr(bsm);
+    const u32 w_base = b_base + WG_STAGES * WG_B_UNITS * 16 + (warp * 8 + g) * WG_QUAD_BYTES;
+    constexpr u32 W_STAGE = WG_W_BYTES;
+#pragma unroll
+    for (int st = 0; st < WG_STAGES - 1; st++) {
+        if (st < nb)
+            wg_stage(b_base + st * WG_B_UNITS * 16, w_base + st * W_STAGE, frag, rows_sm, groups, st, wrow, srow, c);
+        else
+            cp_async_commit();
+    }
+
+    float acc[2][32], tmp[2][32];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int k = 0; k < 32; k++) acc[i][k] = 0.f, tmp[i][k] = 0.f;
+
+    for (int b = 0; b < nb; b++) {
+        const int slot = b % WG_STAGES;
+        cp_async_wait<WG_STAGES - 2>();
+        fence_proxy_async();
+        __syncthreads(); // batch b's copies visible to all; every warpgroup done with batch b - 1's slot
+        const int nxt = b + WG_STAGES - 1;
+        if (nxt < nb)
+            wg_stage(b_base + (nxt % WG_STAGES) * WG_B_UNITS * 16, w_base + (nxt % WG_STAGES) * W_STAGE, frag,
+                     rows_sm, groups, nxt, wrow, srow, c);
+        else
+            cp_async_commit();
+        const u32 bs = b_base + slot * WG_B_UNITS * 16, ws = w_base + slot * W_STAGE;
+        u32 e4[4];
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(e4[0]), "=r"(e4[1]), "=r"(e4[2]), "=r"(e4[3])
+                     : "r"(ws + 256));
+        u32 a[2][2][8]; // [slot][stream][k-tile 0: a0..a3, k-tile 1: a0..a3]
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            if (q >= 2) wg_wait<1>(); // group q - 2's wgmmas are done with slot q & 1
+            u32(&aq)[2][8] = a[q & 1];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                u32 h[2][4];
+#pragma unroll
+                for (int r = 0; r < 2; r++) {
+                    u32 wv;
+                    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(wv) : "r"(ws + ((2 * i + r) * 4 + q) * 16 + 4 * c));
+                    decode_h2(wv, h[r]);
+                    const u32 f = fold_factor((e4[2 * i + r] >> (8 * q)) & 0xffu);
+#pragma unroll
+                    for (int k = 0; k < 4; k++) h[r][k] = hmul2(h[r][k], f);
+                }
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    aq[i][4 * t + 0] = h[0][2 * t];
+                    aq[i][4 * t + 1] = h[1][2 * t];
+                    aq[i][4 * t + 2] = h[0][2 * t + 1];
+                    aq[i][4 * t + 3] = h[1][2 * t + 1];
+                }
+            }
+            wg_fence();
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int t = 0; t < 2; t++)
+#pragma unroll
+                    for (int hl = 0; hl < 2; hl++)
+                        wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
+                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), q + t + hl > 0);
+            wg_commit();
+        }
+        wg_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+    }
+    cp_async_wait_all();
+
+    // Accumulator 4j + k of stream i: row row0 (+ 64 i for down) + g + 8 (k >> 1), token 8j + 2c + (k & 1).
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int t = 8 * j + 2 * c + (k & 1);
+            if (t >= count) continue;
+            int p = s.pair0 + t0 + t;
+            float sd = sdown[rows_sm[t]] * (1.f / 16384.f);
+            int row = row0 + g + 8 * (k >> 1);
+            if (GATE_UP) {
+                if (row < nrows)
+                    dst[(size_t)p * inter + row] =
+                        glu(act_kind, beta, lin_beta, acc[0][4 * j + k] * sd, acc[1][4 * j + k] * sd);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 2; i++)
+                    if (row + 64 * i < nrows) dst[(size_t)p * width + row + 64 * i] = acc[i][4 * j + k] * sd;
+            }
+        }
+}
+
+#endif
+
+// GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
+// by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
+// mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
+template <bool GATE_UP>
+__device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
+                            float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    __shared__ int rows_wg[64];
+    const ExpertSlot& s = tab.s[blockIdx.y];
+    const int t0 = blockIdx.z * 64;
+    if (t0 >= s.n_rows) return;
+    const int count = min(64, s.n_rows - t0);
+    gemm_tile_rows<8, GATE_UP>(s, t0, count, pair_row, rows_wg);
+    const int cols = GATE_UP ? width : inter, nrows = GATE_UP ? inter : width, groups = cols / GROUP;
+    const int lo = blockIdx.x * (GATE_UP ? 128 : 256), hi = min(lo + (GATE_UP ? 128 : 256), nrows);
+    bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
+                      : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
+    if (__syncthreads_and(ok)) {
+        moe_wg_main<GATE_UP>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        return;
+    }
+#endif
+    moe_gemm_impl<8, GATE_UP, false, FOLD_WARPS, false, true>(tab, pair_row, frag, sdown, dst, width, inter,
+                                                              act_kind, beta, lin_beta);
+}
+
+// Entry points moe_wg_{gate_up,down}_n8: 64 tokens a block, 8 warps (two warpgroups), one block a multiprocessor.
+extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
+    moe_wg_gate_up_n8(const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,
+                   float* act, int width, int inter, int act_kind, float beta, float lin_beta) {
+    moe_wg_impl<true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);
+}
+extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
+    moe_wg_down_n8(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,
+                int inter) {
+    moe_wg_impl<false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);
+}

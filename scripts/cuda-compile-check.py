@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compiles kernels/*.cu as the engine does (one concatenated source, NVRTC, C++17) for sm_90 without a GPU, and
+"""Compiles kernels/*.cu as the engine does (one concatenated source, NVRTC, C++17) for sm_90a (or $ARCH) without a GPU, and
 prints each entry point's registers, spills and stack from ptxas: a quick check of a kernel edit before a device
 call (the engine itself compiles with the device's NVRTC at first use, kernel_cache.rs).
 
@@ -20,6 +20,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels")
 SOURCES = ["common.cuh", "moe_mxfp4.cu", "dense.cu", "attention.cu"]
 NVRTC = os.environ.get("NVRTC_LIB", "/tmp/nv/nvidia/cuda_nvrtc/lib/libnvrtc.so.12")
 PTXAS = os.environ.get("PTXAS", "/tmp/nv/nvidia/cuda_nvcc/bin/ptxas")
+# sm_90a: the architecture the engine compiles for on Hopper (kernel_cache.rs); ARCH=80 checks the generic path.
+ARCH = os.environ.get("ARCH", "90a")
 
 
 def nvrtc_ptx(src):
@@ -27,7 +29,7 @@ def nvrtc_ptx(src):
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"kernels.cu", 0, None, None) != 0:
         sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=compute_90", b"--std=c++17"]
+    opts = [f"--gpu-architecture=compute_{ARCH}".encode(), b"--std=c++17"]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
@@ -50,7 +52,7 @@ def main():
         ptx = os.path.join(tmp, "kernels.ptx")
         with open(ptx, "wb") as f:
             f.write(nvrtc_ptx(src))
-        out = subprocess.run([PTXAS, "-arch=sm_90", "-v", ptx, "-o", os.path.join(tmp, "kernels.cubin")],
+        out = subprocess.run([PTXAS, f"-arch=sm_{ARCH}", "-v", ptx, "-o", os.path.join(tmp, "kernels.cubin")],
                              capture_output=True, text=True)
     name = None
     for line in out.stderr.splitlines():

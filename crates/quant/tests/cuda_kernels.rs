@@ -14,11 +14,12 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 10] = [
+const KERNELS: [MoeKernel; 11] = [
     MoeKernel::Tensor,
     MoeKernel::GEMM,
     MoeKernel::FOLD,
     MoeKernel::Fold { tiles: 4 },
+    MoeKernel::Wg,
     MoeKernel::Gemm {
         smem: false,
         tiles: 8,
@@ -42,31 +43,42 @@ struct HostExpert {
     parts: [Vec<u8>; 6],
 }
 
-/// Scale bytes: `normal` around 2^0, or spread over the whole E8M0 range without overflowing f32 products.
-fn scale(rng: &mut ChaCha8Rng, extreme: bool) -> u8 {
-    if !extreme {
-        return rng.random_range(118u8..=130);
-    }
-    match rng.random_range(0u8..4) {
-        0 => rng.random_range(0u8..=4),
-        1 => rng.random_range(100u8..=150),
-        2 => rng.random_range(200u8..=225),
-        _ => 127,
+/// How an expert's E8M0 scale bytes are drawn.
+#[derive(Clone, Copy, Debug)]
+enum Scales {
+    /// Around 2^0, some groups above the folded kernels' window (129, 130): their per-group fallbacks run.
+    Normal,
+    /// All within the folded kernels' window (104..=128, as trained weights are): their folded paths run.
+    Folding,
+    /// Spread over the whole E8M0 range without overflowing f32 products.
+    Extreme,
+}
+
+fn scale(rng: &mut ChaCha8Rng, scales: Scales) -> u8 {
+    match scales {
+        Scales::Normal => rng.random_range(118u8..=130),
+        Scales::Folding => rng.random_range(104u8..=128),
+        Scales::Extreme => match rng.random_range(0u8..4) {
+            0 => rng.random_range(0u8..=4),
+            1 => rng.random_range(100u8..=150),
+            2 => rng.random_range(200u8..=225),
+            _ => 127,
+        },
     }
 }
 
-fn host_expert(rng: &mut ChaCha8Rng, width: usize, inter: usize, extreme: bool) -> HostExpert {
+fn host_expert(rng: &mut ChaCha8Rng, width: usize, inter: usize, scales: Scales) -> HostExpert {
     let mut packed = |n: usize| (0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>();
     let (p1, p2, p3) = (
         packed(inter * width / 2),
         packed(width * inter / 2),
         packed(inter * width / 2),
     );
-    let mut scales = |n: usize| (0..n).map(|_| scale(rng, extreme)).collect::<Vec<u8>>();
+    let mut draw = |n: usize| (0..n).map(|_| scale(rng, scales)).collect::<Vec<u8>>();
     let (s1, s2, s3) = (
-        scales(inter * width / 32),
-        scales(width * inter / 32),
-        scales(inter * width / 32),
+        draw(inter * width / 32),
+        draw(width * inter / 32),
+        draw(inter * width / 32),
     );
     HostExpert {
         parts: [p1, s1, p2, s2, p3, s3],
@@ -166,11 +178,18 @@ fn run(
     )
 }
 
-fn check_situ_experts(width: usize, inter: usize, n_experts: usize, t_len: usize, seed: u64) {
+fn check_situ_experts(
+    width: usize,
+    inter: usize,
+    n_experts: usize,
+    t_len: usize,
+    seed: u64,
+    scales: Scales,
+) {
     let gpu = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let host: Vec<HostExpert> = (0..n_experts)
-        .map(|_| host_expert(&mut rng, width, inter, false))
+        .map(|_| host_expert(&mut rng, width, inter, scales))
         .collect();
     let dev: Vec<DevExpert> = host.iter().map(|h| upload(&gpu, h)).collect();
     let routes = routing(&mut rng, n_experts, t_len);
@@ -231,7 +250,8 @@ fn check_situ_experts(width: usize, inter: usize, n_experts: usize, t_len: usize
     }
     for (k, w) in KERNELS.iter().zip(worst) {
         eprintln!(
-            "situ experts {n_experts}x[{inter}x{width}], T={t_len}, {k:?}: worst ||y - ref|| / ||ref|| = {w:.3e}"
+            "situ experts {n_experts}x[{inter}x{width}], T={t_len}, {scales:?} scales, {k:?}: worst ||y - ref|| / \
+             ||ref|| = {w:.3e}"
         );
         assert!(w <= REL_TOL, "{k:?}: relative error {w}");
     }
@@ -240,20 +260,32 @@ fn check_situ_experts(width: usize, inter: usize, n_experts: usize, t_len: usize
 #[test]
 fn moe_matches_scalar_reference_small_shapes() {
     for (t_len, seed) in [(1, 1), (3, 2), (9, 3), (64, 4)] {
-        check_situ_experts(96, 64, 5, t_len, seed);
+        check_situ_experts(96, 64, 5, t_len, seed, Scales::Normal);
     }
     // Widths the GEMM kernels take (multiples of 128): partial n-tiles, several 64-token tiles per expert.
     for (t_len, seed) in [(1, 5), (5, 6), (13, 7), (37, 8), (150, 9)] {
-        check_situ_experts(256, 384, 4, t_len, seed);
+        check_situ_experts(256, 384, 4, t_len, seed, Scales::Normal);
     }
 }
 
 #[test]
 fn moe_matches_scalar_reference_k3_shape() {
-    check_situ_experts(3584, 3072, 3, 1, 11);
-    check_situ_experts(3584, 3072, 2, 2, 13);
-    check_situ_experts(3584, 3072, 2, 5, 12);
-    check_situ_experts(3584, 3072, 2, 40, 14);
+    check_situ_experts(3584, 3072, 3, 1, 11, Scales::Normal);
+    check_situ_experts(3584, 3072, 2, 2, 13, Scales::Normal);
+    check_situ_experts(3584, 3072, 2, 5, 12, Scales::Normal);
+    check_situ_experts(3584, 3072, 2, 40, 14, Scales::Normal);
+}
+
+/// Scales a trained model has (all in the folding window), so the folded kernels' main paths run, the warpgroup
+/// GEMM's included: partial token tiles, several per expert, rows past a block's end.
+#[test]
+fn moe_matches_scalar_reference_folding_scales() {
+    for (t_len, seed) in [(37, 15), (150, 16)] {
+        check_situ_experts(256, 384, 4, t_len, seed, Scales::Folding);
+    }
+    check_situ_experts(384, 640, 3, 70, 17, Scales::Folding);
+    check_situ_experts(3584, 3072, 2, 40, 18, Scales::Folding);
+    check_situ_experts(3584, 3072, 2, 64, 19, Scales::Folding);
 }
 
 /// Each MXFP4 product on its own (gate and up through the production kernel with the identity activation),
@@ -272,7 +304,7 @@ fn mxfp4_products_match_reference_with_extreme_scales() {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let n_experts = 2;
         let host: Vec<HostExpert> = (0..n_experts)
-            .map(|_| host_expert(&mut rng, width, inter, true))
+            .map(|_| host_expert(&mut rng, width, inter, Scales::Extreme))
             .collect();
         let dev: Vec<DevExpert> = host.iter().map(|h| upload(&gpu, h)).collect();
         let routes = routing(&mut rng, n_experts, t_len);

@@ -31,10 +31,12 @@ pub(crate) struct CompiledKernels {
     pub from_cache: bool,
 }
 
-/// The NVRTC options for architecture `sm_{major}{minor}`.
+/// The NVRTC options for architecture `sm_{major}{minor}`: on Hopper its arch-specific target `sm_90a`, whose
+/// warpgroup mmas the `moe_wg_*` kernels use (`__CUDA_ARCH_FEAT_SM90_ALL`).
 fn options(major: i32, minor: i32) -> Vec<String> {
+    let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
     vec![
-        format!("--gpu-architecture=sm_{major}{minor}"),
+        format!("--gpu-architecture=sm_{major}{minor}{suffix}"),
         "--std=c++17".to_string(),
     ]
 }

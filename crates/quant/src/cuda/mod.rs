@@ -45,7 +45,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 49] = [
+pub(crate) const KERNELS: [(&str, bool); 52] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -85,6 +85,9 @@ pub(crate) const KERNELS: [(&str, bool); 49] = [
     ("moe_fold_down_n4", false),
     ("moe_fold_gate_up_n8", true),
     ("moe_fold_down_n8", true),
+    ("moe_split_hilo_k", false),
+    ("moe_wg_gate_up_n8", true),
+    ("moe_wg_down_n8", true),
     ("moe_combine", false),
     ("dense_gemm_f32", false),
     ("dense_gemm_bf16", false),
@@ -187,6 +190,8 @@ pub struct Gpu {
     _module: Arc<CudaModule>,
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
+    /// Compute capability (major, minor).
+    arch: (i32, i32),
     smem_optin: usize,
     /// How the kernels were obtained when the device was opened.
     init: KernelInit,
@@ -326,6 +331,7 @@ impl Gpu {
             _module: module,
             functions,
             name: format!("{name} (sm_{major}{minor})"),
+            arch: (major, minor),
             smem_optin,
             init,
             dense_slots: sms * per_sm,
@@ -372,6 +378,11 @@ impl Gpu {
     /// The stream host-to-device uploads of experts run on (overlapping the compute stream).
     pub fn copy_stream(&self) -> &Arc<CudaStream> {
         &self.copy_stream
+    }
+
+    /// The compute capability, (9, 0) on Hopper.
+    pub fn arch(&self) -> (i32, i32) {
+        self.arch
     }
 
     /// The most dynamic shared memory one block may use.
@@ -518,27 +529,34 @@ pub(crate) fn div_ceil(a: usize, b: usize) -> u32 {
 mod tests {
     use super::*;
 
-    /// The kernels compile for Hopper (NVRTC only: no GPU needed, but libnvrtc must be on the library path).
+    /// The kernels compile for Hopper's arch-specific target (the warpgroup mmas) and for Ampere (without them);
+    /// NVRTC only: no GPU needed, but libnvrtc must be on the library path.
     #[test]
     fn kernels_compile_with_nvrtc() {
-        let opts = cudarc::nvrtc::CompileOptions {
-            options: vec![
-                "--gpu-architecture=compute_90".to_string(),
-                "--std=c++17".to_string(),
-            ],
-            use_fast_math: Some(false),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts);
-        let ptx = match ptx {
-            Ok(p) => p.to_src(),
-            Err(e) => panic!("NVRTC failed: {e:?}"),
-        };
-        for (name, _) in KERNELS {
-            assert!(
-                ptx.contains(&format!(".entry {name}(")),
-                "kernel {name} missing"
+        for arch in ["compute_90a", "compute_80"] {
+            let opts = cudarc::nvrtc::CompileOptions {
+                options: vec![
+                    format!("--gpu-architecture={arch}"),
+                    "--std=c++17".to_string(),
+                ],
+                use_fast_math: Some(false),
+                ..Default::default()
+            };
+            let ptx = match cudarc::nvrtc::compile_ptx_with_opts(kernel_source(), opts) {
+                Ok(p) => p.to_src(),
+                Err(e) => panic!("NVRTC failed for {arch}: {e:?}"),
+            };
+            assert_eq!(
+                ptx.contains("wgmma.mma_async"),
+                arch == "compute_90a",
+                "{arch}"
             );
+            for (name, _) in KERNELS {
+                assert!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    "kernel {name} missing for {arch}"
+                );
+            }
         }
     }
 }

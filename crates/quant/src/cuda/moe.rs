@@ -12,7 +12,8 @@
 //! mma's n dimension, each group's E8M0 scale applied after its mmas) and the folded-scale GEMM (the scale folded
 //! into the fp16 weights where fp16 holds the product exactly, a weight read once per 64 tokens; for more than
 //! [`FOLD_MIN_ROWS`] tokens per expert). [`MoeKernel::Tensor`], the default, picks between them by the largest
-//! expert's token count ([`GEMM_MIN_ROWS`], [`FOLD_MIN_ROWS`]). The CUDA-core kernels
+//! expert's token count ([`GEMM_MIN_ROWS`], [`FOLD_MIN_ROWS`]). On Hopper the folded GEMM also comes in a
+//! warpgroup form ([`MoeKernel::Wg`]: `wgmma` with a pipelined ring of weights and tokens). The CUDA-core kernels
 //! ([`MoeKernel::Simt`]: one f32 FMA per weight and token) are kept as a reference and fallback.
 //! `DELTAFIN_MOE_KERNEL=tensor|gemm|simt` (or a measurement variant of `tensor`, see [`MoeKernel`]) picks one for
 //! a whole process.
@@ -60,6 +61,9 @@ const FOLD_TILES: [usize; 2] = [4, 8];
 /// [`MoeKernel::Tensor`] runs the folded-scale GEMM when an expert of the launch has more tokens than this
 /// (measured on the H200: docs/PERFORMANCE.md, "CUDA at real size").
 pub const FOLD_MIN_ROWS: usize = 16;
+/// Ring stages of the warpgroup GEMM (`WG_STAGES`): B tiles of 32 KiB and weight chunks of 17 KiB a stage.
+const WG_STAGE_BYTES: usize = 4 * 2 * 2 * 2048 + 8 * 8 * 272;
+const WG_STAGES: usize = 4;
 
 /// Which kernels multiply the MXFP4 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +88,11 @@ pub enum MoeKernel {
         /// n-tiles per block: 4 or 8.
         tiles: usize,
     },
+    /// The folded-scale GEMM on Hopper's warpgroup mmas (`moe_wg_*`: `wgmma` with the weights from registers, a
+    /// four-stage ring of weights and token tiles in shared memory; the `moe_fold_*` blocks, 64 tokens a block),
+    /// where the widths are multiples of 128 (the token tiles otherwise). Needs sm_90; elsewhere, and in a block
+    /// with a scale outside the folding window, the block runs the mma.sync GEMM with per-group scales.
+    Wg,
     /// The tensor-core token tiles at any token count (a measurement variant).
     Tiles,
     /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
@@ -140,12 +149,13 @@ impl FromStr for MoeKernel {
             }),
             "fold" => Ok(MoeKernel::FOLD),
             "fold4" => Ok(MoeKernel::Fold { tiles: 4 }),
+            "wg" => Ok(MoeKernel::Wg),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, tiles, \
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, tiles, \
                  tensor-s4, tensor-nohint or simt)"
             )),
         }
@@ -361,6 +371,7 @@ pub fn run_experts_with(
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
         MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
+        MoeKernel::Wg if gemm_fits => Some(GemmFamily::wg()),
         MoeKernel::Tensor if gemm_fits && max_rows > FOLD_MIN_ROWS => Some(GemmFamily::fold(8)),
         MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => {
             Some(GemmFamily::plain(GEMM_DEFAULT.0, GEMM_DEFAULT.1))
@@ -532,9 +543,11 @@ fn run_tensor(
     Ok(())
 }
 
-/// Splits every row of `src` (`[rows, cols]`) into the GEMM kernels' fp16 hi/lo fragments and row factors.
+/// Splits every row of `src` (`[rows, cols]`) into the GEMM kernels' fp16 hi/lo fragments and row factors, with
+/// `kernel` (`moe_split_hilo` or `moe_split_hilo_k`: the same 128 bytes a group, in the layout of its family).
 fn split_hilo(
     gpu: &Gpu,
+    kernel: &str,
     src: &CudaSlice<f32>,
     rows: usize,
     cols: usize,
@@ -545,7 +558,7 @@ fn split_hilo(
     if rows == 0 {
         return Ok((frag, sdown));
     }
-    let f = gpu.function("moe_split_hilo")?;
+    let f = gpu.function(kernel)?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -556,7 +569,7 @@ fn split_hilo(
     b.arg(src).arg(&c_i).arg(&mut sdown).arg(&mut frag);
     // SAFETY: src holds `rows` rows of `cols` floats (the callers size it so), cols is a multiple of 128; frag has
     // 128 bytes per group of every row and sdown one float per row.
-    unsafe { b.launch(cfg) }.map_err(|e| driver_err("moe_split_hilo", e))?;
+    unsafe { b.launch(cfg) }.map_err(|e| driver_err(kernel, e))?;
     Ok((frag, sdown))
 }
 
@@ -574,8 +587,15 @@ struct GemmFamily {
     threads: u32,
     /// Output rows a block: gate/up (of gate and of up each), down.
     rows: (usize, usize),
-    /// B fragments staged in shared memory (two buffers of four groups, 128 bytes a token and group).
-    smem: bool,
+    /// Dynamic shared memory a block at `nt` n-tiles.
+    smem: fn(usize) -> usize,
+    /// The kernel that splits the inputs into fp16 hi/lo halves for this family.
+    split: &'static str,
+}
+
+/// Two buffers of four groups' B fragments (128 bytes a token and group) in shared memory.
+fn two_b_buffers(nt: usize) -> usize {
+    2 * nt * 8 * 4 * 128
 }
 
 impl GemmFamily {
@@ -589,7 +609,21 @@ impl GemmFamily {
             cap,
             threads: 256,
             rows: (2 * GEMM_ROWS_GATE_UP, 2 * GEMM_ROWS_DOWN),
-            smem: true,
+            smem: two_b_buffers,
+            split: "moe_split_hilo",
+        }
+    }
+
+    /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens.
+    fn wg() -> GemmFamily {
+        GemmFamily {
+            prefix: "moe_wg",
+            suffix: "",
+            tiles: &[8],
+            cap: 8,
+            smem: |_| WG_STAGES * WG_STAGE_BYTES,
+            split: "moe_split_hilo_k",
+            ..GemmFamily::fold(8)
         }
     }
 
@@ -602,7 +636,8 @@ impl GemmFamily {
             cap,
             threads: GEMM_THREADS,
             rows: (GEMM_ROWS_GATE_UP, GEMM_ROWS_DOWN),
-            smem,
+            smem: if smem { two_b_buffers } else { |_| 0 },
+            split: "moe_split_hilo",
         }
     }
 
@@ -611,10 +646,9 @@ impl GemmFamily {
         format!("{}_{part}_n{nt}{}", self.prefix, self.suffix)
     }
 
-    /// Dynamic shared memory at `nt` n-tiles: two buffers of four groups' B fragments (128 bytes a token and group)
-    /// when they are staged in shared memory.
+    /// Dynamic shared memory at `nt` n-tiles.
     fn smem_bytes(&self, nt: usize) -> usize {
-        if self.smem { 2 * nt * 8 * 4 * 128 } else { 0 }
+        (self.smem)(nt)
     }
 
     /// n-tiles for a launch whose largest expert has `max_rows` tokens.
@@ -666,7 +700,7 @@ fn run_gemm(
     let (kind, beta, lin) = shape.glu.code();
     let (w_i, i_i) = (width as i32, inter as i32);
     let end = slots.iter().map(|s| s.pair0 + s.n_rows).max().unwrap_or(0);
-    let (xfrag, xdown) = split_hilo(gpu, x, x.len() / width, width)?;
+    let (xfrag, xdown) = split_hilo(gpu, family.split, x, x.len() / width, width)?;
     let tables: Vec<(SlotTable, u32, usize)> = slots
         .chunks(MAX_SLOTS)
         .map(|chunk| {
@@ -695,7 +729,7 @@ fn run_gemm(
         // pair_row names was split into xfrag/xdown above; widths are multiples of 128.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(&name, e))?;
     }
-    let (afrag, adown) = split_hilo(gpu, act, end, inter)?;
+    let (afrag, adown) = split_hilo(gpu, family.split, act, end, inter)?;
     for (table, n_slots, max_rows) in &tables {
         let nt = family.tiles_for(*max_rows);
         let name = family.kernel("down", nt);
@@ -829,6 +863,13 @@ mod tests {
             fold.launch((3584, fold.rows.1), 16, 64, 8).grid_dim,
             (14, 16, 1)
         );
+        // The warpgroup form: the same blocks, 64 tokens a token tile, a four-stage ring within the H200's limit.
+        let wg = GemmFamily::wg();
+        assert_eq!(wg.tiles_for(17), 8);
+        let g = wg.launch((3072, wg.rows.0), 16, 100, 8);
+        assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
+        assert_eq!(g.shared_mem_bytes as usize, 4 * (32 * 1024 + 17408));
+        assert!(g.shared_mem_bytes as usize + 1024 <= 227 * 1024);
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
@@ -836,6 +877,7 @@ mod tests {
             GemmFamily::plain(false, 8),
             GemmFamily::plain(true, 8),
             GemmFamily::fold(8),
+            GemmFamily::wg(),
         ] {
             for &nt in family.tiles {
                 for name in [family.kernel("gate_up", nt), family.kernel("down", nt)] {
@@ -867,6 +909,7 @@ mod tests {
             ("tiles", MoeKernel::Tiles),
             ("fold", MoeKernel::FOLD),
             ("fold4", MoeKernel::Fold { tiles: 4 }),
+            ("wg", MoeKernel::Wg),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),
