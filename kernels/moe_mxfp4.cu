@@ -1128,9 +1128,10 @@ MOE_FOLD_ENTRY(8)
 // running sums once the batch's wgmmas are done.
 //
 // Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
-// WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 1 batches ahead; one barrier a batch.
-// Within a batch each group's A fragments are decoded while the previous group's wgmmas run (two register slots,
-// `wgmma.wait_group 1` before a slot is reused).
+// WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 2 batches ahead (the slot refilled is
+// that of two batches back, which no wgmma reads any more); one barrier a batch. Each group's A fragments are
+// decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused),
+// across batches too unless the batch sums are added into the running sums.
 //
 // B tiles: per batch [group q][k-tile t][hi, lo] tiles of 64 tokens x 16 k (2 KB), each in 8x8 core matrices (8
 // tokens x 16 bytes, no swizzle): token n, k-half h at (n / 8) * 256 + h * 128 + (n % 8) * 16. The k order is
@@ -1261,7 +1262,7 @@ __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const uint4* frag, co
     cp_async_commit();
 }
 
-template <bool GATE_UP>
+template <bool GATE_UP, int FLUSH>
 __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
                             float lin_beta) {
@@ -1289,7 +1290,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
     const u32 w_base = b_base + WG_STAGES * WG_B_UNITS * 16 + (warp * 8 + g) * WG_QUAD_BYTES;
     constexpr u32 W_STAGE = WG_W_BYTES;
 #pragma unroll
-    for (int st = 0; st < WG_STAGES - 1; st++) {
+    for (int st = 0; st < WG_STAGES - 2; st++) {
         if (st < nb)
             wg_stage(b_base + st * WG_B_UNITS * 16, w_base + st * W_STAGE, frag, rows_sm, groups, st, wrow, srow, c);
         else
@@ -1304,10 +1305,12 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 
     for (int b = 0; b < nb; b++) {
         const int slot = b % WG_STAGES;
-        cp_async_wait<WG_STAGES - 2>();
+        cp_async_wait<WG_STAGES - 3>();
         fence_proxy_async();
-        __syncthreads(); // batch b's copies visible to all; every warpgroup done with batch b - 1's slot
-        const int nxt = b + WG_STAGES - 1;
+        // Batch b's copies are visible to all, and every warpgroup is done with batch b - 2's slot (a batch ends
+        // with at most its last group's wgmmas in flight).
+        __syncthreads();
+        const int nxt = b + WG_STAGES - 2;
         if (nxt < nb)
             wg_stage(b_base + (nxt % WG_STAGES) * WG_B_UNITS * 16, w_base + (nxt % WG_STAGES) * W_STAGE, frag,
                      rows_sm, groups, nxt, wrow, srow, c);
@@ -1321,7 +1324,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
         u32 a[2][2][8]; // [slot][stream][k-tile 0: a0..a3, k-tile 1: a0..a3]
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            if (q >= 2) wg_wait<1>(); // group q - 2's wgmmas are done with slot q & 1
+            if (q >= 1) wg_wait<1>(); // the wgmmas that read slot q & 1 (group q - 2, or the last batch's) are done
             u32(&aq)[2][8] = a[q & 1];
 #pragma unroll
             for (int i = 0; i < 2; i++) {
@@ -1351,14 +1354,19 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
                     for (int hl = 0; hl < 2; hl++)
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), q + t + hl > 0);
+                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), b % FLUSH + q + t + hl > 0);
             wg_commit();
         }
-        wg_wait<0>();
+        // The batch sums span FLUSH batches (and the last): then they are added into the running sums.
+        if (b % FLUSH == FLUSH - 1 || b == nb - 1) {
+            wg_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 2; i++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
-            for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+                for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+        } else {
+            wg_wait<1>(); // group 2 done: slot 0 is free for the next batch's group 0
+        }
     }
     cp_async_wait_all();
 
@@ -1389,7 +1397,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
 // by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
 // mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
-template <bool GATE_UP>
+template <bool GATE_UP, int FLUSH>
 __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1404,7 +1412,7 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
     bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP, FLUSH>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
         return;
     }
 #endif
@@ -1412,14 +1420,19 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
                                                               act_kind, beta, lin_beta);
 }
 
-// Entry points moe_wg_{gate_up,down}_n8: 64 tokens a block, 8 warps (two warpgroups), one block a multiprocessor.
-extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
-    moe_wg_gate_up_n8(const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,
-                   float* act, int width, int inter, int act_kind, float beta, float lin_beta) {
-    moe_wg_impl<true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);
-}
-extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
-    moe_wg_down_n8(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,
-                int inter) {
-    moe_wg_impl<false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);
-}
+// Entry points moe_wg_{gate_up,down}_n8<SUFFIX>: 64 tokens a block, 8 warps (two warpgroups), one block a
+// multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, a measurement variant).
+#define MOE_WG_ENTRY(FLUSH, SUFFIX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_gate_up_n8##SUFFIX(               \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
+        moe_wg_impl<true, FLUSH>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);      \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_down_n8##SUFFIX(                  \
+        const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,       \
+        int inter) {                                                                                            \
+        moe_wg_impl<false, FLUSH>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                           \
+    }
+
+MOE_WG_ENTRY(1, )
+MOE_WG_ENTRY(2, _f2)
