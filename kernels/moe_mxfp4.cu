@@ -672,11 +672,28 @@ MOE_MMA_ENTRY(1, 2, MMA_STAGES, false, _nohint)
 #define GEMM_THREADS (GEMM_WARPS * WARP)
 
 // frag and sdown of row blockIdx.x of src ([rows, cols], cols a multiple of 128).
-extern "C" __global__ void moe_split_hilo(const float* src, int cols, float* sdown, uint4* frag) {
+// The fp16 hi and lo halves of the eight values at x (16-byte aligned) times f, as four words each: halves (0, 4),
+// (2, 6), (1, 5), (3, 7), low half first (the order the mmas of a word consume).
+__device__ __forceinline__ void split_word(const float* x, float f, u32 hw[4], u32 lw[4]) {
+    const float4* p = (const float4*)x;
+    float4 a = p[0], b = p[1];
+    float v[8] = {a.x * f, a.y * f, a.z * f, a.w * f, b.x * f, b.y * f, b.z * f, b.w * f};
+    u32 hi[8], lo[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        hi[k] = f32_to_f16(v[k]);
+        lo[k] = f32_to_f16(v[k] - half_lo(hi[k]));
+    }
+    hw[0] = hi[0] | (hi[4] << 16), hw[1] = hi[2] | (hi[6] << 16), hw[2] = hi[1] | (hi[5] << 16);
+    hw[3] = hi[3] | (hi[7] << 16);
+    lw[0] = lo[0] | (lo[4] << 16), lw[1] = lo[2] | (lo[6] << 16), lw[2] = lo[1] | (lo[5] << 16);
+    lw[3] = lo[3] | (lo[7] << 16);
+}
+
+// The split factor of row `x` (`cols` wide), one block a row: 2^s for the split, with sdown = 2^(14 - s) stored.
+__device__ __forceinline__ float split_factor(const float* x, int cols, float* sdown) {
     __shared__ float red[32];
     __shared__ float s_up;
-    const int row = blockIdx.x;
-    const float* x = src + (size_t)row * cols;
     int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
     float m = 0.f;
     for (int q = threadIdx.x; q < cols; q += blockDim.x) m = fmaxf(m, fabsf(x[q]));
@@ -686,26 +703,23 @@ extern "C" __global__ void moe_split_hilo(const float* src, int cols, float* sdo
     if (threadIdx.x == 0) {
         float mm = 0.f;
         for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w]);
-        hilo_factors(mm, &s_up, &sdown[row]);
+        hilo_factors(mm, &s_up, sdown);
     }
     __syncthreads();
-    const float f = s_up;
+    return s_up;
+}
+
+extern "C" __global__ void moe_split_hilo(const float* src, int cols, float* sdown, uint4* frag) {
+    const int row = blockIdx.x;
+    const float* x = src + (size_t)row * cols;
+    const float f = split_factor(x, cols, &sdown[row]);
     uint4* out = frag + (size_t)row * (cols / GROUP) * 8;
     for (int w = threadIdx.x; w < cols / 8; w += blockDim.x) {
-        const float4* p = (const float4*)(x + (size_t)w * 8);
-        float4 a = p[0], b = p[1];
-        float v[8] = {a.x * f, a.y * f, a.z * f, a.w * f, b.x * f, b.y * f, b.z * f, b.w * f};
-        u32 hi[8], lo[8];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            hi[k] = f32_to_f16(v[k]);
-            lo[k] = f32_to_f16(v[k] - half_lo(hi[k]));
-        }
+        u32 hi[4], lo[4];
+        split_word(x + (size_t)w * 8, f, hi, lo);
         int grp = w >> 2, q = w & 3;
-        out[grp * 8 + q] = make_uint4(hi[0] | (hi[4] << 16), hi[2] | (hi[6] << 16), hi[1] | (hi[5] << 16),
-                                      hi[3] | (hi[7] << 16));
-        out[grp * 8 + 4 + q] = make_uint4(lo[0] | (lo[4] << 16), lo[2] | (lo[6] << 16), lo[1] | (lo[5] << 16),
-                                          lo[3] | (lo[7] << 16));
+        out[grp * 8 + q] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        out[grp * 8 + 4 + q] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
 }
 
@@ -1153,42 +1167,14 @@ MOE_FOLD_ENTRY(8)
 // The split input rows of the warpgroup GEMM: frag[row][group] = 8 uint4, [hi, lo][component s] = component s of
 // the group's four words (each word's halves in the order (0, 4, 2, 6, 1, 5, 3, 7), as `moe_split_hilo`).
 extern "C" __global__ void moe_split_hilo_k(const float* src, int cols, float* sdown, uint4* frag) {
-    __shared__ float red[32];
-    __shared__ float s_up;
     const int row = blockIdx.x;
     const float* x = src + (size_t)row * cols;
-    int warp = threadIdx.x / WARP, lane = threadIdx.x & (WARP - 1);
-    float m = 0.f;
-    for (int q = threadIdx.x; q < cols; q += blockDim.x) m = fmaxf(m, fabsf(x[q]));
-    m = warp_max(m);
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float mm = 0.f;
-        for (int w = 0; w < (int)(blockDim.x / WARP); w++) mm = fmaxf(mm, red[w]);
-        hilo_factors(mm, &s_up, &sdown[row]);
-    }
-    __syncthreads();
-    const float f = s_up;
+    const float f = split_factor(x, cols, &sdown[row]);
     uint4* out = frag + (size_t)row * (cols / GROUP) * 8;
     for (int grp = threadIdx.x; grp < cols / GROUP; grp += blockDim.x) {
         u32 hw[4][4], lw[4][4]; // [word][component]
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const float4* p = (const float4*)(x + (size_t)grp * GROUP + 8 * c);
-            float4 a = p[0], b = p[1];
-            float v[8] = {a.x * f, a.y * f, a.z * f, a.w * f, b.x * f, b.y * f, b.z * f, b.w * f};
-            u32 hi[8], lo[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                hi[k] = f32_to_f16(v[k]);
-                lo[k] = f32_to_f16(v[k] - half_lo(hi[k]));
-            }
-            hw[c][0] = hi[0] | (hi[4] << 16), hw[c][1] = hi[2] | (hi[6] << 16);
-            hw[c][2] = hi[1] | (hi[5] << 16), hw[c][3] = hi[3] | (hi[7] << 16);
-            lw[c][0] = lo[0] | (lo[4] << 16), lw[c][1] = lo[2] | (lo[6] << 16);
-            lw[c][2] = lo[1] | (lo[5] << 16), lw[c][3] = lo[3] | (lo[7] << 16);
-        }
+        for (int c = 0; c < 4; c++) split_word(x + (size_t)grp * GROUP + 8 * c, f, hw[c], lw[c]);
 #pragma unroll
         for (int s = 0; s < 4; s++) {
             out[grp * 8 + s] = make_uint4(hw[0][s], hw[1][s], hw[2][s], hw[3][s]);
