@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use crate::activation::silu_in_place;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
+use crate::kda_recurrence::{HeadInputs, recurrence_head};
 use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, softplus, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
@@ -335,15 +336,6 @@ struct Projected {
     t_len: usize,
 }
 
-/// One head's inputs to the recurrence.
-struct HeadInputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    g: Vec<f32>,
-    beta: Vec<f32>,
-}
-
 #[cfg(feature = "cuda")]
 impl Kda {
     /// The whole layer on the GPU when the model runs there and every projection has a device copy (`None`: run
@@ -434,97 +426,6 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
-/// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`.
-///
-/// [`recurrence_loop`] on the widest vectors the CPU has: an AVX-512 build of the same code where the CPU supports it
-/// (its loops are element-wise, with no sums across a row, so every width gives the same bits; tested below): the
-/// baseline x86-64 build vectorises them only 4 wide.
-fn recurrence_head(
-    s: &mut [f32],
-    s_prev: Option<&[f32]>,
-    inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx512() {
-        // SAFETY: AVX-512F is present.
-        return unsafe { recurrence_avx512(s, s_prev, inp, t_len, d) };
-    }
-    recurrence_loop(s, s_prev, inp, t_len, d)
-}
-
-/// [`recurrence_loop`] built for AVX-512.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn recurrence_avx512(
-    s: &mut [f32],
-    s_prev: Option<&[f32]>,
-    inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    recurrence_loop(s, s_prev, inp, t_len, d)
-}
-
-/// Per token, in two passes over the state (each element read and written once a pass, where the textbook form
-/// takes four): first the decay `s ← s · exp(g)` (row-wise) with `u = sᵀk` accumulated as the rows go by, then
-/// `δ = β (v − u)`, and `s ← s + k δᵀ` with `o = sᵀq` accumulated. Every element sees the same operations in the
-/// same order as the four-pass form, so the results are the same bits.
-#[inline(always)]
-fn recurrence_loop(
-    s: &mut [f32],
-    s_prev: Option<&[f32]>,
-    inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    match s_prev {
-        Some(prev) if t_len == 0 => s.copy_from_slice(prev),
-        // Zeros, decayed in place below: `0 · decay`, the same bits as decaying a zero state read from memory.
-        None => s.fill(0.0),
-        Some(_) => {}
-    }
-    let mut out = vec![0.0f32; t_len * d];
-    let mut u = vec![0.0f32; d];
-    let mut delta = vec![0.0f32; d];
-    for t in 0..t_len {
-        let row = t * d..(t + 1) * d;
-        let (q, k, v) = (
-            &inp.q[row.clone()],
-            &inp.k[row.clone()],
-            &inp.v[row.clone()],
-        );
-        u.fill(0.0);
-        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
-            let decay = inp.g[t * d + i].exp();
-            if t == 0
-                && let Some(prev) = s_prev
-            {
-                decay_row_from(s_row, &prev[i * d..(i + 1) * d], decay);
-            } else {
-                s_row.iter_mut().for_each(|x| *x *= decay);
-            }
-            accumulate(&mut u, s_row, k[i]);
-        }
-        for ((dl, vi), ui) in delta.iter_mut().zip(v).zip(&u) {
-            *dl = inp.beta[t] * (vi - ui);
-        }
-        let o = &mut out[row];
-        for (i, s_row) in s.chunks_exact_mut(d).enumerate() {
-            for (x, dl) in s_row.iter_mut().zip(&delta) {
-                *x += k[i] * dl;
-            }
-            accumulate(o, s_row, q[i]);
-        }
-    }
-    out
-}
-
 /// The conv window after the new rows `raw`: the last `window.len()` values (K-1 rows) of `window ++ raw`, taken from
 /// the two tails alone (a long prompt's raw rows are tens of megabytes).
 fn advance_window(window: &[f32], raw: &[f32]) -> Vec<f32> {
@@ -534,22 +435,6 @@ fn advance_window(window: &[f32], raw: &[f32]) -> Vec<f32> {
     next.extend_from_slice(&window[from_raw..]);
     next.extend_from_slice(&raw[raw.len() - from_raw..]);
     next
-}
-
-/// `row ← prev · decay` (the first token's decay, read from the old state).
-#[inline(always)]
-fn decay_row_from(row: &mut [f32], prev: &[f32], decay: f32) {
-    for (x, &p) in row.iter_mut().zip(prev) {
-        *x = p * decay;
-    }
-}
-
-/// `acc += row · c`, element by element.
-#[inline(always)]
-fn accumulate(acc: &mut [f32], row: &[f32], c: f32) {
-    for (a, &x) in acc.iter_mut().zip(row) {
-        *a += x * c;
-    }
 }
 
 #[cfg(test)]
@@ -569,57 +454,6 @@ mod tests {
                 all[all.len() - window.len()..],
                 "{rows} rows"
             );
-        }
-    }
-
-    /// Smooth inputs of `t_len` tokens for one head of width `d`: q, k, v from sines of frequencies `f[0..3]`, decay
-    /// gates (at most 0) from `f[3]`, β rising from `beta0` by 0.1 a token.
-    fn test_inputs(t_len: usize, d: usize, f: [f32; 4], beta0: f32) -> HeadInputs {
-        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
-        let rows = |k: f32| (0..t_len * d).map(|i| val(i, k)).collect();
-        HeadInputs {
-            q: rows(f[0]),
-            k: rows(f[1]),
-            v: rows(f[2]),
-            g: (0..t_len * d).map(|i| -val(i, f[3]).abs()).collect(),
-            beta: (0..t_len).map(|t| beta0 + 0.1 * t as f32).collect(),
-        }
-    }
-
-    /// The dispatched recurrence (AVX-512 where the CPU has it) and the portable build give the same bits.
-    #[test]
-    fn recurrence_builds_agree() {
-        let (d, t_len) = (24, 7);
-        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
-        let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
-        let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
-        let (mut a, mut b) = (vec![0.0f32; d * d], vec![0.0f32; d * d]);
-        let out_a = recurrence_head(&mut a, Some(&prev), &inp, t_len, d);
-        let out_b = recurrence_loop(&mut b, Some(&prev), &inp, t_len, d);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&out_a), bits(&out_b));
-        assert_eq!(bits(&a), bits(&b));
-        assert!(out_a.iter().chain(&a).all(|x| x.is_finite()) && out_a.iter().any(|&x| x != 0.0));
-    }
-
-    /// The zero state (`None`, not read) gives the bits of a zero state read from memory, into a buffer holding
-    /// garbage, at one token, several, and none.
-    #[test]
-    fn zero_state_is_not_read_and_gives_the_same_bits() {
-        let d = 16;
-        let zeros = vec![0.0f32; d * d];
-        for t_len in [0, 1, 5] {
-            let inp = test_inputs(t_len, d, [0.29, 0.19, 0.41, 0.05], 0.2);
-            let (mut a, mut b) = (vec![f32::NAN; d * d], vec![7.0f32; d * d]);
-            let out_a = recurrence_head(&mut a, None, &inp, t_len, d);
-            let out_b = recurrence_head(&mut b, Some(&zeros), &inp, t_len, d);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&out_a), bits(&out_b), "{t_len} tokens");
-            assert_eq!(bits(&a), bits(&b), "{t_len} tokens");
-            assert!(a.iter().all(|x| x.is_finite()), "{t_len} tokens");
-            if t_len > 0 {
-                assert!(out_a.iter().any(|&x| x != 0.0), "{t_len} tokens");
-            }
         }
     }
 }

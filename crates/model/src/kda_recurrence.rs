@@ -1,0 +1,342 @@
+//! The delta-rule recurrence of one KDA head over a pass's tokens, on the CPU in f32.
+
+/// One head's inputs to the recurrence.
+pub struct HeadInputs {
+    /// Queries `[T, D]`, L2-normalised and scaled.
+    pub q: Vec<f32>,
+    /// Keys `[T, D]`, L2-normalised.
+    pub k: Vec<f32>,
+    /// Values `[T, D]`.
+    pub v: Vec<f32>,
+    /// Decay gates in log space `[T, D]` (at most 0).
+    pub g: Vec<f32>,
+    /// β `[T]`.
+    pub beta: Vec<f32>,
+}
+
+/// The recurrence's arithmetic over `t_len` tokens of one head of width `d`: per token and state element the
+/// decay's multiply and a multiply-add each for `u = Sᵀk`, the update and `o = Sᵀq` (an FMA counting two).
+pub fn recurrence_flops(t_len: usize, d: usize) -> u64 {
+    7 * (t_len * d * d) as u64
+}
+
+/// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
+/// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`.
+///
+/// Per token and state element the operations are, in this order: the decay `s ← s · exp(g_i)`; `u_j ← fma(s, k_i,
+/// u_j)` over the rows `i` in order from zero; `δ_j = β (v_j − u_j)`; `s ← fma(k_i, δ_j, s)`; `o_j ← fma(s, q_i, o_j)`
+/// over the rows in order from zero. Every build below runs exactly these, so the bits do not depend on the CPU, on
+/// the vector width, or on how a prompt is cut into passes (decode, prefill and speculative verification agree).
+///
+/// [`recurrence_blocks`] built for the widest vectors the CPU has: AVX-512, AVX2 with FMA, or the baseline (4 wide;
+/// on an x86-64 CPU without FMA, `mul_add` is libm's exactly rounded `fmaf`, slow but the same bits).
+pub fn recurrence_head(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    t_len: usize,
+    d: usize,
+) -> Vec<f32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if deltafin_quant::simd::has_avx512() {
+            // SAFETY: AVX-512F is present.
+            return unsafe { recurrence_avx512(s, s_prev, inp, t_len, d) };
+        }
+        if deltafin_quant::simd::has_avx2_fma() {
+            // SAFETY: AVX2 and FMA are present.
+            return unsafe { recurrence_avx2(s, s_prev, inp, t_len, d) };
+        }
+    }
+    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
+}
+
+/// [`recurrence_blocks`] built for AVX-512: blocks of 32 columns, two vectors a row.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn recurrence_avx512(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    t_len: usize,
+    d: usize,
+) -> Vec<f32> {
+    recurrence_blocks::<32>(s, s_prev, inp, t_len, d)
+}
+
+/// [`recurrence_blocks`] built for AVX2 and FMA: blocks of 16 columns (AVX2's sixteen registers hold a block's
+/// running sums, its δ, a row and the row's four scalars).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn recurrence_avx2(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    t_len: usize,
+    d: usize,
+) -> Vec<f32> {
+    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
+}
+
+/// The recurrence by blocks of `W` state columns. A column's operations involve only that column of the state, of
+/// `u`, `δ`, `v` and `o`, so a block `[D, W]` (16 KiB at D = 128, W = 32) goes through every token of the pass while
+/// it stays in L1, instead of the whole 64 KiB state streaming through twice a token. Within a block one sweep over
+/// the rows does token `t`'s update and output and token `t + 1`'s decay and `u`, so each element is loaded and
+/// stored once a token. Columns past the last whole block go in blocks of 8, then 1.
+#[inline(always)]
+fn recurrence_blocks<const W: usize>(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    t_len: usize,
+    d: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; t_len * d];
+    if t_len == 0 {
+        match s_prev {
+            Some(prev) => s.copy_from_slice(prev),
+            None => s.fill(0.0),
+        }
+        return out;
+    }
+    // The decays once, not once per block.
+    let decay: Vec<f32> = inp.g[..t_len * d].iter().map(|g| g.exp()).collect();
+    let mut j0 = 0;
+    while j0 < d {
+        let rest = d - j0;
+        j0 += if rest >= W {
+            column_block::<W>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+        } else if rest >= 8 {
+            column_block::<8>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+        } else {
+            column_block::<1>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+        };
+    }
+    out
+}
+
+/// Columns `j0 .. j0 + W` of the state through every token (`dims` = (T, D, j0)); writes those columns of `out` and
+/// returns `W`. The block works on a contiguous copy (`[D, W]`): in place, its rows would lie a state row apart
+/// (512 bytes at D = 128), all in a few of L1's sets, and evict each other.
+#[inline(always)]
+fn column_block<const W: usize>(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    decay: &[f32],
+    out: &mut [f32],
+    dims: (usize, usize, usize),
+) -> usize {
+    let (t_len, d, j0) = dims;
+    let mut block = vec![[0.0f32; W]; d];
+    // Token 0's decay (from the old state, or from zeros) and its u.
+    let mut u = [0.0f32; W];
+    for (i, ((row, &k), &dec)) in block
+        .iter_mut()
+        .zip(&inp.k[..d])
+        .zip(&decay[..d])
+        .enumerate()
+    {
+        match s_prev {
+            Some(prev) => {
+                let prev = &prev[i * d + j0..i * d + j0 + W];
+                for j in 0..W {
+                    row[j] = prev[j] * dec;
+                }
+            }
+            // `0 · decay`: the bits of decaying a zero state read from memory.
+            None => row.iter_mut().for_each(|x| *x = 0.0 * dec),
+        }
+        for j in 0..W {
+            u[j] = row[j].mul_add(k, u[j]);
+        }
+    }
+    for t in 0..t_len {
+        let mut delta = [0.0f32; W];
+        let v = &inp.v[t * d + j0..t * d + j0 + W];
+        for j in 0..W {
+            delta[j] = inp.beta[t] * (v[j] - u[j]);
+        }
+        let (k, q) = (&inp.k[t * d..(t + 1) * d], &inp.q[t * d..(t + 1) * d]);
+        let mut o = [0.0f32; W];
+        if t + 1 < t_len {
+            // This token's update and output, then the next token's decay and u, in one sweep.
+            let (k_next, dec_next) = (
+                &inp.k[(t + 1) * d..(t + 2) * d],
+                &decay[(t + 1) * d..(t + 2) * d],
+            );
+            let mut u_next = [0.0f32; W];
+            for ((((row, &ki), &qi), &kn), &dn) in
+                block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
+            {
+                for j in 0..W {
+                    let x = ki.mul_add(delta[j], row[j]);
+                    o[j] = x.mul_add(qi, o[j]);
+                    let y = x * dn;
+                    u_next[j] = y.mul_add(kn, u_next[j]);
+                    row[j] = y;
+                }
+            }
+            u = u_next;
+        } else {
+            for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
+                for j in 0..W {
+                    let x = ki.mul_add(delta[j], row[j]);
+                    o[j] = x.mul_add(qi, o[j]);
+                    row[j] = x;
+                }
+            }
+        }
+        out[t * d + j0..t * d + j0 + W].copy_from_slice(&o);
+    }
+    for (dst, row) in s.chunks_exact_mut(d).zip(&block) {
+        dst[j0..j0 + W].copy_from_slice(row);
+    }
+    W
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Smooth inputs of `t_len` tokens for one head of width `d`: q, k, v from sines of frequencies `f[0..3]`, decay
+    /// gates (at most 0) from `f[3]`, β rising from `beta0` by 0.1 a token.
+    fn test_inputs(t_len: usize, d: usize, f: [f32; 4], beta0: f32) -> HeadInputs {
+        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
+        let rows = |k: f32| (0..t_len * d).map(|i| val(i, k)).collect();
+        HeadInputs {
+            q: rows(f[0]),
+            k: rows(f[1]),
+            v: rows(f[2]),
+            g: (0..t_len * d).map(|i| -val(i, f[3]).abs()).collect(),
+            beta: (0..t_len).map(|t| beta0 + 0.1 * t as f32).collect(),
+        }
+    }
+
+    /// A build of the recurrence, as [`recurrence_head`] is called.
+    type Recurrence = fn(&mut [f32], Option<&[f32]>, &HeadInputs, usize, usize) -> Vec<f32>;
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The contract written plainly: per token, the whole state in four passes (decay, `u`, update, output).
+    fn per_token_form(
+        s_prev: &[f32],
+        inp: &HeadInputs,
+        t_len: usize,
+        d: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let mut s = s_prev.to_vec();
+        let mut out = vec![0.0f32; t_len * d];
+        for t in 0..t_len {
+            for i in 0..d {
+                let dec = inp.g[t * d + i].exp();
+                s[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= dec);
+            }
+            let mut u = vec![0.0f32; d];
+            for i in 0..d {
+                for j in 0..d {
+                    u[j] = s[i * d + j].mul_add(inp.k[t * d + i], u[j]);
+                }
+            }
+            let delta: Vec<f32> = (0..d)
+                .map(|j| inp.beta[t] * (inp.v[t * d + j] - u[j]))
+                .collect();
+            for i in 0..d {
+                for j in 0..d {
+                    s[i * d + j] = inp.k[t * d + i].mul_add(delta[j], s[i * d + j]);
+                }
+            }
+            for i in 0..d {
+                for j in 0..d {
+                    out[t * d + j] = s[i * d + j].mul_add(inp.q[t * d + i], out[t * d + j]);
+                }
+            }
+        }
+        (s, out)
+    }
+
+    /// Every build and block width gives the bits of the plain per-token form, at widths that leave tails of 8 and 1
+    /// columns.
+    #[test]
+    fn every_build_gives_the_per_token_bits() {
+        let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
+        for (d, t_len) in [(24, 7), (40, 5), (19, 3), (128, 4)] {
+            let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
+            let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
+            let (s_ref, out_ref) = per_token_form(&prev, &inp, t_len, d);
+            let builds: [(&str, Recurrence); 4] = [
+                ("dispatched", recurrence_head),
+                ("8", recurrence_blocks::<8>),
+                ("16", recurrence_blocks::<16>),
+                ("32", recurrence_blocks::<32>),
+            ];
+            for (name, f) in builds {
+                let mut s = vec![f32::NAN; d * d];
+                let out = f(&mut s, Some(&prev), &inp, t_len, d);
+                assert_eq!(bits(&out), bits(&out_ref), "{name}, D {d}, T {t_len}");
+                assert_eq!(bits(&s), bits(&s_ref), "{name}, D {d}, T {t_len}");
+            }
+            assert!(out_ref.iter().chain(&s_ref).all(|x| x.is_finite()));
+            assert!(out_ref.iter().any(|&x| x != 0.0));
+        }
+    }
+
+    /// A pass cut in two (the state carried between them, as decode, chunked prefill and speculative verification
+    /// cut a prompt) gives the bits of the whole pass, wherever the cut.
+    #[test]
+    fn a_pass_cut_anywhere_gives_the_same_bits() {
+        let (d, t_len) = (40, 9);
+        let inp = test_inputs(t_len, d, [0.27, 0.13, 0.37, 0.11], 0.15);
+        let mut whole_s = vec![0.0f32; d * d];
+        let whole = recurrence_head(&mut whole_s, None, &inp, t_len, d);
+        for cut in 0..=t_len {
+            let part = |from: usize, to: usize| HeadInputs {
+                q: inp.q[from * d..to * d].to_vec(),
+                k: inp.k[from * d..to * d].to_vec(),
+                v: inp.v[from * d..to * d].to_vec(),
+                g: inp.g[from * d..to * d].to_vec(),
+                beta: inp.beta[from..to].to_vec(),
+            };
+            let mut s1 = vec![0.0f32; d * d];
+            let mut out = recurrence_head(&mut s1, None, &part(0, cut), cut, d);
+            let mut s2 = vec![0.0f32; d * d];
+            out.extend(recurrence_head(
+                &mut s2,
+                Some(&s1),
+                &part(cut, t_len),
+                t_len - cut,
+                d,
+            ));
+            assert_eq!(bits(&out), bits(&whole), "cut at {cut}");
+            assert_eq!(bits(&s2), bits(&whole_s), "cut at {cut}");
+        }
+    }
+
+    /// The zero state (`None`, not read) gives the bits of a zero state read from memory, into a buffer holding
+    /// garbage, at one token, several, and none.
+    #[test]
+    fn zero_state_is_not_read_and_gives_the_same_bits() {
+        let d = 16;
+        let zeros = vec![0.0f32; d * d];
+        for t_len in [0, 1, 5] {
+            let inp = test_inputs(t_len, d, [0.29, 0.19, 0.41, 0.05], 0.2);
+            let (mut a, mut b) = (vec![f32::NAN; d * d], vec![7.0f32; d * d]);
+            let out_a = recurrence_head(&mut a, None, &inp, t_len, d);
+            let out_b = recurrence_head(&mut b, Some(&zeros), &inp, t_len, d);
+            assert_eq!(bits(&out_a), bits(&out_b), "{t_len} tokens");
+            assert_eq!(bits(&a), bits(&b), "{t_len} tokens");
+            assert!(a.iter().all(|x| x.is_finite()), "{t_len} tokens");
+            if t_len > 0 {
+                assert!(out_a.iter().any(|&x| x != 0.0), "{t_len} tokens");
+            }
+        }
+    }
+}
