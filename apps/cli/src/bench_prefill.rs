@@ -10,7 +10,7 @@
 //!   two;
 //! - compute bound = the prompt's FLOP ÷ the f32 FMA peak of every core (`quant::flops`), read right before and
 //!   after too, the faster of the two. FLOP: 2 per weight and token for every dense spine matrix of every layer and
-//!   the `top_k` experts of every MoE layer, the head once, the KDA recurrence (8·H·D² per token and layer) and
+//!   the `top_k` experts of every MoE layer, the head once, the KDA recurrence (7·H·D² per token and layer) and
 //!   MLA's attention over the prompt (per query at position p and head: q·W_uk, p scores of kv_lora + rope, p context
 //!   rows, W_uv).
 
@@ -63,6 +63,13 @@ struct Run {
     expert_wait_s: f64,
     spine_wait_s: f64,
     attention_s: f64,
+    /// Of `attention_s`: KDA blocks and their dense projections, MLA blocks and theirs (what is left of a kind's
+    /// time after its projections is its attention proper: KDA's conv, gates, recurrence and norm; MLA's attention
+    /// over the latent cache).
+    kda_s: f64,
+    kda_proj_s: f64,
+    mla_s: f64,
+    mla_proj_s: f64,
     spine_compute_s: f64,
     /// Expert read buffers mapped afresh during the pass (each a page-fault and zeroing of its pages; the rest of
     /// the reads reused a buffer), and the expert cache's budget at the end of the pass.
@@ -74,6 +81,10 @@ struct Run {
 struct Report {
     prompt_len: usize,
     flop: f64,
+    /// Of `flop`, KDA's recurrence and MLA's attention over the latent cache (to hold `kda_s - kda_proj_s` and
+    /// `mla_s - mla_proj_s` against).
+    kda_attention_flop: f64,
+    mla_attention_flop: f64,
     /// Storage rate before and after the runs (bytes/s), and FMA peak before and after (FLOP/s, each the best of
     /// three probes).
     disk_before_bytes_per_s: f64,
@@ -84,8 +95,19 @@ struct Report {
     runs: Vec<Run>,
 }
 
+/// A prompt's FLOP: all of it, and the attention proper of each kind (summed over its layers) apart.
+#[derive(Clone, Copy, Debug, Default)]
+struct PromptFlop {
+    total: f64,
+    /// KDA's recurrence ([`deltafin_model::kda_recurrence::recurrence_flops`]).
+    kda_attention: f64,
+    /// MLA's attention over the latent cache: the absorbed query and output products and the scores and context
+    /// over the positions each query sees.
+    mla_attention: f64,
+}
+
 /// The FLOP of a prompt of `t` tokens through `engine`'s model (see the module header).
-fn prompt_flop(engine: &Engine, t: usize) -> f64 {
+fn prompt_flop(engine: &Engine, t: usize) -> PromptFlop {
     let cfg = engine.config();
     let t_f = t as f64;
     // Dense spine weights per layer: their stored bytes over bytes per weight (2 for bf16, 1 for the int8 copy).
@@ -97,13 +119,18 @@ fn prompt_flop(engine: &Engine, t: usize) -> f64 {
         .sum();
     let expert = 3.0 * cfg.expert_width() as f64 * cfg.moe.inter as f64;
     let moe_layers = (0..cfg.n_layers).filter(|&l| cfg.is_moe_layer(l)).count() as f64;
-    let mut flop = 2.0 * t_f * (spine + moe_layers * cfg.moe.top_k as f64 * expert);
-    flop += 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64;
-    let (h, d) = (cfg.kda.n_heads as f64, cfg.kda.head_dim as f64);
+    let mut flop = PromptFlop {
+        total: 2.0 * t_f * (spine + moe_layers * cfg.moe.top_k as f64 * expert)
+            + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64,
+        ..PromptFlop::default()
+    };
     let m = &cfg.mla;
     for kind in &cfg.layer_kinds {
         match kind {
-            AttnKind::Kda => flop += t_f * 8.0 * h * d * d,
+            AttnKind::Kda => {
+                flop.kda_attention += cfg.kda.n_heads as f64
+                    * deltafin_model::kda_recurrence::recurrence_flops(t, cfg.kda.head_dim) as f64
+            }
             AttnKind::Mla => {
                 let (kvl, rope, nope, vd) = (
                     m.kv_lora_rank as f64,
@@ -113,12 +140,13 @@ fn prompt_flop(engine: &Engine, t: usize) -> f64 {
                 );
                 // Σ over query positions p = 1..t of the per-head work.
                 let positions = t_f * (t_f + 1.0) / 2.0;
-                flop += 2.0
+                flop.mla_attention += 2.0
                     * m.n_heads as f64
                     * (t_f * kvl * (nope + vd) + positions * (2.0 * kvl + rope));
             }
         }
     }
+    flop.total += flop.kda_attention + flop.mla_attention;
     flop
 }
 
@@ -205,6 +233,10 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
             expert_wait_s: p.expert_wait.as_secs_f64(),
             spine_wait_s: p.spine_wait.as_secs_f64(),
             attention_s: p.attention().as_secs_f64(),
+            kda_s: p.kda.as_secs_f64(),
+            kda_proj_s: p.kda_proj.as_secs_f64(),
+            mla_s: p.mla.as_secs_f64(),
+            mla_proj_s: p.mla_proj.as_secs_f64(),
             spine_compute_s: p.spine_compute().as_secs_f64(),
             expert_buffers_allocated: engine.expert_stats().reader.disk.buffers_allocated - bufs0,
             expert_cache_budget_bytes: engine.expert_stats().cache.budget,
@@ -224,12 +256,14 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
         } else {
             0.0
         };
-        r.compute_bound_s = flop / fma;
+        r.compute_bound_s = flop.total / fma;
         r.goal_ratio = r.ttft_s / (1.2 * r.io_bound_s).max(2.0 * r.compute_bound_s);
     }
     let report = Report {
         prompt_len: prompt.len(),
-        flop,
+        flop: flop.total,
+        kda_attention_flop: flop.kda_attention,
+        mla_attention_flop: flop.mla_attention,
         disk_before_bytes_per_s: disk_before,
         disk_after_bytes_per_s: disk_after,
         fma_peak_before: fma_before,
