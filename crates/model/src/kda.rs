@@ -188,9 +188,12 @@ impl Kda {
             let [q_raw, k_raw, v_raw, f_a, b, gate_raw]: [Vec<f32>; 6] = outs
                 .try_into()
                 .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
+            // The decay gate's second projection for every token at once (a row's bits do not depend on how many
+            // rows share the product).
+            let f_b = values(&linear(&tensor(f_a, t_len, self.f_a.rows())?, &self.f_b)?)?;
             Ok(Projected {
                 raw: [q_raw, k_raw, v_raw],
-                f_a,
+                f_b,
                 b,
                 og: match &self.gate {
                     OutGate::Full(_) => gate_raw,
@@ -285,14 +288,12 @@ impl Kda {
         for row in k.chunks_exact_mut(d) {
             l2_normalize(row);
         }
-        // The decay gate: this head's rows of f_b over the low-rank projection, then the bounded (K3) or softplus
-        // (Kimi Linear) form.
-        let rank = self.f_b.cols();
+        // The decay gate: this head's channels of `f_b · f_a · x` (projected with the others), its bias, then the
+        // bounded (K3) or softplus (Kimi Linear) form.
         let a = self.a_exp[head];
         let mut g = vec![0.0f32; t_len * d];
         for (t, g_t) in g.chunks_exact_mut(d).enumerate() {
-            self.f_b
-                .dot_rows(ch0, &p.f_a[t * rank..(t + 1) * rank], g_t);
+            g_t.copy_from_slice(&p.f_b[t * c + ch0..t * c + ch0 + d]);
             for (j, gv) in g_t.iter_mut().enumerate() {
                 let zb = *gv + self.dt_bias[ch0 + j];
                 *gv = match self.cfg.gate_lower_bound {
@@ -327,8 +328,8 @@ impl Kda {
 struct Projected {
     /// q, k and v before the conv, `[T, C]` each.
     raw: [Vec<f32>; 3],
-    /// The decay gate's low-rank projection, `[T, rank]`.
-    f_a: Vec<f32>,
+    /// The decay gate's projection before its bias, `f_b · (f_a · x)`, `[T, C]`.
+    f_b: Vec<f32>,
     /// β before the sigmoid, `[T, H]`.
     b: Vec<f32>,
     /// The output gate before the sigmoid, `[T, C]`.
