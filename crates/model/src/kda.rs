@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
 use rayon::prelude::*;
 
-use crate::activation::silu_in_place;
+use crate::activation::{self, silu_in_place};
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::kda_recurrence::{HeadInputs, recurrence_head};
@@ -225,10 +225,7 @@ impl Kda {
             .enumerate()
             .map(|(head, s)| {
                 let s_prev = old_s.map(|o| &o[head * d * d..(head + 1) * d * d]);
-                let inp = self.head_inputs(windows, &p, head);
-                let mut out = recurrence_head(s, s_prev, &inp, t_len, d);
-                self.gated_norm_head(&mut out, &p.og, head);
-                out
+                self.head(windows, &p, head, (s, s_prev))
             })
             .collect();
         *state = Arc::new(KdaState::new(conv, s_new));
@@ -245,8 +242,79 @@ impl Kda {
         profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }
 
+    /// One head's part of a call: its inputs, its recurrence from `state.1` (`None`: zeros) into `state.0`, and its
+    /// gated norm; returns its output rows `[T, D]`. Run on the widest vectors the CPU has (an AVX-512 or AVX2 build
+    /// of the same code: its loops are element-wise or keep their order, so every build gives the same bits).
+    fn head(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        head: usize,
+        state: (&mut [f32], Option<&[f32]>),
+    ) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if deltafin_quant::simd::has_avx512() {
+                // SAFETY: AVX-512F is present.
+                return unsafe { self.head_avx512(windows, p, head, state) };
+            }
+            if deltafin_quant::simd::has_avx2_fma() {
+                // SAFETY: AVX2 and FMA are present.
+                return unsafe { self.head_avx2(windows, p, head, state) };
+            }
+        }
+        self.head_work(windows, p, head, state)
+    }
+
+    /// [`Self::head_work`] built for AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    unsafe fn head_avx512(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        head: usize,
+        state: (&mut [f32], Option<&[f32]>),
+    ) -> Vec<f32> {
+        self.head_work(windows, p, head, state)
+    }
+
+    /// [`Self::head_work`] built for AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn head_avx2(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        head: usize,
+        state: (&mut [f32], Option<&[f32]>),
+    ) -> Vec<f32> {
+        self.head_work(windows, p, head, state)
+    }
+
+    #[inline(always)]
+    fn head_work(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        head: usize,
+        (s, s_prev): (&mut [f32], Option<&[f32]>),
+    ) -> Vec<f32> {
+        let inp = self.head_inputs(windows, p, head);
+        let mut out = recurrence_head(s, s_prev, &inp, p.t_len, self.cfg.head_dim);
+        self.gated_norm_head(&mut out, &p.og, head);
+        out
+    }
+
     /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
     /// conv and SiLU (q and k L2-normalised, q scaled by `D^-1/2`), and its decay gate.
+    #[inline(always)]
     fn head_inputs(&self, windows: &[Vec<f32>; 3], p: &Projected, head: usize) -> HeadInputs {
         let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
         let c = h * d;
@@ -292,14 +360,21 @@ impl Kda {
         // bounded (K3) or softplus (Kimi Linear) form.
         let a = self.a_exp[head];
         let mut g = vec![0.0f32; t_len * d];
+        let bias = &self.dt_bias[ch0..ch0 + d];
         for (t, g_t) in g.chunks_exact_mut(d).enumerate() {
-            g_t.copy_from_slice(&p.f_b[t * c + ch0..t * c + ch0 + d]);
-            for (j, gv) in g_t.iter_mut().enumerate() {
-                let zb = *gv + self.dt_bias[ch0 + j];
-                *gv = match self.cfg.gate_lower_bound {
-                    Some(lb) => lb * sigmoid(a * zb),
-                    None => -a * softplus(zb),
-                };
+            let z = p.f_b[t * c + ch0..t * c + ch0 + d].iter().zip(bias);
+            // The form chosen outside the loop, so the loop is one straight line of arithmetic (vectorised).
+            match self.cfg.gate_lower_bound {
+                Some(lb) => {
+                    for (gv, (&z, &b)) in g_t.iter_mut().zip(z) {
+                        *gv = lb * activation::sigmoid(a * (z + b));
+                    }
+                }
+                None => {
+                    for (gv, (&z, &b)) in g_t.iter_mut().zip(z) {
+                        *gv = -a * softplus(z + b);
+                    }
+                }
             }
         }
         let beta = (0..t_len).map(|t| sigmoid(p.b[t * h + head])).collect();
@@ -307,6 +382,7 @@ impl Kda {
     }
 
     /// The gated per-head RMSNorm of one head's output rows `out [T, D]`, with its channels of the gate `og`.
+    #[inline(always)]
     fn gated_norm_head(&self, out: &mut [f32], og: &[f32], head: usize) {
         let d = self.cfg.head_dim;
         let c = self.cfg.n_heads * d;
@@ -316,10 +392,11 @@ impl Kda {
     }
 
     /// The gated RMSNorm of one head's output row `o_h [D]` with its gate values `g_h [D]`, in place.
+    #[inline(always)]
     fn gated_norm_row(&self, o_h: &mut [f32], g_h: &[f32]) {
         let inv = inv_rms(o_h, self.eps);
         for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
-            *o = (*o * inv) * w * sigmoid(*gate);
+            *o = (*o * inv) * w * activation::sigmoid(*gate);
         }
     }
 }
@@ -421,6 +498,7 @@ fn a_log_heads(name: &str, shape: &[usize], data: &[f32], heads: usize) -> Resul
 }
 
 /// `x ← x / sqrt(Σx² + eps)`.
+#[inline(always)]
 fn l2_normalize(x: &mut [f32]) {
     let ss: f32 = x.iter().map(|v| v * v).sum();
     let inv = 1.0 / (ss + L2_NORM_EPS).sqrt();

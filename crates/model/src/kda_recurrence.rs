@@ -106,7 +106,10 @@ fn recurrence_blocks<const W: usize>(
         return out;
     }
     // The decays once, not once per block.
-    let decay: Vec<f32> = inp.g[..t_len * d].iter().map(|g| g.exp()).collect();
+    let decay: Vec<f32> = inp.g[..t_len * d]
+        .iter()
+        .map(|&g| crate::activation::exp(g))
+        .collect();
     let mut j0 = 0;
     while j0 < d {
         let rest = d - j0;
