@@ -23,10 +23,11 @@ pub fn recurrence_flops(t_len: usize, d: usize) -> u64 {
 /// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
 /// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`.
 ///
-/// Per token and state element the operations are, in this order: the decay `s ← s · exp(g_i)`; `u_j ← fma(s, k_i,
-/// u_j)` over the rows `i` in order from zero; `δ_j = β (v_j − u_j)`; `s ← fma(k_i, δ_j, s)`; `o_j ← fma(s, q_i, o_j)`
-/// over the rows in order from zero. Every build below runs exactly these, so the bits do not depend on the CPU, on
-/// the vector width, or on how a prompt is cut into passes (decode, prefill and speculative verification agree).
+/// Per token and state element the operations are, in this order: the decay `s ← s · exp(g_i)` (the model's
+/// branch-free `exp`, [`crate::activation::exp`]); `u_j ← fma(s, k_i, u_j)` over the rows `i` in order from zero;
+/// `δ_j = β (v_j − u_j)`; `s ← fma(k_i, δ_j, s)`; `o_j ← fma(s, q_i, o_j)` over the rows in order from zero. Every
+/// build below runs exactly these, so the bits do not depend on the CPU, on the vector width, or on how a prompt is
+/// cut into passes (decode, prefill and speculative verification agree).
 ///
 /// [`recurrence_blocks`] built for the widest vectors the CPU has: AVX-512, AVX2 with FMA, or the baseline (4 wide;
 /// on an x86-64 CPU without FMA, `mul_add` is libm's exactly rounded `fmaf`, slow but the same bits).
@@ -240,7 +241,7 @@ mod tests {
         let mut out = vec![0.0f32; t_len * d];
         for t in 0..t_len {
             for i in 0..d {
-                let dec = inp.g[t * d + i].exp();
+                let dec = crate::activation::exp(inp.g[t * d + i]);
                 s[i * d..(i + 1) * d].iter_mut().for_each(|x| *x *= dec);
             }
             let mut u = vec![0.0f32; d];

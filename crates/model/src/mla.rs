@@ -9,11 +9,11 @@
 
 use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
-use deltafin_quant::dot::dot_f32;
 use rayon::prelude::*;
 
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
+use crate::mla_attend::{HeadCache, attend};
 use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, sigmoid, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
@@ -200,61 +200,30 @@ impl Mla {
         let rows: Vec<&[f32]> = cache.rows().collect();
 
         // Heads in parallel: each reads its own absorbed projections (`w_uk_t`, `w_uv`: 512 KB a head at K3's size)
-        // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it.
+        // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it. Queries in
+        // blocks: a cache row is read once for every query of a block (`mla_attend`: each query's bits do not
+        // depend on the block).
         let mut out = vec![0.0f32; t_len * nh * vd];
         let mut by_head = vec![0.0f32; nh * t_len * vd];
         by_head
             .par_chunks_mut(t_len * vd)
             .enumerate()
             .for_each(|(h, dst)| {
-                // Queries in blocks: a cache row is read once for every query of a block (from L1), where one query
-                // at a time read the whole cache per query. Each query's arithmetic is unchanged, in the same order:
-                // its scores, its softmax, and its context summed over the rows it sees in row order.
-                for b0 in (0..t_len).step_by(QUERY_BLOCK) {
-                    let b1 = (b0 + QUERY_BLOCK).min(t_len);
-                    let nq = b1 - b0;
-                    let seen = |k: usize| past + b0 + k + 1;
-                    let span = seen(nq - 1);
-                    let query = |k: usize| {
-                        let t = b0 + k;
-                        q[(t * nh + h) * qk..(t * nh + h + 1) * qk].split_at(nope)
-                    };
-                    let mut q_abs = vec![0.0f32; nq * kvl];
-                    for (k, qa) in q_abs.chunks_exact_mut(kvl).enumerate() {
-                        self.w_uk_t[h].dot_rows(0, query(k).0, qa);
-                    }
-                    let mut scores = vec![0.0f32; nq * span]; // [query, row]
-                    for (n, row) in rows[..span].iter().enumerate() {
-                        let (c, kpe) = row.split_at(kvl);
-                        for k in (0..nq).filter(|&k| n < seen(k)) {
-                            let qa = &q_abs[k * kvl..(k + 1) * kvl];
-                            scores[k * span + n] =
-                                (dot_f32(qa, c) + dot_f32(query(k).1, kpe)) * scale;
-                        }
-                    }
-                    let mut totals = vec![0.0f32; nq];
-                    for (k, total) in totals.iter_mut().enumerate() {
-                        let sc = &mut scores[k * span..k * span + seen(k)];
-                        let max = sc.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                        for v in sc.iter_mut() {
-                            *v = (*v - max).exp();
-                            *total += *v;
-                        }
-                    }
-                    let mut ctx = vec![0.0f32; nq * kvl];
-                    for (n, row) in rows[..span].iter().enumerate() {
-                        for k in (0..nq).filter(|&k| n < seen(k)) {
-                            let w = scores[k * span + n] / totals[k];
-                            for (acc, &c) in ctx[k * kvl..(k + 1) * kvl].iter_mut().zip(&row[..kvl])
-                            {
-                                *acc += w * c;
-                            }
-                        }
-                    }
-                    for (k, c) in ctx.chunks_exact(kvl).enumerate() {
-                        let t = b0 + k;
-                        self.w_uv[h].dot_rows(0, c, &mut dst[t * vd..(t + 1) * vd]);
-                    }
+                let hc = HeadCache {
+                    w_uk_t: &self.w_uk_t[h],
+                    w_uv: &self.w_uv[h],
+                    rows: &rows,
+                    kvl,
+                    scale,
+                };
+                for (b, dst) in dst.chunks_mut(QUERY_BLOCK * vd).enumerate() {
+                    let b0 = b * QUERY_BLOCK;
+                    let nq = dst.len() / vd.max(1);
+                    let queries: Vec<(&[f32], &[f32])> = (b0..b0 + nq)
+                        .map(|t| q[(t * nh + h) * qk..(t * nh + h + 1) * qk].split_at(nope))
+                        .collect();
+                    let seen: Vec<usize> = (b0..b0 + nq).map(|t| past + t + 1).collect();
+                    attend(&hc, &queries, &seen, dst);
                 }
             });
         // [heads, T, v] -> [T, heads, v]

@@ -70,28 +70,83 @@ unsafe fn dense_rows<const R: usize>(rows: [&[f32]; R], x: &[f32]) -> [f32; R] {
         b += BLOCK;
     }
     let mut out = [0.0f32; R];
-    for ((o, [mut a0, a1, a2, a3]), w) in out.iter_mut().zip(acc).zip(&rows) {
-        let mut c = full;
-        while c < n {
-            // Zero-padded chunk of 8 into accumulator 0, as in the contract.
-            let mut wb = [0.0f32; LANES];
-            let mut xb = [0.0f32; LANES];
-            let k = LANES.min(n - c);
-            wb[..k].copy_from_slice(&w[c..c + k]);
-            xb[..k].copy_from_slice(&x[c..c + k]);
-            // SAFETY: both buffers hold 8 f32.
-            unsafe {
-                a0 = _mm256_fmadd_ps(
-                    _mm256_loadu_ps(wb.as_ptr()),
-                    _mm256_loadu_ps(xb.as_ptr()),
-                    a0,
-                );
-            }
-            c += LANES;
-        }
-        *o = reduce(a0, a1, a2, a3);
+    for ((o, a), w) in out.iter_mut().zip(acc).zip(&rows) {
+        *o = finish(a, w, x, full);
     }
     out
+}
+
+/// The end of one product of the dot contract whose whole blocks (`..full`) are in `acc`: the zero-padded tail in
+/// chunks of 8 into accumulator 0, then the reduction.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn finish([mut a0, a1, a2, a3]: F32Acc, w: &[f32], x: &[f32], full: usize) -> f32 {
+    let n = w.len().min(x.len());
+    let mut c = full;
+    while c < n {
+        let mut wb = [0.0f32; LANES];
+        let mut xb = [0.0f32; LANES];
+        let k = LANES.min(n - c);
+        wb[..k].copy_from_slice(&w[c..c + k]);
+        xb[..k].copy_from_slice(&x[c..c + k]);
+        // SAFETY: both buffers hold 8 f32.
+        unsafe {
+            a0 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(wb.as_ptr()),
+                _mm256_loadu_ps(xb.as_ptr()),
+                a0,
+            );
+        }
+        c += LANES;
+    }
+    reduce(a0, a1, a2, a3)
+}
+
+/// One product's four 8-lane accumulators of the dot contract ([`crate::dot`]).
+pub type F32Acc = [__m256; 4];
+
+/// Values `b0 .. b1` (whole blocks of 32) of one f32 row by `T` inputs (1 to 3) of the dot contract (multi-token
+/// products): each of the row's vectors is loaded once for all `T` inputs, whose vectors are the FMAs' memory
+/// operands (12 accumulators and the row's vector: AVX2's sixteen registers). Each product's accumulators are
+/// `acc[t]`, read at the start and written back at the end, so a caller can walk the values in blocks that keep the
+/// inputs in L1; every product gets its blocks in order, as in [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `b0` and `b1` are multiples of 32 within the row and every input; `acc` holds
+/// `T` accumulators.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_row_tile<const T: usize>(
+    w: &[f32],
+    xs: [&[f32]; T],
+    (b0, b1): (usize, usize),
+    acc: &mut [F32Acc],
+) {
+    let mut a: [F32Acc; T] = std::array::from_fn(|t| acc[t]);
+    let mut b = b0;
+    while b < b1 {
+        // SAFETY: b + 32 <= b1, within the row and every input (caller).
+        unsafe {
+            for k in 0..4 {
+                let wv = _mm256_loadu_ps(w.as_ptr().add(b + 8 * k));
+                for (at, x) in a.iter_mut().zip(&xs) {
+                    at[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(b + 8 * k)), at[k]);
+                }
+            }
+        }
+        b += BLOCK;
+    }
+    acc[..T].copy_from_slice(&a);
+}
+
+/// The end of a product whose whole blocks [`dot_f32_row_tile`] accumulated: bit-identical to
+/// [`crate::dot::dot_f32_ref`].
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
+    let full = w.len().min(x.len()) / BLOCK * BLOCK;
+    finish(*acc, w, x, full)
 }
 
 /// AVX2 twin of [`crate::dot::dot_f32_ref`].

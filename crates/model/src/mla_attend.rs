@@ -1,0 +1,319 @@
+//! MLA's attention over the latent cache on the CPU, one head and a block of queries at a time, in the absorbed
+//! form (see [`crate::mla`]).
+//!
+//! Per query (its position sees cache rows `0 .. seen`), in this order, whatever block it shares:
+//! - `q_abs = W_UK,hᵀ · q_nope` (the dot contract of `deltafin_quant::dot` per row);
+//! - `score_n = (q_abs · c_n + q_pe · k_pe,n) · scale` (the dot contract each);
+//! - `p_n = e^{score_n − max} / Σ e^{…}` with the model's branch-free `exp` ([`crate::activation::exp`]) and the sum
+//!   over `n` in order;
+//! - `ctx_i = Σ_n fma(p_n, c_n,i, ·)` over `n` in order from zero;
+//! - `out = W_UV,h · ctx` (the dot contract per row).
+//!
+//! So a query's result does not depend on how many queries share the call (prefill, decode and speculative
+//! verification agree to the bit). Within a block the products run as multi-input tiles
+//! (`deltafin_quant::dot::dot_f32_tiles`: each weight or cache row loaded once for several queries) and the
+//! context in register tiles of four queries by sixteen latent channels, built for the widest vectors the CPU has.
+
+use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::dot::dot_f32_tiles;
+
+use crate::activation;
+
+/// Rows per call of [`dot_f32_tiles`].
+const TILE_ROWS: usize = 32;
+/// Queries of one register tile of the context.
+const CTX_QUERIES: usize = 4;
+/// Latent channels of one register tile of the context.
+const CTX_COLS: usize = 16;
+
+/// One head's absorbed matrices and the latent cache it attends over.
+pub(crate) struct HeadCache<'a> {
+    /// `W_UK,hᵀ` `[kv_lora, nope]`.
+    pub w_uk_t: &'a DenseMatrix,
+    /// `W_UV,h` `[v, kv_lora]`.
+    pub w_uv: &'a DenseMatrix,
+    /// The cache rows (`kv_lora` latent values, then `rope` values of `k_pe`).
+    pub rows: &'a [&'a [f32]],
+    /// `kv_lora`.
+    pub kvl: usize,
+    /// The score scale, `(nope + rope)^-½`.
+    pub scale: f32,
+}
+
+/// A block of queries: query `k`'s nope and rope parts and the cache rows it sees (`seen[k]`, at least 1, at most
+/// the cache's rows). Writes each query's `[v]` output row into `out` (`queries.len() · v` values).
+pub(crate) fn attend(
+    hc: &HeadCache<'_>,
+    queries: &[(&[f32], &[f32])],
+    seen: &[usize],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if deltafin_quant::simd::has_avx512() {
+            // SAFETY: AVX-512F is present.
+            return unsafe { attend_avx512(hc, queries, seen, out) };
+        }
+        if deltafin_quant::simd::has_avx2_fma() {
+            // SAFETY: AVX2 and FMA are present.
+            return unsafe { attend_avx2(hc, queries, seen, out) };
+        }
+    }
+    attend_body(hc, queries, seen, out)
+}
+
+/// [`attend_body`] built for AVX-512.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+unsafe fn attend_avx512(
+    hc: &HeadCache<'_>,
+    queries: &[(&[f32], &[f32])],
+    seen: &[usize],
+    out: &mut [f32],
+) {
+    attend_body(hc, queries, seen, out)
+}
+
+/// [`attend_body`] built for AVX2 and FMA.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(
+    hc: &HeadCache<'_>,
+    queries: &[(&[f32], &[f32])],
+    seen: &[usize],
+    out: &mut [f32],
+) {
+    attend_body(hc, queries, seen, out)
+}
+
+#[inline(always)]
+fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize], out: &mut [f32]) {
+    let (nq, kvl) = (queries.len(), hc.kvl);
+    let span = seen.iter().copied().max().unwrap_or(0).min(hc.rows.len());
+    let nopes: Vec<&[f32]> = queries.iter().map(|q| q.0).collect();
+    let q_abs = products(hc.w_uk_t, &nopes);
+    // Scores of every query against every row of the span ([row][query]); a query's rows past its own `seen` are
+    // computed and never read.
+    let rows = &hc.rows[..span];
+    let latents: Vec<&[f32]> = rows.iter().map(|r| &r[..kvl]).collect();
+    let pes: Vec<&[f32]> = rows.iter().map(|r| &r[kvl..]).collect();
+    let abs: Vec<&[f32]> = q_abs.chunks_exact(kvl).collect();
+    let q_pes: Vec<&[f32]> = queries.iter().map(|q| q.1).collect();
+    let mut s_lat = vec![0.0f32; span * nq];
+    let mut s_pe = vec![0.0f32; span * nq];
+    tiles_by_rows(&latents, &abs, &mut s_lat);
+    tiles_by_rows(&pes, &q_pes, &mut s_pe);
+    // Probabilities `[query][row]`.
+    let mut p = vec![0.0f32; nq * span];
+    for (k, pk) in p.chunks_exact_mut(span).enumerate() {
+        let sk = &mut pk[..seen[k]];
+        for (n, v) in sk.iter_mut().enumerate() {
+            *v = (s_lat[n * nq + k] + s_pe[n * nq + k]) * hc.scale;
+        }
+        let max = sk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        sk.iter_mut().for_each(|v| *v = activation::exp(*v - max));
+        let total: f32 = sk.iter().sum();
+        sk.iter_mut().for_each(|v| *v /= total);
+    }
+    let mut ctx = vec![0.0f32; nq * kvl];
+    context(&p, span, seen, &latents, kvl, &mut ctx);
+    let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
+    out[..nq * hc.w_uv.rows()].copy_from_slice(&products(hc.w_uv, &ctxs));
+}
+
+/// `m · x` for every input of `xs`, `[input][row]`, each row's product in the dot contract (as
+/// [`DenseMatrix::dot_rows`] gives it): f32 rows as multi-input tiles, other kinds one input at a time.
+#[inline(always)]
+fn products(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
+    let (rows, cols) = (m.rows(), m.cols());
+    let mut out = vec![0.0f32; xs.len() * rows];
+    match m.data() {
+        DenseData::F32(v) if xs.iter().all(|x| x.len() == cols) => {
+            let ws: Vec<&[f32]> = v.chunks_exact(cols.max(1)).take(rows).collect();
+            let mut by_row = vec![0.0f32; rows * xs.len()];
+            tiles_by_rows(&ws, xs, &mut by_row);
+            for (r, row) in by_row.chunks_exact(xs.len().max(1)).enumerate() {
+                for (k, &v) in row.iter().enumerate() {
+                    out[k * rows + r] = v;
+                }
+            }
+        }
+        _ => {
+            for (x, o) in xs.iter().zip(out.chunks_exact_mut(rows.max(1))) {
+                m.dot_rows(0, x, o);
+            }
+        }
+    }
+    out
+}
+
+/// [`dot_f32_tiles`] over [`TILE_ROWS`] rows at a time (`out[r · xs.len() + t]`), so that its accumulators (128
+/// bytes a product) stay a small heap block in cache instead of a fresh mapping for a whole span of rows.
+#[inline(always)]
+fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
+    let per = xs.len().max(1);
+    for (rs, o) in rows.chunks(TILE_ROWS).zip(out.chunks_mut(TILE_ROWS * per)) {
+        dot_f32_tiles(rs, xs, o);
+    }
+}
+
+/// `ctx[k] = Σ_n p[k][n] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[query][span]`.
+/// Rows every query of a tile sees go through register tiles of [`CTX_QUERIES`] queries by [`CTX_COLS`] channels;
+/// the rows past the tile's smallest `seen` follow per query, still in order.
+#[inline(always)]
+fn context(
+    p: &[f32],
+    span: usize,
+    seen: &[usize],
+    latents: &[&[f32]],
+    kvl: usize,
+    ctx: &mut [f32],
+) {
+    let nq = seen.len();
+    let mut q0 = 0;
+    while q0 < nq {
+        let qn = CTX_QUERIES.min(nq - q0);
+        let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
+        let mut i0 = 0;
+        while i0 + CTX_COLS <= kvl {
+            match qn {
+                1 => context_tile::<1>(p, span, q0, (common, i0), latents, kvl, ctx),
+                2 => context_tile::<2>(p, span, q0, (common, i0), latents, kvl, ctx),
+                3 => context_tile::<3>(p, span, q0, (common, i0), latents, kvl, ctx),
+                _ => context_tile::<4>(p, span, q0, (common, i0), latents, kvl, ctx),
+            }
+            i0 += CTX_COLS;
+        }
+        for k in q0..q0 + qn {
+            let pk = &p[k * span..(k + 1) * span];
+            let ck = &mut ctx[k * kvl..(k + 1) * kvl];
+            // Channels past the last whole tile, from the first row.
+            for (n, row) in latents[..common].iter().enumerate() {
+                for (c, &v) in ck[i0..].iter_mut().zip(&row[i0..kvl]) {
+                    *c = pk[n].mul_add(v, *c);
+                }
+            }
+            // Rows past the tile's common ones, every channel.
+            for (n, row) in latents.iter().enumerate().take(seen[k]).skip(common) {
+                for (c, &v) in ck.iter_mut().zip(&row[..kvl]) {
+                    *c = pk[n].mul_add(v, *c);
+                }
+            }
+        }
+        q0 += qn;
+    }
+}
+
+/// Queries `q0 .. q0 + Q`, channels `i0 .. i0 + CTX_COLS`, rows `0 .. common` of [`context`], in registers.
+#[inline(always)]
+fn context_tile<const Q: usize>(
+    p: &[f32],
+    span: usize,
+    q0: usize,
+    (common, i0): (usize, usize),
+    latents: &[&[f32]],
+    kvl: usize,
+    ctx: &mut [f32],
+) {
+    let mut acc = [[0.0f32; CTX_COLS]; Q];
+    for (n, row) in latents[..common].iter().enumerate() {
+        let c = &row[i0..i0 + CTX_COLS];
+        for (k, a) in acc.iter_mut().enumerate() {
+            let w = p[(q0 + k) * span + n];
+            for j in 0..CTX_COLS {
+                a[j] = w.mul_add(c[j], a[j]);
+            }
+        }
+    }
+    for (k, a) in acc.iter().enumerate() {
+        ctx[(q0 + k) * kvl + i0..(q0 + k) * kvl + i0 + CTX_COLS].copy_from_slice(a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wave(n: usize, f: f32, phase: f32) -> Vec<f32> {
+        (0..n).map(|i| (i as f32 * f + phase).sin() * 0.7).collect()
+    }
+
+    /// One query at a time, written plainly in the module header's order.
+    fn plain(hc: &HeadCache<'_>, q: (&[f32], &[f32]), seen: usize) -> Vec<f32> {
+        let kvl = hc.kvl;
+        let mut q_abs = vec![0.0f32; kvl];
+        hc.w_uk_t.dot_rows(0, q.0, &mut q_abs);
+        let mut p: Vec<f32> = hc.rows[..seen]
+            .iter()
+            .map(|r| {
+                (deltafin_quant::dot::dot_f32_ref(&q_abs, &r[..kvl])
+                    + deltafin_quant::dot::dot_f32_ref(q.1, &r[kvl..]))
+                    * hc.scale
+            })
+            .collect();
+        let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        p.iter_mut().for_each(|v| *v = activation::exp(*v - max));
+        let mut total = 0.0f32;
+        for v in &p {
+            total += v;
+        }
+        p.iter_mut().for_each(|v| *v /= total);
+        let mut ctx = vec![0.0f32; kvl];
+        for (n, r) in hc.rows[..seen].iter().enumerate() {
+            for i in 0..kvl {
+                ctx[i] = p[n].mul_add(r[i], ctx[i]);
+            }
+        }
+        let mut out = vec![0.0f32; hc.w_uv.rows()];
+        hc.w_uv.dot_rows(0, &ctx, &mut out);
+        out
+    }
+
+    /// Blocks of 1 to 9 queries at the positions of a prompt's pass (each one more row than the last), with latent
+    /// widths that leave no tail and a tail past the register tiles, give each query's plain bits.
+    #[test]
+    fn every_block_gives_each_querys_plain_bits() {
+        for (kvl, rope, nope, v) in [(64usize, 16usize, 24usize, 20usize), (40, 8, 16, 12)] {
+            let uk = DenseMatrix::new(kvl, nope, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
+                .expect("shape");
+            let uv =
+                DenseMatrix::new(v, kvl, DenseData::F32(wave(v * kvl, 0.23, 0.4))).expect("shape");
+            let cache: Vec<Vec<f32>> = (0..30).map(|n| wave(kvl + rope, 0.11, n as f32)).collect();
+            let rows: Vec<&[f32]> = cache.iter().map(|r| r.as_slice()).collect();
+            let hc = HeadCache {
+                w_uk_t: &uk,
+                w_uv: &uv,
+                rows: &rows,
+                kvl,
+                scale: ((nope + rope) as f32).powf(-0.5),
+            };
+            for nq in 1..=9 {
+                let past = 30 - nq;
+                let qs: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
+                    .map(|k| (wave(nope, 0.31, k as f32), wave(rope, 0.17, k as f32 + 0.5)))
+                    .collect();
+                let queries: Vec<(&[f32], &[f32])> =
+                    qs.iter().map(|(a, b)| (&a[..], &b[..])).collect();
+                let seen: Vec<usize> = (0..nq).map(|k| past + k + 1).collect();
+                let mut out = vec![f32::NAN; nq * v];
+                attend(&hc, &queries, &seen, &mut out);
+                for k in 0..nq {
+                    let want = plain(&hc, queries[k], seen[k]);
+                    let got = &out[k * v..(k + 1) * v];
+                    assert!(
+                        want.iter().all(|x| x.is_finite()),
+                        "kvl {kvl}, {nq} queries"
+                    );
+                    let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got), bits(&want), "kvl {kvl}, query {k} of {nq}");
+                }
+            }
+        }
+    }
+}
