@@ -43,10 +43,10 @@ pub struct Mla {
     q: QueryProj,
     kv_a: DenseMatrix,
     kv_a_norm: Vec<f32>,
-    /// Per head `W_UK,hᵀ` `[kv_lora, nope]`: maps a query's nope part into the latent space.
-    w_uk_t: Vec<DenseMatrix>,
-    /// Per head `W_UV,h` `[v, kv_lora]`: maps a latent context to the head's values.
-    w_uv: Vec<DenseMatrix>,
+    /// Per head `W_UK,h` `[nope, kv_lora]`: a query's nope part times it is the query in the latent space.
+    w_uk: Vec<DenseMatrix>,
+    /// Per head `W_UV,hᵀ` `[kv_lora, v]`: a latent context times it is the head's values.
+    w_uv_t: Vec<DenseMatrix>,
     gate: Option<DenseMatrix>,
     o_proj: DenseMatrix,
     /// The absorbed attention on the GPU, when the model runs on CUDA.
@@ -78,20 +78,25 @@ impl Mla {
         let kv_b_name = name("kv_b_proj.weight");
         // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
         let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
-        let mut w_uk_t = Vec::with_capacity(nh);
-        let mut w_uv = Vec::with_capacity(nh);
+        // The CPU multiplies by these layouts (`mla_attend`): each product runs as multiply-add chains across its
+        // outputs.
+        let mut w_uk = Vec::with_capacity(nh);
+        let mut w_uv_t = Vec::with_capacity(nh);
         for h in 0..nh {
             let head = &kv_b[h * per_head * kvl..(h + 1) * per_head * kvl];
             let (uk, uv) = head.split_at(cfg.nope_dim * kvl);
-            // uk is [nope, kvl]; store its transpose [kvl, nope].
-            let mut t = vec![0.0f32; kvl * cfg.nope_dim];
-            for n in 0..cfg.nope_dim {
-                for l in 0..kvl {
-                    t[l * cfg.nope_dim + n] = uk[n * kvl + l];
-                }
-            }
-            w_uk_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.nope_dim, t)?);
-            w_uv.push(Loader::f32_matrix(&kv_b_name, cfg.v_dim, kvl, uv.to_vec())?);
+            w_uk.push(Loader::f32_matrix(
+                &kv_b_name,
+                cfg.nope_dim,
+                kvl,
+                uk.to_vec(),
+            )?);
+            w_uv_t.push(Loader::f32_matrix(
+                &kv_b_name,
+                kvl,
+                cfg.v_dim,
+                transposed(uv, cfg.v_dim, kvl),
+            )?);
         }
         let gate = if cfg.output_gate {
             Some(ld.matrix(&name("g_proj.weight"), nh * cfg.v_dim, hidden)?)
@@ -104,7 +109,10 @@ impl Mla {
             Some(g) => Some(crate::gpu::MlaGpu::new(
                 &g.gpu,
                 &g.mla,
-                (&w_uk_t, &w_uv),
+                (
+                    &gpu_layout(&w_uk, &kv_b_name, kvl, cfg.nope_dim)?,
+                    &gpu_layout(&w_uv_t, &kv_b_name, cfg.v_dim, kvl)?,
+                ),
                 (
                     &kv_a_norm,
                     match &q {
@@ -119,8 +127,8 @@ impl Mla {
         // With the absorbed attention on the GPU the host keeps no copy of its matrices.
         #[cfg(feature = "cuda")]
         if gpu.is_some() {
-            w_uk_t = Vec::new();
-            w_uv = Vec::new();
+            w_uk = Vec::new();
+            w_uv_t = Vec::new();
         }
         Ok(Self {
             #[cfg(feature = "cuda")]
@@ -133,8 +141,8 @@ impl Mla {
                 hidden,
             )?,
             kv_a_norm,
-            w_uk_t,
-            w_uv,
+            w_uk,
+            w_uv_t,
             gate,
             o_proj: ld.matrix(&name("o_proj.weight"), hidden, nh * cfg.v_dim)?,
         })
@@ -199,7 +207,7 @@ impl Mla {
         }
         let rows: Vec<&[f32]> = cache.rows().collect();
 
-        // Heads in parallel: each reads its own absorbed projections (`w_uk_t`, `w_uv`: 512 KB a head at K3's size)
+        // Heads in parallel: each reads its own absorbed projections (`w_uk`, `w_uv_t`: 512 KB a head at K3's size)
         // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it. Queries in
         // blocks: a cache row is read once for every query of a block (`mla_attend`: each query's bits do not
         // depend on the block).
@@ -210,8 +218,8 @@ impl Mla {
             .enumerate()
             .for_each(|(h, dst)| {
                 let hc = HeadCache {
-                    w_uk_t: &self.w_uk_t[h],
-                    w_uv: &self.w_uv[h],
+                    w_uk: &self.w_uk[h],
+                    w_uv_t: &self.w_uv_t[h],
                     rows: &rows,
                     kvl,
                     scale,
@@ -313,4 +321,31 @@ impl Mla {
         g.forward(&mats, (&values(x)?, t_len), cache, scale, profile)
             .map(Some)
     }
+}
+
+/// `m` (`rows × cols`, row-major) transposed.
+fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
+/// The GPU's layout of per-head matrices stored here transposed: `[rows, cols]` each from the `[cols, rows]` ones.
+#[cfg(feature = "cuda")]
+fn gpu_layout(
+    ms: &[DenseMatrix],
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<DenseMatrix>> {
+    ms.iter()
+        .map(|m| {
+            let v: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
+            Loader::f32_matrix(name, rows, cols, transposed(&v, cols, rows))
+        })
+        .collect()
 }

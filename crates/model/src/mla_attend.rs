@@ -2,17 +2,18 @@
 //! form (see [`crate::mla`]).
 //!
 //! Per query (its position sees cache rows `0 .. seen`), in this order, whatever block it shares:
-//! - `q_abs = W_UK,hᵀ · q_nope` (the dot contract of `deltafin_quant::dot` per row);
+//! - `q_abs_i = Σ_j fma(q_nope,j, W_UK,h[j][i], ·)` over `j` in order from zero;
 //! - `score_n = (q_abs · c_n + q_pe · k_pe,n) · scale` (the dot contract each);
 //! - `p_n = e^{score_n − max} / Σ e^{…}` with the model's branch-free `exp` ([`crate::activation::exp`]) and the sum
 //!   over `n` in order;
 //! - `ctx_i = Σ_n fma(p_n, c_n,i, ·)` over `n` in order from zero;
-//! - `out = W_UV,h · ctx` (the dot contract per row).
+//! - `out_r = Σ_i fma(ctx_i, W_UV,hᵀ[i][r], ·)` over `i` in order from zero.
 //!
 //! So a query's result does not depend on how many queries share the call (prefill, decode and speculative
-//! verification agree to the bit). Within a block the products run as multi-input tiles
-//! (`deltafin_quant::dot::dot_f32_tiles`: each weight or cache row loaded once for several queries) and the
-//! context in register tiles of four queries by sixteen latent channels, built for the widest vectors the CPU has.
+//! verification agree to the bit). Within a block the scores run as multi-input tiles of the dot contract
+//! (`deltafin_quant::dot::dot_f32_tiles`: each cache row loaded once for several queries), and the absorbed products
+//! and the context as multiply-add chains in register tiles of up to four queries by 16 to 64 outputs, built for the
+//! widest vectors the CPU has.
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::dot_f32_tiles;
@@ -21,17 +22,17 @@ use crate::activation;
 
 /// Rows per call of [`dot_f32_tiles`].
 const TILE_ROWS: usize = 32;
-/// Queries of one register tile of the context.
+/// Queries of one register tile of the context (and of the absorbed products).
 const CTX_QUERIES: usize = 4;
-/// Latent channels of one register tile of the context.
+/// Outputs of one register tile at [`CTX_QUERIES`] queries (twice as many at two queries, four times at one).
 const CTX_COLS: usize = 16;
 
 /// One head's absorbed matrices and the latent cache it attends over.
 pub(crate) struct HeadCache<'a> {
-    /// `W_UK,hᵀ` `[kv_lora, nope]`.
-    pub w_uk_t: &'a DenseMatrix,
-    /// `W_UV,h` `[v, kv_lora]`.
-    pub w_uv: &'a DenseMatrix,
+    /// `W_UK,h` `[nope, kv_lora]`.
+    pub w_uk: &'a DenseMatrix,
+    /// `W_UV,hᵀ` `[kv_lora, v]`.
+    pub w_uv_t: &'a DenseMatrix,
     /// The cache rows (`kv_lora` latent values, then `rope` values of `k_pe`).
     pub rows: &'a [&'a [f32]],
     /// `kv_lora`.
@@ -97,7 +98,7 @@ fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize],
     let (nq, kvl) = (queries.len(), hc.kvl);
     let span = seen.iter().copied().max().unwrap_or(0).min(hc.rows.len());
     let nopes: Vec<&[f32]> = queries.iter().map(|q| q.0).collect();
-    let q_abs = products(hc.w_uk_t, &nopes);
+    let q_abs = chains(hc.w_uk, &nopes);
     // Scores of every query against every row of the span ([row][query]); a query's rows past its own `seen` are
     // computed and never read.
     let rows = &hc.rows[..span];
@@ -124,32 +125,25 @@ fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize],
     let mut ctx = vec![0.0f32; nq * kvl];
     context(&p, span, seen, &latents, kvl, &mut ctx);
     let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
-    out[..nq * hc.w_uv.rows()].copy_from_slice(&products(hc.w_uv, &ctxs));
+    out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains(hc.w_uv_t, &ctxs));
 }
 
-/// `m · x` for every input of `xs`, `[input][row]`, each row's product in the dot contract (as
-/// [`DenseMatrix::dot_rows`] gives it): f32 rows as multi-input tiles, other kinds one input at a time.
+/// `xs[k] · m` for every input (`m` `[rows, cols]`, each input `rows` long), `[input][col]`: per output a chain of
+/// multiply-adds over the rows in order ([`context`] with every row seen).
 #[inline(always)]
-fn products(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
+fn chains(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
     let (rows, cols) = (m.rows(), m.cols());
-    let mut out = vec![0.0f32; xs.len() * rows];
-    match m.data() {
-        DenseData::F32(v) if xs.iter().all(|x| x.len() == cols) => {
-            let ws: Vec<&[f32]> = v.chunks_exact(cols.max(1)).take(rows).collect();
-            let mut by_row = vec![0.0f32; rows * xs.len()];
-            tiles_by_rows(&ws, xs, &mut by_row);
-            for (r, row) in by_row.chunks_exact(xs.len().max(1)).enumerate() {
-                for (k, &v) in row.iter().enumerate() {
-                    out[k * rows + r] = v;
-                }
-            }
-        }
+    let owned: Vec<Vec<f32>>;
+    let ms: Vec<&[f32]> = match m.data() {
+        DenseData::F32(v) => v.chunks_exact(cols.max(1)).take(rows).collect(),
         _ => {
-            for (x, o) in xs.iter().zip(out.chunks_exact_mut(rows.max(1))) {
-                m.dot_rows(0, x, o);
-            }
+            owned = (0..rows).map(|r| m.row_f32(r)).collect();
+            owned.iter().map(|r| r.as_slice()).collect()
         }
-    }
+    };
+    let p: Vec<f32> = xs.iter().flat_map(|x| x[..rows].iter().copied()).collect();
+    let mut out = vec![0.0f32; xs.len() * cols];
+    context(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
     out
 }
 
@@ -180,15 +174,18 @@ fn context(
     while q0 < nq {
         let qn = CTX_QUERIES.min(nq - q0);
         let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
+        // Fewer queries, wider tiles: every tile keeps eight to sixteen 8-lane chains going.
+        let width = CTX_COLS * CTX_QUERIES / qn.next_power_of_two();
         let mut i0 = 0;
-        while i0 + CTX_COLS <= kvl {
+        while i0 + width <= kvl {
+            let at = (common, i0);
             match qn {
-                1 => context_tile::<1>(p, span, q0, (common, i0), latents, kvl, ctx),
-                2 => context_tile::<2>(p, span, q0, (common, i0), latents, kvl, ctx),
-                3 => context_tile::<3>(p, span, q0, (common, i0), latents, kvl, ctx),
-                _ => context_tile::<4>(p, span, q0, (common, i0), latents, kvl, ctx),
+                1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
+                2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
+                3 => context_tile::<3, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
+                _ => context_tile::<4, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
             }
-            i0 += CTX_COLS;
+            i0 += width;
         }
         for k in q0..q0 + qn {
             let pk = &p[k * span..(k + 1) * span];
@@ -210,9 +207,9 @@ fn context(
     }
 }
 
-/// Queries `q0 .. q0 + Q`, channels `i0 .. i0 + CTX_COLS`, rows `0 .. common` of [`context`], in registers.
+/// Queries `q0 .. q0 + Q`, channels `i0 .. i0 + C`, rows `0 .. common` of [`context`], in registers.
 #[inline(always)]
-fn context_tile<const Q: usize>(
+fn context_tile<const Q: usize, const C: usize>(
     p: &[f32],
     span: usize,
     q0: usize,
@@ -221,18 +218,18 @@ fn context_tile<const Q: usize>(
     kvl: usize,
     ctx: &mut [f32],
 ) {
-    let mut acc = [[0.0f32; CTX_COLS]; Q];
+    let mut acc = [[0.0f32; C]; Q];
     for (n, row) in latents[..common].iter().enumerate() {
-        let c = &row[i0..i0 + CTX_COLS];
+        let c = &row[i0..i0 + C];
         for (k, a) in acc.iter_mut().enumerate() {
             let w = p[(q0 + k) * span + n];
-            for j in 0..CTX_COLS {
+            for j in 0..C {
                 a[j] = w.mul_add(c[j], a[j]);
             }
         }
     }
     for (k, a) in acc.iter().enumerate() {
-        ctx[(q0 + k) * kvl + i0..(q0 + k) * kvl + i0 + CTX_COLS].copy_from_slice(a);
+        ctx[(q0 + k) * kvl + i0..(q0 + k) * kvl + i0 + C].copy_from_slice(a);
     }
 }
 
@@ -247,8 +244,17 @@ mod tests {
     /// One query at a time, written plainly in the module header's order.
     fn plain(hc: &HeadCache<'_>, q: (&[f32], &[f32]), seen: usize) -> Vec<f32> {
         let kvl = hc.kvl;
-        let mut q_abs = vec![0.0f32; kvl];
-        hc.w_uk_t.dot_rows(0, q.0, &mut q_abs);
+        let chain = |m: &DenseMatrix, x: &[f32]| -> Vec<f32> {
+            let mut y = vec![0.0f32; m.cols()];
+            for (j, &xj) in x.iter().enumerate() {
+                let row = m.row_f32(j);
+                for (yi, &w) in y.iter_mut().zip(&row) {
+                    *yi = xj.mul_add(w, *yi);
+                }
+            }
+            y
+        };
+        let q_abs = chain(hc.w_uk, q.0);
         let mut p: Vec<f32> = hc.rows[..seen]
             .iter()
             .map(|r| {
@@ -270,9 +276,7 @@ mod tests {
                 ctx[i] = p[n].mul_add(r[i], ctx[i]);
             }
         }
-        let mut out = vec![0.0f32; hc.w_uv.rows()];
-        hc.w_uv.dot_rows(0, &ctx, &mut out);
-        out
+        chain(hc.w_uv_t, &ctx)
     }
 
     /// Blocks of 1 to 9 queries at the positions of a prompt's pass (each one more row than the last), with latent
@@ -280,15 +284,15 @@ mod tests {
     #[test]
     fn every_block_gives_each_querys_plain_bits() {
         for (kvl, rope, nope, v) in [(64usize, 16usize, 24usize, 20usize), (40, 8, 16, 12)] {
-            let uk = DenseMatrix::new(kvl, nope, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
+            let uk = DenseMatrix::new(nope, kvl, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
                 .expect("shape");
             let uv =
-                DenseMatrix::new(v, kvl, DenseData::F32(wave(v * kvl, 0.23, 0.4))).expect("shape");
+                DenseMatrix::new(kvl, v, DenseData::F32(wave(v * kvl, 0.23, 0.4))).expect("shape");
             let cache: Vec<Vec<f32>> = (0..30).map(|n| wave(kvl + rope, 0.11, n as f32)).collect();
             let rows: Vec<&[f32]> = cache.iter().map(|r| r.as_slice()).collect();
             let hc = HeadCache {
-                w_uk_t: &uk,
-                w_uv: &uv,
+                w_uk: &uk,
+                w_uv_t: &uv,
                 rows: &rows,
                 kvl,
                 scale: ((nope + rope) as f32).powf(-0.5),
