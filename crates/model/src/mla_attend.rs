@@ -3,7 +3,7 @@
 //!
 //! Per query (its position sees cache rows `0 .. seen`), in this order, whatever block it shares:
 //! - `q_abs_i = Σ_j fma(q_nope,j, W_UK,h[j][i], ·)` over `j` in order from zero;
-//! - `score_n = (q_abs · c_n + q_pe · k_pe,n) · scale` (the dot contract each);
+//! - `score_n = ([q_abs, q_pe] · [c_n, k_pe,n]) · scale` (the dot contract over the whole cache row);
 //! - `p_n = e^{score_n − max} / Σ e^{…}` with the model's branch-free `exp` ([`crate::activation::exp`]) and the sum
 //!   over `n` in order;
 //! - `ctx_i = Σ_n fma(p_n, c_n,i, ·)` over `n` in order from zero;
@@ -103,19 +103,22 @@ fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize],
     // computed and never read.
     let rows = &hc.rows[..span];
     let latents: Vec<&[f32]> = rows.iter().map(|r| &r[..kvl]).collect();
-    let pes: Vec<&[f32]> = rows.iter().map(|r| &r[kvl..]).collect();
-    let abs: Vec<&[f32]> = q_abs.chunks_exact(kvl).collect();
-    let q_pes: Vec<&[f32]> = queries.iter().map(|q| q.1).collect();
-    let mut s_lat = vec![0.0f32; span * nq];
-    let mut s_pe = vec![0.0f32; span * nq];
-    tiles_by_rows(&latents, &abs, &mut s_lat);
-    tiles_by_rows(&pes, &q_pes, &mut s_pe);
+    // Each query as one row of the cache's width: its latent part, then its rope part.
+    let qcat: Vec<f32> = q_abs
+        .chunks_exact(kvl)
+        .zip(queries)
+        .flat_map(|(a, q)| a.iter().chain(q.1).copied())
+        .collect();
+    let width = rows.first().map_or(kvl, |r| r.len());
+    let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
+    let mut scores = vec![0.0f32; span * nq];
+    tiles_by_rows(rows, &qs, &mut scores);
     // Probabilities `[query][row]`.
     let mut p = vec![0.0f32; nq * span];
     for (k, pk) in p.chunks_exact_mut(span).enumerate() {
         let sk = &mut pk[..seen[k]];
         for (n, v) in sk.iter_mut().enumerate() {
-            *v = (s_lat[n * nq + k] + s_pe[n * nq + k]) * hc.scale;
+            *v = scores[n * nq + k] * hc.scale;
         }
         let max = sk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         sk.iter_mut().for_each(|v| *v = activation::exp(*v - max));
@@ -258,9 +261,8 @@ mod tests {
         let mut p: Vec<f32> = hc.rows[..seen]
             .iter()
             .map(|r| {
-                (deltafin_quant::dot::dot_f32_ref(&q_abs, &r[..kvl])
-                    + deltafin_quant::dot::dot_f32_ref(q.1, &r[kvl..]))
-                    * hc.scale
+                let qcat: Vec<f32> = q_abs.iter().chain(q.1).copied().collect();
+                deltafin_quant::dot::dot_f32_ref(&qcat, r) * hc.scale
             })
             .collect();
         let max = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);

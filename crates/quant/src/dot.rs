@@ -93,9 +93,6 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
 /// Inputs per tile of [`dot_f32_tiles`].
 #[cfg(target_arch = "x86_64")]
 const TILE_TOKENS: usize = 4;
-/// Inputs per tile of [`dot_f32_tiles`] on AVX2 without AVX-512 (one row by three inputs: twelve accumulators).
-#[cfg(target_arch = "x86_64")]
-const AVX2_TILE_TOKENS: usize = 3;
 /// Values per block of [`dot_f32_tiles`]: a tile's four inputs over a block (16 KiB) stay in L1 while every row
 /// pair goes through them (unblocked, the rows of K3's width made each tile stream its inputs from L2).
 #[cfg(target_arch = "x86_64")]
@@ -189,36 +186,8 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() && fits && tokens > 1 {
-        use crate::simd::avx2::{F32Acc, dot_f32_finish, dot_f32_row_tile};
-        // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
-        let mut acc: Vec<F32Acc> = vec![unsafe { std::mem::zeroed() }; rows.len() * tokens];
-        let full = n / BLOCK * BLOCK;
-        for b0 in (0..full).step_by(TILE_BLOCK) {
-            let span = (b0, (b0 + TILE_BLOCK).min(full));
-            for t0 in (0..tokens).step_by(AVX2_TILE_TOKENS) {
-                let width = AVX2_TILE_TOKENS.min(tokens - t0);
-                for (r, w) in rows.iter().enumerate() {
-                    let a = &mut acc[r * tokens + t0..];
-                    // SAFETY (each call): AVX2 and FMA present; the row and inputs of one length, the span whole
-                    // blocks within them, and `a` holding the tile's products (checked above).
-                    unsafe {
-                        match width {
-                            1 => dot_f32_row_tile::<1>(w, [xs[t0]], span, a),
-                            2 => dot_f32_row_tile::<2>(w, [xs[t0], xs[t0 + 1]], span, a),
-                            _ => {
-                                dot_f32_row_tile::<3>(w, [xs[t0], xs[t0 + 1], xs[t0 + 2]], span, a)
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        for (r, w) in rows.iter().enumerate() {
-            for (t, x) in xs.iter().enumerate() {
-                // SAFETY: AVX2 and FMA present; one length (checked above).
-                out[r * tokens + t] = unsafe { dot_f32_finish(&acc[r * tokens + t], w, x) };
-            }
-        }
+        // SAFETY: AVX2 and FMA present; rows and inputs of one length, `out` holding every product (checked above).
+        unsafe { crate::simd::avx2::dot_f32_tiles(rows, xs, out, TILE_BLOCK) };
         return;
     }
     let _ = fits;

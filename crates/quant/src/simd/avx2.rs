@@ -103,7 +103,48 @@ fn finish([mut a0, a1, a2, a3]: F32Acc, w: &[f32], x: &[f32], full: usize) -> f3
 }
 
 /// One product's four 8-lane accumulators of the dot contract ([`crate::dot`]).
-pub type F32Acc = [__m256; 4];
+type F32Acc = [__m256; 4];
+
+/// Inputs per tile of [`dot_f32_tiles`] (one row by three inputs: twelve accumulators).
+const TILE_TOKENS: usize = 3;
+
+/// `out[r · xs.len() + t]` = `rows[r] · xs[t]`, each bit-identical to [`crate::dot::dot_f32_ref`]: tiles of one row
+/// by up to three inputs ([`dot_f32_row_tile`]) over blocks of `block` values (a multiple of 32), so the inputs of a
+/// block stay in L1 while every row goes through them, then each product's tail and reduction.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; every row and input has one length; `out` holds `rows.len() · xs.len()`
+/// values.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32], block: usize) {
+    let tokens = xs.len();
+    let n = rows.first().map_or(0, |w| w.len());
+    let full = n / BLOCK * BLOCK;
+    let mut acc: Vec<F32Acc> = vec![[_mm256_setzero_ps(); 4]; rows.len() * tokens];
+    for b0 in (0..full).step_by(block.max(BLOCK)) {
+        let span = (b0, (b0 + block.max(BLOCK)).min(full));
+        for t0 in (0..tokens).step_by(TILE_TOKENS) {
+            let width = TILE_TOKENS.min(tokens - t0);
+            for (r, w) in rows.iter().enumerate() {
+                let a = &mut acc[r * tokens + t0..];
+                // SAFETY (each call): AVX2 and FMA present; the row and inputs of one length, the span whole blocks
+                // within them, and `a` holding the tile's products (caller).
+                unsafe {
+                    match width {
+                        1 => dot_f32_row_tile::<1>(w, [xs[t0]], span, a),
+                        2 => dot_f32_row_tile::<2>(w, [xs[t0], xs[t0 + 1]], span, a),
+                        _ => dot_f32_row_tile::<3>(w, [xs[t0], xs[t0 + 1], xs[t0 + 2]], span, a),
+                    }
+                }
+            }
+        }
+    }
+    for (r, w) in rows.iter().enumerate() {
+        for (t, x) in xs.iter().enumerate() {
+            out[r * tokens + t] = finish(acc[r * tokens + t], w, x, full);
+        }
+    }
+}
 
 /// Values `b0 .. b1` (whole blocks of 32) of one f32 row by `T` inputs (1 to 3) of the dot contract (multi-token
 /// products): each of the row's vectors is loaded once for all `T` inputs, whose vectors are the FMAs' memory
@@ -114,8 +155,9 @@ pub type F32Acc = [__m256; 4];
 /// # Safety
 /// The CPU must support AVX2 and FMA; `b0` and `b1` are multiples of 32 within the row and every input; `acc` holds
 /// `T` accumulators.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_f32_row_tile<const T: usize>(
+unsafe fn dot_f32_row_tile<const T: usize>(
     w: &[f32],
     xs: [&[f32]; T],
     (b0, b1): (usize, usize),
@@ -136,17 +178,6 @@ pub unsafe fn dot_f32_row_tile<const T: usize>(
         b += BLOCK;
     }
     acc[..T].copy_from_slice(&a);
-}
-
-/// The end of a product whose whole blocks [`dot_f32_row_tile`] accumulated: bit-identical to
-/// [`crate::dot::dot_f32_ref`].
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
-    let full = w.len().min(x.len()) / BLOCK * BLOCK;
-    finish(*acc, w, x, full)
 }
 
 /// AVX2 twin of [`crate::dot::dot_f32_ref`].
