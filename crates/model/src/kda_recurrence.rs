@@ -52,7 +52,8 @@ pub fn recurrence_head(
     recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
 }
 
-/// [`recurrence_blocks`] built for AVX-512: blocks of 32 columns, two vectors a row.
+/// [`recurrence_blocks`] built for AVX-512: blocks of 16 columns, one vector a row (blocks of 32 ran at half the
+/// rate on the device host's Xeon, `kda_rate`).
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
@@ -65,7 +66,7 @@ unsafe fn recurrence_avx512(
     t_len: usize,
     d: usize,
 ) -> Vec<f32> {
-    recurrence_blocks::<32>(s, s_prev, inp, t_len, d)
+    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
 }
 
 /// [`recurrence_blocks`] built for AVX2 and FMA: blocks of 16 columns (AVX2's sixteen registers hold a block's
@@ -86,7 +87,7 @@ unsafe fn recurrence_avx2(
 }
 
 /// The recurrence by blocks of `W` state columns. A column's operations involve only that column of the state, of
-/// `u`, `δ`, `v` and `o`, so a block `[D, W]` (16 KiB at D = 128, W = 32) goes through every token of the pass while
+/// `u`, `δ`, `v` and `o`, so a block `[D, W]` (8 KiB at D = 128, W = 16) goes through every token of the pass while
 /// it stays in L1, instead of the whole 64 KiB state streaming through twice a token. Within a block one sweep over
 /// the rows does token `t`'s update and output and token `t + 1`'s decay and `u`, so each element is loaded and
 /// stored once a token. Columns past the last whole block go in blocks of 8, then 1.
