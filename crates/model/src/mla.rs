@@ -78,57 +78,63 @@ impl Mla {
         let kv_b_name = name("kv_b_proj.weight");
         // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
         let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
-        // The CPU multiplies by these layouts (`mla_attend`): each product runs as multiply-add chains across its
-        // outputs.
-        let mut w_uk = Vec::with_capacity(nh);
-        let mut w_uv_t = Vec::with_capacity(nh);
-        for h in 0..nh {
-            let head = &kv_b[h * per_head * kvl..(h + 1) * per_head * kvl];
-            let (uk, uv) = head.split_at(cfg.nope_dim * kvl);
-            w_uk.push(Loader::f32_matrix(
-                &kv_b_name,
-                cfg.nope_dim,
-                kvl,
-                uk.to_vec(),
-            )?);
-            w_uv_t.push(Loader::f32_matrix(
-                &kv_b_name,
-                kvl,
-                cfg.v_dim,
-                transposed(uv, cfg.v_dim, kvl),
-            )?);
-        }
+        // Per head: its nope key rows `[nope, kv_lora]`, then its value rows `[v, kv_lora]`.
+        let head = |h: usize| {
+            kv_b[h * per_head * kvl..(h + 1) * per_head * kvl].split_at(cfg.nope_dim * kvl)
+        };
         let gate = if cfg.output_gate {
             Some(ld.matrix(&name("g_proj.weight"), nh * cfg.v_dim, hidden)?)
         } else {
             None
         };
         let kv_a_norm = ld.vec(&name("kv_a_layernorm.weight"), &[kvl])?;
+        // The GPU takes `W_UK,hᵀ` `[kv_lora, nope]` and `W_UV,h` `[v, kv_lora]`.
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
-            Some(g) => Some(crate::gpu::MlaGpu::new(
-                &g.gpu,
-                &g.mla,
-                (
-                    &gpu_layout(&w_uk, &kv_b_name, kvl, cfg.nope_dim)?,
-                    &gpu_layout(&w_uv_t, &kv_b_name, cfg.v_dim, kvl)?,
-                ),
-                (
-                    &kv_a_norm,
-                    match &q {
-                        QueryProj::LowRank { norm, .. } => Some(norm.as_slice()),
-                        QueryProj::Plain(_) => None,
-                    },
-                ),
-                (cfg.nope_dim, cfg.rope_dim, kvl, cfg.v_dim),
-            )?),
+            Some(g) => {
+                let (mut uk_t, mut uv) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
+                for h in 0..nh {
+                    let (k, v) = head(h);
+                    let k_t = transposed(k, cfg.nope_dim, kvl);
+                    uk_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.nope_dim, k_t)?);
+                    uv.push(Loader::f32_matrix(&kv_b_name, cfg.v_dim, kvl, v.to_vec())?);
+                }
+                Some(crate::gpu::MlaGpu::new(
+                    &g.gpu,
+                    &g.mla,
+                    (&uk_t, &uv),
+                    (
+                        &kv_a_norm,
+                        match &q {
+                            QueryProj::LowRank { norm, .. } => Some(norm.as_slice()),
+                            QueryProj::Plain(_) => None,
+                        },
+                    ),
+                    (cfg.nope_dim, cfg.rope_dim, kvl, cfg.v_dim),
+                )?)
+            }
             None => None,
         };
-        // With the absorbed attention on the GPU the host keeps no copy of its matrices.
         #[cfg(feature = "cuda")]
-        if gpu.is_some() {
-            w_uk = Vec::new();
-            w_uv_t = Vec::new();
+        let on_gpu = gpu.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let on_gpu = false;
+        // The CPU multiplies by `W_UK,h` `[nope, kv_lora]` and `W_UV,hᵀ` `[kv_lora, v]` (`mla_attend`: each product
+        // runs as multiply-add chains across its outputs). With the absorbed attention on the GPU the host keeps no
+        // copy of its matrices.
+        let (mut w_uk, mut w_uv_t) = (Vec::new(), Vec::new());
+        if !on_gpu {
+            for h in 0..nh {
+                let (k, v) = head(h);
+                w_uk.push(Loader::f32_matrix(
+                    &kv_b_name,
+                    cfg.nope_dim,
+                    kvl,
+                    k.to_vec(),
+                )?);
+                let v_t = transposed(v, cfg.v_dim, kvl);
+                w_uv_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.v_dim, v_t)?);
+            }
         }
         Ok(Self {
             #[cfg(feature = "cuda")]
@@ -332,20 +338,4 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     t
-}
-
-/// The GPU's layout of per-head matrices stored here transposed: `[rows, cols]` each from the `[cols, rows]` ones.
-#[cfg(feature = "cuda")]
-fn gpu_layout(
-    ms: &[DenseMatrix],
-    name: &str,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<DenseMatrix>> {
-    ms.iter()
-        .map(|m| {
-            let v: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
-            Loader::f32_matrix(name, rows, cols, transposed(&v, cols, rows))
-        })
-        .collect()
 }
