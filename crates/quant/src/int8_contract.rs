@@ -104,10 +104,10 @@ pub fn dot(q: &[i8], x: &QuantizedInput) -> i64 {
 }
 
 /// `out[i · xs.len() + t] = xs[t].finish(Σ rows[i] · xs[t], scales[i])` for every row and input (prefill's
-/// multi-token form), each equal to what [`dot`] and [`QuantizedInput::finish`] give one product. On AVX2 without
-/// AVX-512 VNNI the sums run in tiles of two rows by four inputs ([`crate::simd::avx2::int8_tile`]), each row's 32
-/// weights widened once for all of a tile's inputs; elsewhere, or for rows and inputs of unequal lengths, one product
-/// at a time.
+/// multi-token form), each equal to what [`dot`] and [`QuantizedInput::finish`] give one product. On x86-64 the sums
+/// run in tiles of rows by inputs, each row's 32 weights widened once for all of a tile's inputs: four rows by four
+/// inputs with AVX-512 VNNI ([`crate::simd::avx512::int8_tile`]), two by four with AVX2 alone
+/// ([`crate::simd::avx2::int8_tile`]); elsewhere, or for rows and inputs of unequal lengths, one product at a time.
 pub fn dot_tiles(rows: &[&[i8]], scales: &[f32], xs: &[&QuantizedInput], out: &mut [f32]) {
     let tokens = xs.len();
     let n = rows.first().map_or(0, |q| q.len());
@@ -116,32 +116,55 @@ pub fn dot_tiles(rows: &[&[i8]], scales: &[f32], xs: &[&QuantizedInput], out: &m
         && scales.len() >= rows.len()
         && out.len() >= rows.len() * tokens;
     #[cfg(target_arch = "x86_64")]
-    if fits && !crate::simd::has_avx512_vnni() && crate::simd::has_avx2_fma() {
-        let mut r0 = 0;
-        while r0 < rows.len() {
-            let nr = (rows.len() - r0).min(TILE_ROWS);
-            let mut t0 = 0;
-            while t0 < tokens {
-                let nt = (tokens - t0).min(TILE_INPUTS);
-                let at = (r0, t0);
-                // SAFETY (every arm): AVX2 present; rows of one length `n`, inputs of `n` values padded to a
-                // multiple of 64 (checked above).
-                unsafe {
-                    match (nr, nt) {
-                        (2, 4) => avx2_tile::<2, 4>(rows, scales, xs, at, out),
-                        (2, 3) => avx2_tile::<2, 3>(rows, scales, xs, at, out),
-                        (2, 2) => avx2_tile::<2, 2>(rows, scales, xs, at, out),
-                        (2, _) => avx2_tile::<2, 1>(rows, scales, xs, at, out),
-                        (_, 4) => avx2_tile::<1, 4>(rows, scales, xs, at, out),
-                        (_, 3) => avx2_tile::<1, 3>(rows, scales, xs, at, out),
-                        (_, 2) => avx2_tile::<1, 2>(rows, scales, xs, at, out),
-                        _ => avx2_tile::<1, 1>(rows, scales, xs, at, out),
-                    }
+    if fits && crate::simd::has_avx512_vnni() {
+        use crate::simd::avx512::int8_tile;
+        let tile = Tiles {
+            rows,
+            scales,
+            xs,
+            out,
+        };
+        tile.walk((&[4, 1], &[4, 2, 1]), |tile, at, shape| {
+            // SAFETY (every arm): AVX-512F/BW and VNNI present; rows of one length `n`, inputs of `n` values padded
+            // to a multiple of 64 (checked above).
+            unsafe {
+                match shape {
+                    (4, 4) => tile.run(at, int8_tile::<4, 4>),
+                    (4, 2) => tile.run(at, int8_tile::<4, 2>),
+                    (4, _) => tile.run(at, int8_tile::<4, 1>),
+                    (_, 4) => tile.run(at, int8_tile::<1, 4>),
+                    (_, 2) => tile.run(at, int8_tile::<1, 2>),
+                    _ => tile.run(at, int8_tile::<1, 1>),
                 }
-                t0 += nt;
             }
-            r0 += nr;
-        }
+        });
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if fits && crate::simd::has_avx2_fma() {
+        use crate::simd::avx2::int8_tile;
+        let tile = Tiles {
+            rows,
+            scales,
+            xs,
+            out,
+        };
+        tile.walk((&[2, 1], &[4, 3, 2, 1]), |tile, at, shape| {
+            // SAFETY (every arm): AVX2 present; rows of one length `n`, inputs of `n` values padded to a multiple of
+            // 64 (checked above).
+            unsafe {
+                match shape {
+                    (2, 4) => tile.run(at, int8_tile::<2, 4>),
+                    (2, 3) => tile.run(at, int8_tile::<2, 3>),
+                    (2, 2) => tile.run(at, int8_tile::<2, 2>),
+                    (2, _) => tile.run(at, int8_tile::<2, 1>),
+                    (_, 4) => tile.run(at, int8_tile::<1, 4>),
+                    (_, 3) => tile.run(at, int8_tile::<1, 3>),
+                    (_, 2) => tile.run(at, int8_tile::<1, 2>),
+                    _ => tile.run(at, int8_tile::<1, 1>),
+                }
+            }
+        });
         return;
     }
     let _ = fits;
@@ -152,35 +175,65 @@ pub fn dot_tiles(rows: &[&[i8]], scales: &[f32], xs: &[&QuantizedInput], out: &m
     }
 }
 
-/// Rows per AVX2 tile of [`dot_tiles`]: two rows by four inputs hold eight accumulators, four widened weight vectors
-/// and an input's two vectors in AVX2's sixteen registers.
+/// A tile kernel: the exact sums of `R` rows by `T` quantised inputs.
 #[cfg(target_arch = "x86_64")]
-const TILE_ROWS: usize = 2;
-/// Inputs per AVX2 tile of [`dot_tiles`].
-#[cfg(target_arch = "x86_64")]
-const TILE_INPUTS: usize = 4;
+type TileKernel<const R: usize, const T: usize> =
+    unsafe fn([&[i8]; R], [&[i16]; T]) -> [[i64; T]; R];
 
-/// The tile of rows `r0 .. r0 + R` by inputs `t0 .. t0 + T` of [`dot_tiles`] into `out`.
-///
-/// # Safety
-/// The CPU must support AVX2; the rows have one length `n` and the inputs `n` values each.
+/// The operands of [`dot_tiles`], walked in tiles of rows by inputs.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn avx2_tile<const R: usize, const T: usize>(
-    rows: &[&[i8]],
-    scales: &[f32],
-    xs: &[&QuantizedInput],
-    (r0, t0): (usize, usize),
-    out: &mut [f32],
-) {
-    let tokens = xs.len();
-    let tile_rows: [&[i8]; R] = std::array::from_fn(|k| rows[r0 + k]);
-    let inputs: [&[i16]; T] = std::array::from_fn(|k| xs[t0 + k].values());
-    // SAFETY: forwarded from the caller; `QuantizedInput` pads its values to a multiple of 64.
-    let sums = unsafe { crate::simd::avx2::int8_tile(tile_rows, inputs) };
-    for (k, row) in sums.iter().enumerate() {
-        for (j, &sum) in row.iter().enumerate() {
-            out[(r0 + k) * tokens + t0 + j] = xs[t0 + j].finish(sum, scales[r0 + k]);
+struct Tiles<'a, 'o> {
+    rows: &'a [&'a [i8]],
+    scales: &'a [f32],
+    xs: &'a [&'a QuantizedInput],
+    out: &'o mut [f32],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Tiles<'_, '_> {
+    /// Calls `f(self, (r0, t0), (rows, inputs))` for every tile, rows outermost (a tile's rows stay in cache across
+    /// the inputs); a tile's rows and inputs are each the largest of `sizes` (descending, ending in 1) that fit.
+    fn walk(
+        mut self,
+        sizes: (&[usize], &[usize]),
+        mut f: impl FnMut(&mut Self, (usize, usize), (usize, usize)),
+    ) {
+        let step =
+            |left: usize, sizes: &[usize]| sizes.iter().copied().find(|&s| s <= left).unwrap_or(1);
+        let (rows, tokens) = (self.rows.len(), self.xs.len());
+        let mut r0 = 0;
+        while r0 < rows {
+            let nr = step(rows - r0, sizes.0);
+            let mut t0 = 0;
+            while t0 < tokens {
+                let nt = step(tokens - t0, sizes.1);
+                f(&mut self, (r0, t0), (nr, nt));
+                t0 += nt;
+            }
+            r0 += nr;
+        }
+    }
+
+    /// The tile of rows `r0 .. r0 + R` by inputs `t0 .. t0 + T` through `kernel` (its exact sums), into `out`.
+    ///
+    /// # Safety
+    /// `kernel` must be safe to call on this CPU with `R` rows of one length `n` and `T` inputs of `n` values padded
+    /// to a multiple of 64; the tile lies within the rows and inputs.
+    unsafe fn run<const R: usize, const T: usize>(
+        &mut self,
+        (r0, t0): (usize, usize),
+        kernel: TileKernel<R, T>,
+    ) {
+        let tokens = self.xs.len();
+        let tile_rows: [&[i8]; R] = std::array::from_fn(|k| self.rows[r0 + k]);
+        let inputs: [&[i16]; T] = std::array::from_fn(|k| self.xs[t0 + k].values());
+        // SAFETY: forwarded from the caller; `QuantizedInput` pads its values to a multiple of 64.
+        let sums = unsafe { kernel(tile_rows, inputs) };
+        for (k, row) in sums.iter().enumerate() {
+            for (j, &sum) in row.iter().enumerate() {
+                self.out[(r0 + k) * tokens + t0 + j] =
+                    self.xs[t0 + j].finish(sum, self.scales[r0 + k]);
+            }
         }
     }
 }

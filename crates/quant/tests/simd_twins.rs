@@ -93,6 +93,13 @@ fn int8_sums_stay_exact_at_the_extremes() {
             let tile = unsafe { deltafin_quant::simd::avx2::int8_tile([&q, &q], [xq.values(); 4]) };
             assert_eq!(tile, [[exact; 4]; 2], "avx2 tile n={n}");
         }
+        #[cfg(target_arch = "x86_64")]
+        if deltafin_quant::simd::has_avx512_vnni() {
+            // SAFETY: AVX-512F/BW and VNNI detected; four rows by four inputs of n, the inputs padded past n.
+            let tile =
+                unsafe { deltafin_quant::simd::avx512::int8_tile([&q[..]; 4], [xq.values(); 4]) };
+            assert_eq!(tile, [[exact; 4]; 4], "avx512 tile n={n}");
+        }
         let mut out = [0.0f32; 6];
         int8_contract::dot_tiles(&[&q, &q], &[1.0, 0.5], &[&xq; 3], &mut out);
         let want = [1.0f32, 0.5].map(|s| xq.finish(exact, s));
@@ -104,8 +111,8 @@ fn int8_sums_stay_exact_at_the_extremes() {
     }
 }
 
-/// Products of several int8 rows by several inputs (`int8_contract::dot_tiles`: on AVX2 in tiles of two rows by
-/// four inputs, with partial tiles at both edges) equal one product at a time of the scalar reference, for every
+/// Products of several int8 rows by several inputs (`int8_contract::dot_tiles`: in tiles of four rows by four
+/// inputs with AVX-512 VNNI, of two by four on AVX2, with partial tiles at both edges) equal one product at a time of the scalar reference, for every
 /// length, including ones that are not a multiple of the 32-column block.
 #[test]
 fn int8_tiles_match_twin() {

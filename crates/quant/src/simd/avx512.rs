@@ -353,66 +353,82 @@ pub unsafe fn bf16_finish(acc: &Bf16Acc) -> f32 {
     reduce16(acc[0], acc[1])
 }
 
-/// `R` neighbouring int8 rows against one quantised input ([`crate::int8_contract`]): per 32 columns and row, a
-/// sign extension to int16 and one `vpdpwssd` (two products per 32-bit lane), widened to 64 bits every
-/// [`SEGMENT_STEPS`] blocks. The pair is prefetched as one stream, as the dense kernels do.
+/// `R` neighbouring int8 rows against one quantised input: [`int8_tile`] with one input, whose loads the rows share.
 ///
 /// # Safety
-/// The CPU must support AVX-512F/BW and AVX-512 VNNI; every row has the same length `n`, and `xq` holds at least
-/// `n` values rounded up to a multiple of 32.
+/// As [`int8_tile`].
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn int8_rows<const R: usize>(rows: [&[i8]; R], xq: &[i16]) -> [i64; R] {
+    // SAFETY: forwarded from the caller.
+    unsafe { int8_tile(rows, [xq]) }.map(|[sum]| sum)
+}
+
+/// `R` neighbouring int8 rows against `T` quantised inputs ([`crate::int8_contract`]): per 32 columns and row, a
+/// sign extension to int16 (once for every input), then per input one `vpdpwssd` (two products added to every
+/// 32-bit lane), widened to 64 bits every [`SEGMENT_STEPS`] of those steps. The rows are prefetched as one stream in
+/// address order, as the dense kernels do. The sums are exact integers, so their order is free and every result
+/// equals [`crate::int8_contract::dot_ref`].
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW and AVX-512 VNNI; every row has the same length `n`, and every input holds at
+/// least `n` values rounded up to a multiple of 32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub unsafe fn int8_tile<const R: usize, const T: usize>(
+    rows: [&[i8]; R],
+    xs: [&[i16]; T],
+) -> [[i64; T]; R] {
     let n = rows.iter().fold(usize::MAX, |n, q| n.min(q.len()));
     let full = n / 32 * 32;
-    let xp = xq.as_ptr();
     let p0 = rows[0].as_ptr();
-    let mut wide = [_mm512_setzero_si512(); R];
+    let mut wide = [[_mm512_setzero_si512(); T]; R];
     // Adds one segment's 32-bit lanes into the 64-bit sums.
-    let widen = |wide: &mut [__m512i; R], acc: [__m512i; R]| {
-        for (wd, a) in wide.iter_mut().zip(acc) {
-            let lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a));
-            let hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64::<1>(a));
+    let widen = |wide: &mut [[__m512i; T]; R], acc: [[__m512i; T]; R]| {
+        for (wd, a) in wide.iter_mut().flatten().zip(acc.iter().flatten()) {
+            let lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(*a));
+            let hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64::<1>(*a));
             *wd = _mm512_add_epi64(*wd, _mm512_add_epi64(lo, hi));
+        }
+    };
+    // One block of 32 columns from column `c` of every input, against the rows' widened weights `w`.
+    let block = |acc: &mut [[__m512i; T]; R], c: usize, w: [__m512i; R]| {
+        for (t, x) in xs.iter().enumerate() {
+            // SAFETY: the caller pads every input to a multiple of 32 past n, and c < n.
+            let x = unsafe { _mm512_loadu_si512(x.as_ptr().add(c) as *const _) };
+            for (a, w) in acc.iter_mut().zip(&w) {
+                a[t] = _mm512_dpwssd_epi32(a[t], *w, x);
+            }
         }
     };
     let mut c = 0;
     while c < full {
         let end = full.min(c + 32 * SEGMENT_STEPS);
-        let mut acc = [_mm512_setzero_si512(); R];
+        let mut acc = [[_mm512_setzero_si512(); T]; R];
         while c < end {
             prefetch(p0.wrapping_add(R * c), R * 32, PREFETCH_BYTES);
-            // SAFETY: c + 32 <= full <= n for every row; the caller pads xq past n.
-            unsafe {
-                let x = _mm512_loadu_si512(xp.add(c) as *const _);
-                for (a, q) in acc.iter_mut().zip(&rows) {
-                    let w = _mm256_loadu_si256(q.as_ptr().add(c) as *const __m256i);
-                    *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
-                }
-            }
+            // SAFETY: c + 32 <= full <= n for every row.
+            let w = std::array::from_fn(|r| unsafe {
+                _mm512_cvtepi8_epi16(_mm256_loadu_si256(rows[r].as_ptr().add(c) as *const __m256i))
+            });
+            block(&mut acc, c, w);
             c += 32;
         }
         widen(&mut wide, acc);
     }
     if full < n {
-        // The partial last block, zero-padded (the input is zero past n).
-        let mut acc = [_mm512_setzero_si512(); R];
-        // SAFETY: the caller pads xq to a multiple of 32 past n.
-        let x = unsafe { _mm512_loadu_si512(xp.add(full) as *const _) };
-        for (a, q) in acc.iter_mut().zip(&rows) {
+        // The partial last block, zero-padded (the inputs are zero past n).
+        let mut acc = [[_mm512_setzero_si512(); T]; R];
+        let w = std::array::from_fn(|r| {
             let mut tail = [0i8; 32];
-            tail[..n - full].copy_from_slice(&q[full..n]);
+            tail[..n - full].copy_from_slice(&rows[r][full..n]);
             // SAFETY: `tail` holds 32 bytes.
-            let w = unsafe { _mm256_loadu_si256(tail.as_ptr() as *const __m256i) };
-            *a = _mm512_dpwssd_epi32(*a, _mm512_cvtepi8_epi16(w), x);
-        }
+            _mm512_cvtepi8_epi16(unsafe { _mm256_loadu_si256(tail.as_ptr() as *const __m256i) })
+        });
+        block(&mut acc, full, w);
         widen(&mut wide, acc);
     }
-    let mut out = [0i64; R];
-    for (o, wd) in out.iter_mut().zip(wide) {
-        *o = _mm512_reduce_add_epi64(wd);
-    }
-    out
+    wide.map(|row| row.map(|wd| _mm512_reduce_add_epi64(wd)))
 }
 
 /// AVX-512 VNNI twin of [`crate::int8_contract::dot_ref`].
