@@ -11,10 +11,11 @@ use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
 use rayon::prelude::*;
 
+use crate::activation::gate_in_place;
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
 use crate::mla_attend::{HeadCache, attend};
-use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, sigmoid, tensor, values};
+use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
 use crate::weights::Loader;
@@ -209,7 +210,13 @@ impl Mla {
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             let mut out = g.attend(&q, cache, past, t_len, scale)?;
-            return self.finish(gate.as_deref(), &mut out, t_len, profile);
+            if let Some(g) = &gate {
+                let width = nh * vd;
+                out.par_chunks_mut(width.max(1))
+                    .zip(g.par_chunks(width.max(1)))
+                    .for_each(|(row, g)| gate_in_place(row, g));
+            }
+            return self.project(out, t_len, profile);
         }
         let rows: Vec<&[f32]> = cache.rows().collect();
 
@@ -217,7 +224,6 @@ impl Mla {
         // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it. Queries in
         // blocks: a cache row is read once for every query of a block (`mla_attend`: each query's bits do not
         // depend on the block).
-        let mut out = vec![0.0f32; t_len * nh * vd];
         let mut by_head = vec![0.0f32; nh * t_len * vd];
         by_head
             .par_chunks_mut(t_len * vd)
@@ -240,32 +246,26 @@ impl Mla {
                     attend(&hc, &queries, &seen, dst);
                 }
             });
-        // [heads, T, v] -> [T, heads, v]
-        for h in 0..nh {
-            for t in 0..t_len {
-                out[(t * nh + h) * vd..(t * nh + h + 1) * vd]
-                    .copy_from_slice(&by_head[(h * t_len + t) * vd..(h * t_len + t + 1) * vd]);
-            }
-        }
-        self.finish(gate.as_deref(), &mut out, t_len, profile)
+        // [heads, T, v] -> [T, heads, v] with the output gate, a token row per task.
+        let width = nh * vd;
+        let mut out = vec![0.0f32; t_len * width];
+        out.par_chunks_mut(width.max(1))
+            .enumerate()
+            .for_each(|(t, row)| {
+                for (h, o) in row.chunks_exact_mut(vd.max(1)).enumerate() {
+                    o.copy_from_slice(&by_head[(h * t_len + t) * vd..(h * t_len + t + 1) * vd]);
+                }
+                if let Some(g) = &gate {
+                    gate_in_place(row, &g[t * width..(t + 1) * width]);
+                }
+            });
+        self.project(out, t_len, profile)
     }
 
-    /// The output gate (its projection `gate [T, heads · v]`, computed with the others) and the output projection
-    /// of the attention rows `out [T, heads · v]`.
-    fn finish(
-        &self,
-        gate: Option<&[f32]>,
-        out: &mut [f32],
-        t_len: usize,
-        profile: &Profile,
-    ) -> Result<Tensor> {
-        if let Some(gate) = gate {
-            for (o, g) in out.iter_mut().zip(gate) {
-                *o *= sigmoid(*g);
-            }
-        }
+    /// The output projection of the attention rows `out [T, heads · v]` (gated).
+    fn project(&self, out: Vec<f32>, t_len: usize, profile: &Profile) -> Result<Tensor> {
         let width = self.cfg.n_heads * self.cfg.v_dim;
-        let out = tensor(out.to_vec(), t_len, width)?;
+        let out = tensor(out, t_len, width)?;
         profile.time(Phase::MlaProj, || linear(&out, &self.o_proj))
     }
 }
