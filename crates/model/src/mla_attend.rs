@@ -24,9 +24,7 @@ use crate::activation;
 const TILE_ROWS: usize = 32;
 /// Queries of one register tile of the context (and of the absorbed products).
 const CTX_QUERIES: usize = 4;
-/// Outputs of one register tile at [`CTX_QUERIES`] queries on AVX2 (twice as many at two queries, four times at
-/// one), so that every tile keeps eight 8-lane chains of multiply-adds going: an FMA waits four cycles for the last
-/// one into its register. AVX-512 builds use tiles twice as wide (eight 16-lane chains; with these, four).
+/// Outputs of one register tile at [`CTX_QUERIES`] queries (twice as many at two queries, four times at one).
 const CTX_COLS: usize = 16;
 
 /// One head's absorbed matrices and the latent cache it attends over.
@@ -62,7 +60,7 @@ pub(crate) fn attend(
             return unsafe { attend_avx2(hc, queries, seen, out) };
         }
     }
-    attend_body::<1>(hc, queries, seen, out)
+    attend_body(hc, queries, seen, out)
 }
 
 /// [`attend_body`] built for AVX-512.
@@ -77,7 +75,7 @@ unsafe fn attend_avx512(
     seen: &[usize],
     out: &mut [f32],
 ) {
-    attend_body::<2>(hc, queries, seen, out)
+    attend_body(hc, queries, seen, out)
 }
 
 /// [`attend_body`] built for AVX2 and FMA.
@@ -92,21 +90,15 @@ unsafe fn attend_avx2(
     seen: &[usize],
     out: &mut [f32],
 ) {
-    attend_body::<1>(hc, queries, seen, out)
+    attend_body(hc, queries, seen, out)
 }
 
-/// The block's attention, with register tiles `WIDE` times [`CTX_COLS`] wide (the vector width over AVX2's).
 #[inline(always)]
-fn attend_body<const WIDE: usize>(
-    hc: &HeadCache<'_>,
-    queries: &[(&[f32], &[f32])],
-    seen: &[usize],
-    out: &mut [f32],
-) {
+fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize], out: &mut [f32]) {
     let (nq, kvl) = (queries.len(), hc.kvl);
     let span = seen.iter().copied().max().unwrap_or(0).min(hc.rows.len());
     let nopes: Vec<&[f32]> = queries.iter().map(|q| q.0).collect();
-    let q_abs = chains::<WIDE>(hc.w_uk, &nopes);
+    let q_abs = chains(hc.w_uk, &nopes);
     // Scores of every query against every row of the span ([row][query]); a query's rows past its own `seen` are
     // computed and never read.
     let rows = &hc.rows[..span];
@@ -134,15 +126,15 @@ fn attend_body<const WIDE: usize>(
         sk.iter_mut().for_each(|v| *v /= total);
     }
     let mut ctx = vec![0.0f32; nq * kvl];
-    context::<WIDE>(&p, span, seen, &latents, kvl, &mut ctx);
+    context(&p, span, seen, &latents, kvl, &mut ctx);
     let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
-    out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains::<WIDE>(hc.w_uv_t, &ctxs));
+    out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains(hc.w_uv_t, &ctxs));
 }
 
 /// `xs[k] · m` for every input (`m` `[rows, cols]`, each input `rows` long), `[input][col]`: per output a chain of
 /// multiply-adds over the rows in order ([`context`] with every row seen).
 #[inline(always)]
-fn chains<const WIDE: usize>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
+fn chains(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
     let (rows, cols) = (m.rows(), m.cols());
     let owned: Vec<Vec<f32>>;
     let ms: Vec<&[f32]> = match m.data() {
@@ -154,7 +146,7 @@ fn chains<const WIDE: usize>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
     };
     let p: Vec<f32> = xs.iter().flat_map(|x| x[..rows].iter().copied()).collect();
     let mut out = vec![0.0f32; xs.len() * cols];
-    context::<WIDE>(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
+    context(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
     out
 }
 
@@ -169,10 +161,10 @@ fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
 }
 
 /// `ctx[k] = Σ_n p[k][n] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[query][span]`.
-/// Rows every query of a tile sees go through register tiles of [`CTX_QUERIES`] queries by `WIDE` × [`CTX_COLS`]
-/// channels; the rows past the tile's smallest `seen` follow per query, still in order.
+/// Rows every query of a tile sees go through register tiles of [`CTX_QUERIES`] queries by [`CTX_COLS`] channels;
+/// the rows past the tile's smallest `seen` follow per query, still in order.
 #[inline(always)]
-fn context<const WIDE: usize>(
+fn context(
     p: &[f32],
     span: usize,
     seen: &[usize],
@@ -185,21 +177,16 @@ fn context<const WIDE: usize>(
     while q0 < nq {
         let qn = CTX_QUERIES.min(nq - q0);
         let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
-        // Fewer queries, wider tiles: every tile keeps eight to sixteen chains going.
-        let width = WIDE * CTX_COLS * CTX_QUERIES / qn.next_power_of_two();
+        // Fewer queries, wider tiles: every tile keeps eight to sixteen 8-lane chains going.
+        let width = CTX_COLS * CTX_QUERIES / qn.next_power_of_two();
         let mut i0 = 0;
         while i0 + width <= kvl {
             let at = (common, i0);
-            const C: usize = CTX_COLS;
-            match (WIDE, qn) {
-                (1, 1) => context_tile::<1, { C * 4 }>(p, span, q0, at, latents, kvl, ctx),
-                (1, 2) => context_tile::<2, { C * 2 }>(p, span, q0, at, latents, kvl, ctx),
-                (1, 3) => context_tile::<3, C>(p, span, q0, at, latents, kvl, ctx),
-                (1, _) => context_tile::<4, C>(p, span, q0, at, latents, kvl, ctx),
-                (_, 1) => context_tile::<1, { C * 8 }>(p, span, q0, at, latents, kvl, ctx),
-                (_, 2) => context_tile::<2, { C * 4 }>(p, span, q0, at, latents, kvl, ctx),
-                (_, 3) => context_tile::<3, { C * 2 }>(p, span, q0, at, latents, kvl, ctx),
-                _ => context_tile::<4, { C * 2 }>(p, span, q0, at, latents, kvl, ctx),
+            match qn {
+                1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
+                2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
+                3 => context_tile::<3, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
+                _ => context_tile::<4, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
             }
             i0 += width;
         }
@@ -295,21 +282,10 @@ mod tests {
     }
 
     /// Blocks of 1 to 9 queries at the positions of a prompt's pass (each one more row than the last), with latent
-    /// widths that leave no tail and a tail past the register tiles of either width, give each query's plain bits,
-    /// through the dispatched build and both tile widths (portable builds of them).
+    /// widths that leave no tail and a tail past the register tiles, give each query's plain bits.
     #[test]
     fn every_block_gives_each_querys_plain_bits() {
-        type Build = fn(&HeadCache<'_>, &[(&[f32], &[f32])], &[usize], &mut [f32]);
-        let builds: [(&str, Build); 3] = [
-            ("dispatched", attend),
-            ("AVX2 tiles", attend_body::<1>),
-            ("AVX-512 tiles", attend_body::<2>),
-        ];
-        for (kvl, rope, nope, v) in [
-            (64usize, 16usize, 24usize, 20usize),
-            (40, 8, 16, 12),
-            (160, 8, 16, 12),
-        ] {
+        for (kvl, rope, nope, v) in [(64usize, 16usize, 24usize, 20usize), (40, 8, 16, 12)] {
             let uk = DenseMatrix::new(nope, kvl, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
                 .expect("shape");
             let uv =
@@ -331,23 +307,17 @@ mod tests {
                 let queries: Vec<(&[f32], &[f32])> =
                     qs.iter().map(|(a, b)| (&a[..], &b[..])).collect();
                 let seen: Vec<usize> = (0..nq).map(|k| past + k + 1).collect();
-                for (name, build) in builds {
-                    let mut out = vec![f32::NAN; nq * v];
-                    build(&hc, &queries, &seen, &mut out);
-                    for k in 0..nq {
-                        let want = plain(&hc, queries[k], seen[k]);
-                        let got = &out[k * v..(k + 1) * v];
-                        assert!(
-                            want.iter().all(|x| x.is_finite()),
-                            "kvl {kvl}, {nq} queries"
-                        );
-                        let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(got),
-                            bits(&want),
-                            "{name}: kvl {kvl}, query {k} of {nq}"
-                        );
-                    }
+                let mut out = vec![f32::NAN; nq * v];
+                attend(&hc, &queries, &seen, &mut out);
+                for k in 0..nq {
+                    let want = plain(&hc, queries[k], seen[k]);
+                    let got = &out[k * v..(k + 1) * v];
+                    assert!(
+                        want.iter().all(|x| x.is_finite()),
+                        "kvl {kvl}, {nq} queries"
+                    );
+                    let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got), bits(&want), "kvl {kvl}, query {k} of {nq}");
                 }
             }
         }
