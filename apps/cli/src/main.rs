@@ -58,6 +58,8 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
+    // Before anything allocates: freed buffers stay for the next layer (see the module's header).
+    deltafin_runtime::allocator::keep_freed_memory();
     let cli = Cli::parse();
     // The server states what it serves at start-up: info by default there, warnings only elsewhere.
     let default_filter = match cli.command {

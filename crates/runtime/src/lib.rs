@@ -4,6 +4,7 @@
 //! **Invariant:** no HTTP, JSON wire formats or terminals here; apps call this crate.
 #![deny(missing_docs)]
 
+pub mod allocator;
 pub mod budget;
 pub mod constraint;
 pub mod convert;
