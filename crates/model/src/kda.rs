@@ -13,7 +13,6 @@ use rayon::prelude::*;
 use crate::activation::{self, silu_in_place};
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::head_columns::HeadColumns;
 use crate::kda_recurrence::{HeadInputs, recurrence_head};
 use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, softplus, tensor, values};
 use crate::profile::{Phase, Profile};
@@ -221,23 +220,24 @@ impl Kda {
             )));
         }
         let mut s_new = crate::state::state_buffer(s_len);
-        // Each head's task puts its output rows into its columns of `out [T, H·D]`.
-        let mut out = vec![0.0f32; t_len * c];
-        {
-            let columns = HeadColumns::new(&mut out, h, d);
-            s_new
-                .par_chunks_mut(d * d)
-                .enumerate()
-                .for_each(|(head, s)| {
-                    let s_prev = old_s.map(|o| &o[head * d * d..(head + 1) * d * d]);
-                    let rows = self.head(windows, &p, head, (s, s_prev));
-                    for (t, row) in rows.chunks_exact(d).enumerate() {
-                        // SAFETY: this task alone writes head `head`.
-                        unsafe { columns.put(head, t, row) };
-                    }
-                });
-        }
+        let per_head: Vec<Vec<f32>> = s_new
+            .par_chunks_mut(d * d)
+            .enumerate()
+            .map(|(head, s)| {
+                let s_prev = old_s.map(|o| &o[head * d * d..(head + 1) * d * d]);
+                self.head(windows, &p, head, (s, s_prev))
+            })
+            .collect();
         *state = Arc::new(KdaState::new(conv, s_new));
+        // [H, T, D] -> [T, H·D], a token row per task.
+        let mut out = vec![0.0f32; t_len * c];
+        out.par_chunks_mut(c.max(1))
+            .enumerate()
+            .for_each(|(t, row)| {
+                for (head, o) in per_head.iter().enumerate() {
+                    row[head * d..(head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
+                }
+            });
         let out = tensor(out, t_len, c)?;
         profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }

@@ -12,7 +12,6 @@ pub mod device;
 pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
-mod head_columns;
 pub mod kda;
 pub mod kda_recurrence;
 pub mod layer;

@@ -14,7 +14,6 @@ use rayon::prelude::*;
 use crate::activation::gate_in_place;
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
 use crate::error::Result;
-use crate::head_columns::HeadColumns;
 use crate::mla_attend::{HeadCache, attend};
 use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, tensor, values};
 use crate::profile::{Phase, Profile};
@@ -225,12 +224,11 @@ impl Mla {
         // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it. Queries in
         // blocks: a cache row is read once for every query of a block (`mla_attend`: each query's bits do not
         // depend on the block).
-        let width = nh * vd;
-        let mut out = vec![0.0f32; t_len * width];
-        {
-            // Each head's task puts its gated rows into its columns of `out [T, heads · v]`.
-            let columns = HeadColumns::new(&mut out, nh, vd);
-            (0..nh).into_par_iter().for_each(|h| {
+        let mut by_head = vec![0.0f32; nh * t_len * vd];
+        by_head
+            .par_chunks_mut(t_len * vd)
+            .enumerate()
+            .for_each(|(h, dst)| {
                 let hc = HeadCache {
                     w_uk: &self.w_uk[h],
                     w_uv_t: &self.w_uv_t[h],
@@ -238,8 +236,7 @@ impl Mla {
                     kvl,
                     scale,
                 };
-                let mut head_rows = vec![0.0f32; t_len * vd];
-                for (b, dst) in head_rows.chunks_mut(QUERY_BLOCK * vd).enumerate() {
+                for (b, dst) in dst.chunks_mut(QUERY_BLOCK * vd).enumerate() {
                     let b0 = b * QUERY_BLOCK;
                     let nq = dst.len() / vd.max(1);
                     let queries: Vec<(&[f32], &[f32])> = (b0..b0 + nq)
@@ -248,15 +245,20 @@ impl Mla {
                     let seen: Vec<usize> = (b0..b0 + nq).map(|t| past + t + 1).collect();
                     attend(&hc, &queries, &seen, dst);
                 }
-                for (t, row) in head_rows.chunks_exact_mut(vd.max(1)).enumerate() {
-                    if let Some(g) = &gate {
-                        gate_in_place(row, &g[t * width + h * vd..t * width + (h + 1) * vd]);
-                    }
-                    // SAFETY: this task alone writes head `h`.
-                    unsafe { columns.put(h, t, row) };
+            });
+        // [heads, T, v] -> [T, heads, v] with the output gate, a token row per task.
+        let width = nh * vd;
+        let mut out = vec![0.0f32; t_len * width];
+        out.par_chunks_mut(width.max(1))
+            .enumerate()
+            .for_each(|(t, row)| {
+                for (h, o) in row.chunks_exact_mut(vd.max(1)).enumerate() {
+                    o.copy_from_slice(&by_head[(h * t_len + t) * vd..(h * t_len + t + 1) * vd]);
+                }
+                if let Some(g) = &gate {
+                    gate_in_place(row, &g[t * width..(t + 1) * width]);
                 }
             });
-        }
         self.project(out, t_len, profile)
     }
 
