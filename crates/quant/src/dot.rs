@@ -100,9 +100,9 @@ const TILE_BLOCK: usize = 1024;
 
 /// `out[r · xs.len() + t]` = `rows[r] · xs[t]` for every f32 row and input (all of one length), each bit-identical
 /// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of three rows by four inputs that share their loads (24
-/// accumulators, six row and two input vectors: all 32 registers), on AVX2 alone in tiles of one row by three
-/// inputs (twelve accumulators), both over blocks of [`TILE_BLOCK`] values (multi-token products); elsewhere one at a
-/// time.
+/// accumulators, six row and two input vectors: all 32 registers), on AVX2 alone in tiles of three rows by four
+/// inputs that run the contract's four accumulators one after the other (twelve registers), both over blocks of
+/// [`TILE_BLOCK`] values (multi-token products); elsewhere one at a time.
 pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     let tokens = xs.len();
     let n = rows.first().map_or(0, |w| w.len());

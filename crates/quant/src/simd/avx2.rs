@@ -105,12 +105,14 @@ fn finish([mut a0, a1, a2, a3]: F32Acc, w: &[f32], x: &[f32], full: usize) -> f3
 /// One product's four 8-lane accumulators of the dot contract ([`crate::dot`]).
 type F32Acc = [__m256; 4];
 
-/// Inputs per tile of [`dot_f32_tiles`] (one row by three inputs: twelve accumulators).
-const TILE_TOKENS: usize = 3;
+/// Rows per tile of [`dot_f32_tiles`].
+const TILE_ROWS: usize = 3;
+/// Inputs per tile of [`dot_f32_tiles`] (three rows by four inputs: twelve accumulators).
+const TILE_TOKENS: usize = 4;
 
-/// `out[r · xs.len() + t]` = `rows[r] · xs[t]`, each bit-identical to [`crate::dot::dot_f32_ref`]: tiles of one row
-/// by up to three inputs ([`dot_f32_row_tile`]) over blocks of `block` values (a multiple of 32), so the inputs of a
-/// block stay in L1 while every row goes through them, then each product's tail and reduction.
+/// `out[r · xs.len() + t]` = `rows[r] · xs[t]`, each bit-identical to [`crate::dot::dot_f32_ref`]: tiles of up to
+/// three rows by four inputs ([`dot_f32_grid_tile`]) over blocks of `block` values (a multiple of 32), so a tile's
+/// rows and inputs of a block stay in L1 while it runs, then each product's tail and reduction.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; every row and input has one length; `out` holds `rows.len() · xs.len()`
@@ -121,21 +123,31 @@ pub unsafe fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32], blo
     let n = rows.first().map_or(0, |w| w.len());
     let full = n / BLOCK * BLOCK;
     let mut acc: Vec<F32Acc> = vec![[_mm256_setzero_ps(); 4]; rows.len() * tokens];
+    // SAFETY (every call below): AVX2 and FMA present; the rows and inputs of one length, the span whole blocks
+    // within them, and `acc` holding every product (caller).
+    macro_rules! tile {
+        ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
+            $(
+                if $width == $t {
+                    let x: [&[f32]; $t] = std::array::from_fn(|k| xs[$t0 + k]);
+                    let w: [&[f32]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
+                    unsafe { dot_f32_grid_tile::<$r, $t>(w, x, $span, &mut acc[$r0 * tokens + $t0..], tokens) };
+                }
+            )+
+        }};
+    }
     for b0 in (0..full).step_by(block.max(BLOCK)) {
         let span = (b0, (b0 + block.max(BLOCK)).min(full));
         for t0 in (0..tokens).step_by(TILE_TOKENS) {
             let width = TILE_TOKENS.min(tokens - t0);
-            for (r, w) in rows.iter().enumerate() {
-                let a = &mut acc[r * tokens + t0..];
-                // SAFETY (each call): AVX2 and FMA present; the row and inputs of one length, the span whole blocks
-                // within them, and `a` holding the tile's products (caller).
-                unsafe {
-                    match width {
-                        1 => dot_f32_row_tile::<1>(w, [xs[t0]], span, a),
-                        2 => dot_f32_row_tile::<2>(w, [xs[t0], xs[t0 + 1]], span, a),
-                        _ => dot_f32_row_tile::<3>(w, [xs[t0], xs[t0 + 1], xs[t0 + 2]], span, a),
-                    }
+            let mut r0 = 0;
+            while r0 < rows.len() {
+                match rows.len() - r0 {
+                    1 => tile!(1, r0, t0, width, span, 1 2 3 4),
+                    2 => tile!(2, r0, t0, width, span, 1 2 3 4),
+                    _ => tile!(3, r0, t0, width, span, 1 2 3 4),
                 }
+                r0 += (rows.len() - r0).min(TILE_ROWS);
             }
         }
     }
@@ -146,38 +158,51 @@ pub unsafe fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32], blo
     }
 }
 
-/// Values `b0 .. b1` (whole blocks of 32) of one f32 row by `T` inputs (1 to 3) of the dot contract (multi-token
-/// products): each of the row's vectors is loaded once for all `T` inputs, whose vectors are the FMAs' memory
-/// operands (12 accumulators and the row's vector: AVX2's sixteen registers). Each product's accumulators are
-/// `acc[t]`, read at the start and written back at the end, so a caller can walk the values in blocks that keep the
-/// inputs in L1; every product gets its blocks in order, as in [`crate::dot::dot_f32_ref`].
+/// Values `b0 .. b1` (whole blocks of 32) of `R` rows by `T` inputs of the dot contract (multi-token products). The
+/// contract keeps four 8-lane accumulators a product, the `k`-th taking the `k`-th 8 values of every block of 32;
+/// each is its own chain over the blocks in order, so they are run one after the other: per accumulator, a tile of
+/// `R · T` products (twelve registers at 3 × 4) loads each row's 8 values once for all inputs and each input's once
+/// for all rows (seven loads a dozen FMAs; all four at once would need 48 registers). Product `(r, t)`'s
+/// accumulators are `acc[r · stride + t]`, read at the start and written back at the end, so a caller can walk the
+/// values in blocks that stay in L1.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `b0` and `b1` are multiples of 32 within the row and every input; `acc` holds
-/// `T` accumulators.
+/// The CPU must support AVX2 and FMA; `b0` and `b1` are multiples of 32 within every row and input; `acc` holds the
+/// products `r · stride + t` for `r < R`, `t < T`.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_f32_row_tile<const T: usize>(
-    w: &[f32],
+unsafe fn dot_f32_grid_tile<const R: usize, const T: usize>(
+    rows: [&[f32]; R],
     xs: [&[f32]; T],
     (b0, b1): (usize, usize),
     acc: &mut [F32Acc],
+    stride: usize,
 ) {
-    let mut a: [F32Acc; T] = std::array::from_fn(|t| acc[t]);
-    let mut b = b0;
-    while b < b1 {
-        // SAFETY: b + 32 <= b1, within the row and every input (caller).
-        unsafe {
-            for k in 0..4 {
-                let wv = _mm256_loadu_ps(w.as_ptr().add(b + 8 * k));
-                for (at, x) in a.iter_mut().zip(&xs) {
-                    at[k] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.as_ptr().add(b + 8 * k)), at[k]);
+    // Accumulator `k` takes the values at `8 k` within every block.
+    for (k, offset) in [0usize, 8, 16, 24].into_iter().enumerate() {
+        let mut a: [[__m256; T]; R] =
+            std::array::from_fn(|r| std::array::from_fn(|t| acc[r * stride + t][k]));
+        let mut b = b0 + offset;
+        while b < b1 {
+            // SAFETY: b + 8 <= b1, within every row and input (caller).
+            unsafe {
+                let wv: [__m256; R] =
+                    std::array::from_fn(|r| _mm256_loadu_ps(rows[r].as_ptr().add(b)));
+                for (t, x) in xs.iter().enumerate() {
+                    let xv = _mm256_loadu_ps(x.as_ptr().add(b));
+                    for (ar, w) in a.iter_mut().zip(&wv) {
+                        ar[t] = _mm256_fmadd_ps(*w, xv, ar[t]);
+                    }
                 }
             }
+            b += BLOCK;
         }
-        b += BLOCK;
+        for (r, ar) in a.iter().enumerate() {
+            for (t, v) in ar.iter().enumerate() {
+                acc[r * stride + t][k] = *v;
+            }
+        }
     }
-    acc[..T].copy_from_slice(&a);
 }
 
 /// AVX2 twin of [`crate::dot::dot_f32_ref`].
