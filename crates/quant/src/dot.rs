@@ -98,6 +98,60 @@ const TILE_TOKENS: usize = 4;
 #[cfg(target_arch = "x86_64")]
 const TILE_BLOCK: usize = 1024;
 
+/// One tile of [`walk_tiles`]: `$r` rows from `$r0` by the `$width` inputs from `$t0` (one of the `$t`).
+#[cfg(target_arch = "x86_64")]
+macro_rules! f32_tile {
+    (
+        $tile:ident, $r:literal, ($rows:expr, $xs:expr, $acc:expr, $span:expr), ($r0:expr, $t0:expr, $width:expr),
+        $($t:literal)+
+    ) => {{
+        $(
+            if $width == $t {
+                let x: [&[f32]; $t] = std::array::from_fn(|k| $xs[$t0 + k]);
+                let w: [&[f32]; $r] = std::array::from_fn(|k| $rows[$r0 + k]);
+                $tile::<$r, $t>(w, x, $span, &mut $acc[$r0 * $xs.len() + $t0..], $xs.len());
+            }
+        )+
+    }};
+}
+
+/// Runs `$tile` (a `dot_f32_tile` of `crate::simd`: up to three rows by [`TILE_TOKENS`] inputs, accumulators
+/// `acc[r · tokens + t]`) over every tile of `$rows` by `$xs` for the values of `$span`, inputs outermost. Unsafe as
+/// `$tile` is.
+#[cfg(target_arch = "x86_64")]
+macro_rules! walk_tiles {
+    ($tile:ident, $rows:expr, $xs:expr, $span:expr, $acc:expr) => {{
+        let (rows, xs): (&[&[f32]], &[&[f32]]) = (&$rows, &$xs);
+        let tokens = xs.len();
+        for t0 in (0..tokens).step_by(TILE_TOKENS) {
+            let width = TILE_TOKENS.min(tokens - t0);
+            let mut r0 = 0;
+            while r0 < rows.len() {
+                match rows.len() - r0 {
+                    1 => f32_tile!($tile, 1, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
+                    2 => f32_tile!($tile, 2, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
+                    _ => f32_tile!($tile, 3, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
+                }
+                r0 += (rows.len() - r0).min(3);
+            }
+        }
+    }};
+}
+
+/// `$out[r · tokens + t] = $finish(acc, row, input)` for every product of `$rows` by `$xs` (the tail and the
+/// reduction after [`walk_tiles`]). Unsafe as `$finish` is.
+#[cfg(target_arch = "x86_64")]
+macro_rules! finish_tiles {
+    ($finish:ident, $rows:expr, $xs:expr, $acc:expr, $out:expr) => {{
+        let tokens = $xs.len();
+        for (r, w) in $rows.iter().enumerate() {
+            for (t, x) in $xs.iter().enumerate() {
+                $out[r * tokens + t] = $finish(&$acc[r * tokens + t], w, x);
+            }
+        }
+    }};
+}
+
 /// `out[r · xs.len() + t]` = `rows[r] · xs[t]` for every f32 row and input (all of one length), each bit-identical
 /// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of three rows by four inputs that share their loads (24
 /// accumulators, six row and two input vectors: all 32 registers), on AVX2 alone in tiles of three rows by four
@@ -147,47 +201,28 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
                 (all_rows.to_vec(), all_xs.to_vec(), (b0, b1))
             };
             let (rows, xs) = (&block_rows[..], &block_xs[..]);
-            // SAFETY (every call below): AVX-512F, AVX2 and FMA present; rows and inputs of one length, the span
-            // whole blocks within them, and `acc` holding every product (checked above).
-            macro_rules! tile {
-                ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
-                    $(
-                        if $width == $t {
-                            let x: [&[f32]; $t] = std::array::from_fn(|k| xs[$t0 + k]);
-                            let w: [&[f32]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
-                            unsafe {
-                                dot_f32_tile::<$r, $t>(w, x, $span, &mut acc[$r0 * tokens + $t0..], tokens)
-                            };
-                        }
-                    )+
-                }};
-            }
-            for t0 in (0..tokens).step_by(TILE_TOKENS) {
-                let width = TILE_TOKENS.min(tokens - t0);
-                let mut r0 = 0;
-                while r0 < rows.len() {
-                    match rows.len() - r0 {
-                        1 => tile!(1, r0, t0, width, span, 1 2 3 4),
-                        2 => tile!(2, r0, t0, width, span, 1 2 3 4),
-                        _ => tile!(3, r0, t0, width, span, 1 2 3 4),
-                    }
-                    r0 += (rows.len() - r0).min(3);
-                }
-            }
+            // SAFETY: AVX-512F, AVX2 and FMA present; rows and inputs of one length, the span whole blocks within
+            // them, and `acc` holding every product (checked above).
+            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc) };
         }
-        for (r, w) in rows.iter().enumerate() {
-            for (t, x) in xs.iter().enumerate() {
-                let a = &acc[r * tokens + t];
-                // SAFETY: AVX-512F, AVX2 and FMA present; one length (checked above).
-                out[r * tokens + t] = unsafe { dot_f32_finish(a, w, x) };
-            }
-        }
+        // SAFETY: AVX-512F, AVX2 and FMA present; one length (checked above).
+        unsafe { finish_tiles!(dot_f32_finish, rows, xs, acc, out) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() && fits && tokens > 1 {
-        // SAFETY: AVX2 and FMA present; rows and inputs of one length, `out` holding every product (checked above).
-        unsafe { crate::simd::avx2::dot_f32_tiles(rows, xs, out, TILE_BLOCK) };
+        use crate::simd::avx2::{F32Acc, dot_f32_finish, dot_f32_tile};
+        // SAFETY: an all-zero bit pattern is a valid vector (the accumulators' start).
+        let mut acc: Vec<F32Acc> = vec![unsafe { std::mem::zeroed() }; rows.len() * tokens];
+        let full = n / BLOCK * BLOCK;
+        for b0 in (0..full).step_by(TILE_BLOCK) {
+            let span = (b0, (b0 + TILE_BLOCK).min(full));
+            // SAFETY: AVX2 and FMA present; rows and inputs of one length, the span whole blocks within them, and
+            // `acc` holding every product (checked above).
+            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc) };
+        }
+        // SAFETY: AVX2 and FMA present; one length (checked above).
+        unsafe { finish_tiles!(dot_f32_finish, rows, xs, acc, out) };
         return;
     }
     let _ = fits;

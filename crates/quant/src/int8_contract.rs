@@ -116,55 +116,50 @@ pub fn dot_tiles(rows: &[&[i8]], scales: &[f32], xs: &[&QuantizedInput], out: &m
         && scales.len() >= rows.len()
         && out.len() >= rows.len() * tokens;
     #[cfg(target_arch = "x86_64")]
-    if fits && crate::simd::has_avx512_vnni() {
-        use crate::simd::avx512::int8_tile;
-        let tile = Tiles {
-            rows,
-            scales,
-            xs,
-            out,
-        };
-        tile.walk((&[4, 1], &[4, 2, 1]), |tile, at, shape| {
-            // SAFETY (every arm): AVX-512F/BW and VNNI present; rows of one length `n`, inputs of `n` values padded
-            // to a multiple of 64 (checked above).
-            unsafe {
-                match shape {
-                    (4, 4) => tile.run(at, int8_tile::<4, 4>),
-                    (4, 2) => tile.run(at, int8_tile::<4, 2>),
-                    (4, _) => tile.run(at, int8_tile::<4, 1>),
-                    (_, 4) => tile.run(at, int8_tile::<1, 4>),
-                    (_, 2) => tile.run(at, int8_tile::<1, 2>),
-                    _ => tile.run(at, int8_tile::<1, 1>),
-                }
-            }
-        });
-        return;
-    }
+    let (vnni, avx2) = (crate::simd::has_avx512_vnni(), crate::simd::has_avx2_fma());
     #[cfg(target_arch = "x86_64")]
-    if fits && crate::simd::has_avx2_fma() {
-        use crate::simd::avx2::int8_tile;
-        let tile = Tiles {
+    if fits && (vnni || avx2) {
+        let tiles = Tiles {
             rows,
             scales,
             xs,
             out,
         };
-        tile.walk((&[2, 1], &[4, 3, 2, 1]), |tile, at, shape| {
-            // SAFETY (every arm): AVX2 present; rows of one length `n`, inputs of `n` values padded to a multiple of
-            // 64 (checked above).
-            unsafe {
-                match shape {
-                    (2, 4) => tile.run(at, int8_tile::<2, 4>),
-                    (2, 3) => tile.run(at, int8_tile::<2, 3>),
-                    (2, 2) => tile.run(at, int8_tile::<2, 2>),
-                    (2, _) => tile.run(at, int8_tile::<2, 1>),
-                    (_, 4) => tile.run(at, int8_tile::<1, 4>),
-                    (_, 3) => tile.run(at, int8_tile::<1, 3>),
-                    (_, 2) => tile.run(at, int8_tile::<1, 2>),
-                    _ => tile.run(at, int8_tile::<1, 1>),
+        if vnni {
+            use crate::simd::avx512::int8_tile;
+            tiles.walk((&[4, 1], &[4, 2, 1]), |tile, at, shape| {
+                // SAFETY (every arm): AVX-512F/BW and VNNI present; rows of one length `n`, inputs of `n`
+                // values padded to a multiple of 64 (checked above).
+                unsafe {
+                    match shape {
+                        (4, 4) => tile.run(at, int8_tile::<4, 4>),
+                        (4, 2) => tile.run(at, int8_tile::<4, 2>),
+                        (4, _) => tile.run(at, int8_tile::<4, 1>),
+                        (_, 4) => tile.run(at, int8_tile::<1, 4>),
+                        (_, 2) => tile.run(at, int8_tile::<1, 2>),
+                        _ => tile.run(at, int8_tile::<1, 1>),
+                    }
                 }
-            }
-        });
+            });
+        } else {
+            use crate::simd::avx2::int8_tile;
+            tiles.walk((&[2, 1], &[4, 3, 2, 1]), |tile, at, shape| {
+                // SAFETY (every arm): AVX2 present; rows of one length `n`, inputs of `n` values padded to a
+                // multiple of 64 (checked above).
+                unsafe {
+                    match shape {
+                        (2, 4) => tile.run(at, int8_tile::<2, 4>),
+                        (2, 3) => tile.run(at, int8_tile::<2, 3>),
+                        (2, 2) => tile.run(at, int8_tile::<2, 2>),
+                        (2, _) => tile.run(at, int8_tile::<2, 1>),
+                        (_, 4) => tile.run(at, int8_tile::<1, 4>),
+                        (_, 3) => tile.run(at, int8_tile::<1, 3>),
+                        (_, 2) => tile.run(at, int8_tile::<1, 2>),
+                        _ => tile.run(at, int8_tile::<1, 1>),
+                    }
+                }
+            });
+        }
         return;
     }
     let _ = fits;

@@ -103,59 +103,17 @@ fn finish([mut a0, a1, a2, a3]: F32Acc, w: &[f32], x: &[f32], full: usize) -> f3
 }
 
 /// One product's four 8-lane accumulators of the dot contract ([`crate::dot`]).
-type F32Acc = [__m256; 4];
+pub type F32Acc = [__m256; 4];
 
-/// Rows per tile of [`dot_f32_tiles`].
-const TILE_ROWS: usize = 3;
-/// Inputs per tile of [`dot_f32_tiles`] (three rows by four inputs: twelve accumulators).
-const TILE_TOKENS: usize = 4;
-
-/// `out[r · xs.len() + t]` = `rows[r] · xs[t]`, each bit-identical to [`crate::dot::dot_f32_ref`]: tiles of up to
-/// three rows by four inputs ([`dot_f32_grid_tile`]) over blocks of `block` values (a multiple of 32), so a tile's
-/// rows and inputs of a block stay in L1 while it runs, then each product's tail and reduction.
+/// One product's result from its accumulators after [`dot_f32_tile`] over every whole block: the tail, then the
+/// reduction (bit-identical to [`crate::dot::dot_f32_ref`]).
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; every row and input has one length; `out` holds `rows.len() · xs.len()`
-/// values.
+/// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32], block: usize) {
-    let tokens = xs.len();
-    let n = rows.first().map_or(0, |w| w.len());
-    let full = n / BLOCK * BLOCK;
-    let mut acc: Vec<F32Acc> = vec![[_mm256_setzero_ps(); 4]; rows.len() * tokens];
-    // SAFETY (every call below): AVX2 and FMA present; the rows and inputs of one length, the span whole blocks
-    // within them, and `acc` holding every product (caller).
-    macro_rules! tile {
-        ($r:literal, $r0:expr, $t0:expr, $width:expr, $span:expr, $($t:literal)+) => {{
-            $(
-                if $width == $t {
-                    let x: [&[f32]; $t] = std::array::from_fn(|k| xs[$t0 + k]);
-                    let w: [&[f32]; $r] = std::array::from_fn(|k| rows[$r0 + k]);
-                    unsafe { dot_f32_grid_tile::<$r, $t>(w, x, $span, &mut acc[$r0 * tokens + $t0..], tokens) };
-                }
-            )+
-        }};
-    }
-    for b0 in (0..full).step_by(block.max(BLOCK)) {
-        let span = (b0, (b0 + block.max(BLOCK)).min(full));
-        for t0 in (0..tokens).step_by(TILE_TOKENS) {
-            let width = TILE_TOKENS.min(tokens - t0);
-            let mut r0 = 0;
-            while r0 < rows.len() {
-                match rows.len() - r0 {
-                    1 => tile!(1, r0, t0, width, span, 1 2 3 4),
-                    2 => tile!(2, r0, t0, width, span, 1 2 3 4),
-                    _ => tile!(3, r0, t0, width, span, 1 2 3 4),
-                }
-                r0 += (rows.len() - r0).min(TILE_ROWS);
-            }
-        }
-    }
-    for (r, w) in rows.iter().enumerate() {
-        for (t, x) in xs.iter().enumerate() {
-            out[r * tokens + t] = finish(acc[r * tokens + t], w, x, full);
-        }
-    }
+pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
+    let full = w.len().min(x.len()) / BLOCK * BLOCK;
+    finish(*acc, w, x, full)
 }
 
 /// Values `b0 .. b1` (whole blocks of 32) of `R` rows by `T` inputs of the dot contract (multi-token products). The
@@ -169,9 +127,8 @@ pub unsafe fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32], blo
 /// # Safety
 /// The CPU must support AVX2 and FMA; `b0` and `b1` are multiples of 32 within every row and input; `acc` holds the
 /// products `r · stride + t` for `r < R`, `t < T`.
-#[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_f32_grid_tile<const R: usize, const T: usize>(
+pub unsafe fn dot_f32_tile<const R: usize, const T: usize>(
     rows: [&[f32]; R],
     xs: [&[f32]; T],
     (b0, b1): (usize, usize),
