@@ -10,7 +10,7 @@ use candle_core::Tensor;
 use deltafin_quant::DenseMatrix;
 use rayon::prelude::*;
 
-use crate::activation::{self, silu_in_place};
+use crate::activation;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::kda_recurrence::{HeadInputs, recurrence_head};
@@ -343,13 +343,7 @@ impl Kda {
                 if t + hist + CONV_PREFETCH_ROWS < t_len + hist {
                     prefetch(ext(t + hist + CONV_PREFETCH_ROWS));
                 }
-                // Per channel: 0, then + tap k · row (t + k) for k = 0, 1, … (the order of the plain loop).
-                for (k, tap) in by_tap.chunks_exact(d).enumerate() {
-                    for ((o, &w), &x) in out.iter_mut().zip(tap).zip(ext(t + k)) {
-                        *o += w * x;
-                    }
-                }
-                silu_in_place(out);
+                conv_silu_row(out, &by_tap, |k| ext(t + k));
             }
         }
         let [mut q, mut k, v] = qkv;
@@ -515,6 +509,38 @@ fn a_log_heads(name: &str, shape: &[usize], data: &[f32], heads: usize) -> Resul
 /// short conv's inputs, the decay gate's and the output gate's projections).
 const CONV_PREFETCH_ROWS: usize = 8;
 
+/// One token's short conv and SiLU over a head's channels: `out[j] = SiLU(0 + w_0j·x_0j + w_1j·x_1j + …)`, the
+/// taps in order (the plain loop's order), with `by_tap` the head's taps `[K][D]` and `rows(k)` the head's channels of
+/// the `k`-th input row. Sixteen channels at a time, so each running sum stays in a register through the taps instead
+/// of going to memory and back once a tap; σ is [`activation::sigmoid`], as in [`activation::silu_in_place`].
+#[inline(always)]
+fn conv_silu_row<'a>(out: &mut [f32], by_tap: &[f32], rows: impl Fn(usize) -> &'a [f32]) {
+    const LANES: usize = 16;
+    let d = out.len();
+    let kern = by_tap.len() / d.max(1);
+    let whole = d - d % LANES;
+    for c0 in (0..whole).step_by(LANES) {
+        let mut acc = [0.0f32; LANES];
+        for k in 0..kern {
+            let w = &by_tap[k * d + c0..k * d + c0 + LANES];
+            let x = &rows(k)[c0..c0 + LANES];
+            for j in 0..LANES {
+                acc[j] += w[j] * x[j];
+            }
+        }
+        for (o, a) in out[c0..c0 + LANES].iter_mut().zip(acc) {
+            *o = a * activation::sigmoid(a);
+        }
+    }
+    for j in whole..d {
+        let mut a = 0.0f32;
+        for k in 0..kern {
+            a += by_tap[k * d + j] * rows(k)[j];
+        }
+        out[j] = a * activation::sigmoid(a);
+    }
+}
+
 /// A hint that `data` is read soon: each of its cache lines into every cache level (x86-64; elsewhere nothing).
 #[inline(always)]
 fn prefetch(data: &[f32]) {
@@ -568,6 +594,31 @@ mod tests {
                 all[all.len() - window.len()..],
                 "{rows} rows"
             );
+        }
+    }
+
+    /// The conv in register sums gives the bits of the plain loop (a sum in memory per channel, taps in order, then
+    /// SiLU over the row), for head widths with and without a tail of channels and for several tap counts.
+    #[test]
+    fn conv_silu_row_gives_the_plain_loop_bits() {
+        for (d, kern) in [(128, 4), (40, 4), (7, 3), (16, 1)] {
+            let val = |i: usize, f: f32| ((i as f32) * f).sin() * 2.5;
+            let by_tap: Vec<f32> = (0..kern * d).map(|i| val(i, 0.37)).collect();
+            let rows: Vec<Vec<f32>> = (0..kern)
+                .map(|k| (0..d).map(|j| val(k * d + j, 0.11) - 0.3).collect())
+                .collect();
+            let mut plain = vec![0.0f32; d];
+            for (k, tap) in by_tap.chunks_exact(d).enumerate() {
+                for ((o, &w), &x) in plain.iter_mut().zip(tap).zip(&rows[k]) {
+                    *o += w * x;
+                }
+            }
+            activation::silu_in_place(&mut plain);
+            let mut out = vec![f32::NAN; d];
+            conv_silu_row(&mut out, &by_tap, |k| &rows[k]);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&plain), "D {d}, {kern} taps");
+            assert!(out.iter().all(|x| x.is_finite()) && out.iter().any(|&x| x != 0.0));
         }
     }
 }

@@ -49,11 +49,12 @@ pub fn recurrence_head(
             return unsafe { recurrence_avx2(s, s_prev, inp, t_len, d) };
         }
     }
-    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
+    recurrence_blocks::<16, PlainSweep>(s, s_prev, inp, t_len, d)
 }
 
-/// [`recurrence_blocks`] built for AVX-512: blocks of 16 columns, one vector a row (blocks of 32 ran at half the
-/// rate on the device host's Xeon, `kda_rate`).
+/// [`recurrence_blocks`] built for AVX-512: blocks of 32 columns, two vectors a row, swept by [`PairSweep`] so the
+/// four running sums (`o` and the next `u`, two vectors each) stay in registers. With one vector a row a sweep waits
+/// on the FMA latency of two running sums; the plain sweep at 32 columns kept its sums on the stack.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
@@ -66,7 +67,7 @@ unsafe fn recurrence_avx512(
     t_len: usize,
     d: usize,
 ) -> Vec<f32> {
-    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
+    recurrence_blocks::<32, PairSweep>(s, s_prev, inp, t_len, d)
 }
 
 /// [`recurrence_blocks`] built for AVX2 and FMA: blocks of 16 columns (AVX2's sixteen registers hold a block's
@@ -83,7 +84,7 @@ unsafe fn recurrence_avx2(
     t_len: usize,
     d: usize,
 ) -> Vec<f32> {
-    recurrence_blocks::<16>(s, s_prev, inp, t_len, d)
+    recurrence_blocks::<16, PlainSweep>(s, s_prev, inp, t_len, d)
 }
 
 /// The recurrence by blocks of `W` state columns. A column's operations involve only that column of the state, of
@@ -92,7 +93,7 @@ unsafe fn recurrence_avx2(
 /// the rows does token `t`'s update and output and token `t + 1`'s decay and `u`, so each element is loaded and
 /// stored once a token. Columns past the last whole block go in blocks of 8, then 1.
 #[inline(always)]
-fn recurrence_blocks<const W: usize>(
+fn recurrence_blocks<const W: usize, S: Sweep<W>>(
     s: &mut [f32],
     s_prev: Option<&[f32]>,
     inp: &HeadInputs,
@@ -116,11 +117,11 @@ fn recurrence_blocks<const W: usize>(
     while j0 < d {
         let rest = d - j0;
         j0 += if rest >= W {
-            column_block::<W>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<W, S>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
         } else if rest >= 8 {
-            column_block::<8>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<8, PlainSweep>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
         } else {
-            column_block::<1>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<1, PlainSweep>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
         };
     }
     out
@@ -128,9 +129,10 @@ fn recurrence_blocks<const W: usize>(
 
 /// Columns `j0 .. j0 + W` of the state through every token (`dims` = (T, D, j0)); writes those columns of `out` and
 /// returns `W`. The block works on a contiguous copy (`[D, W]`): in place, its rows would lie a state row apart
-/// (512 bytes at D = 128), all in a few of L1's sets, and evict each other.
+/// (512 bytes at D = 128), all in a few of L1's sets, and evict each other. The copy starts a cache line, so a row of
+/// 16 or 32 values is one or two whole lines (a vector load across two lines costs two).
 #[inline(always)]
-fn column_block<const W: usize>(
+fn column_block<const W: usize, S: Sweep<W>>(
     s: &mut [f32],
     s_prev: Option<&[f32]>,
     inp: &HeadInputs,
@@ -139,7 +141,8 @@ fn column_block<const W: usize>(
     dims: (usize, usize, usize),
 ) -> usize {
     let (t_len, d, j0) = dims;
-    let mut block = vec![[0.0f32; W]; d];
+    let mut lines = deltafin_quant::aligned::Lines::zeroed(d * W);
+    let (block, _) = lines.as_chunks_mut::<W>();
     // Token 0's decay (from the old state, or from zeros) and its u.
     let mut u = [0.0f32; W];
     for (i, ((row, &k), &dec)) in block
@@ -169,41 +172,162 @@ fn column_block<const W: usize>(
             delta[j] = inp.beta[t] * (v[j] - u[j]);
         }
         let (k, q) = (&inp.k[t * d..(t + 1) * d], &inp.q[t * d..(t + 1) * d]);
-        let mut o = [0.0f32; W];
-        if t + 1 < t_len {
+        let o = if t + 1 < t_len {
             // This token's update and output, then the next token's decay and u, in one sweep.
-            let (k_next, dec_next) = (
+            let next = (
                 &inp.k[(t + 1) * d..(t + 2) * d],
                 &decay[(t + 1) * d..(t + 2) * d],
             );
-            let mut u_next = [0.0f32; W];
-            for ((((row, &ki), &qi), &kn), &dn) in
-                block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
-            {
-                for j in 0..W {
-                    let x = ki.mul_add(delta[j], row[j]);
-                    o[j] = x.mul_add(qi, o[j]);
-                    let y = x * dn;
-                    u_next[j] = y.mul_add(kn, u_next[j]);
-                    row[j] = y;
-                }
-            }
+            let (o, u_next) = S::update_and_next(block, (k, q), next, &delta);
             u = u_next;
+            o
         } else {
-            for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
-                for j in 0..W {
-                    let x = ki.mul_add(delta[j], row[j]);
-                    o[j] = x.mul_add(qi, o[j]);
-                    row[j] = x;
-                }
-            }
-        }
+            S::update_last(block, (k, q), &delta)
+        };
         out[t * d + j0..t * d + j0 + W].copy_from_slice(&o);
     }
-    for (dst, row) in s.chunks_exact_mut(d).zip(&block) {
+    for (dst, row) in s.chunks_exact_mut(d).zip(block.iter()) {
         dst[j0..j0 + W].copy_from_slice(row);
     }
     W
+}
+
+/// One sweep over a column block's rows (`block[i]` the row of key channel `i`) for one token, in the contract's
+/// order: per row `x = fma(k_i, δ, s)`, `o ← fma(x, q_i, o)`; while another token follows, `y = x · decay_next_i`,
+/// `u_next ← fma(y, k_next_i, u_next)` and the row becomes `y`, else it becomes `x`.
+trait Sweep<const W: usize> {
+    /// This token's update and output and the next token's decay and `u`: returns `(o, u_next)`. `kq` holds this
+    /// token's key and query, `next` the next token's key and decay, `D` values each.
+    fn update_and_next(
+        block: &mut [[f32; W]],
+        kq: (&[f32], &[f32]),
+        next: (&[f32], &[f32]),
+        delta: &[f32; W],
+    ) -> ([f32; W], [f32; W]);
+
+    /// The pass's last token: update and output only; returns `o`.
+    fn update_last(block: &mut [[f32; W]], kq: (&[f32], &[f32]), delta: &[f32; W]) -> [f32; W];
+}
+
+/// The sweep as plain loops over the columns, which the compiler vectorises for the build it is inlined into.
+struct PlainSweep;
+
+impl<const W: usize> Sweep<W> for PlainSweep {
+    #[inline(always)]
+    fn update_and_next(
+        block: &mut [[f32; W]],
+        (k, q): (&[f32], &[f32]),
+        (k_next, dec_next): (&[f32], &[f32]),
+        delta: &[f32; W],
+    ) -> ([f32; W], [f32; W]) {
+        let (mut o, mut u_next) = ([0.0f32; W], [0.0f32; W]);
+        for ((((row, &ki), &qi), &kn), &dn) in
+            block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
+        {
+            for j in 0..W {
+                let x = ki.mul_add(delta[j], row[j]);
+                o[j] = x.mul_add(qi, o[j]);
+                let y = x * dn;
+                u_next[j] = y.mul_add(kn, u_next[j]);
+                row[j] = y;
+            }
+        }
+        (o, u_next)
+    }
+
+    #[inline(always)]
+    fn update_last(block: &mut [[f32; W]], (k, q): (&[f32], &[f32]), delta: &[f32; W]) -> [f32; W] {
+        let mut o = [0.0f32; W];
+        for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
+            for j in 0..W {
+                let x = ki.mul_add(delta[j], row[j]);
+                o[j] = x.mul_add(qi, o[j]);
+                row[j] = x;
+            }
+        }
+        o
+    }
+}
+
+/// The sweep of 32 columns as two AVX-512 vectors a row, its running sums named registers. Only
+/// [`recurrence_avx512`] uses it: its methods must be inlined into code built with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+struct PairSweep;
+
+#[cfg(target_arch = "x86_64")]
+impl Sweep<32> for PairSweep {
+    #[inline(always)]
+    fn update_and_next(
+        block: &mut [[f32; 32]],
+        (k, q): (&[f32], &[f32]),
+        (k_next, dec_next): (&[f32], &[f32]),
+        delta: &[f32; 32],
+    ) -> ([f32; 32], [f32; 32]) {
+        use std::arch::x86_64::*;
+        let (mut o, mut u_next) = ([0.0f32; 32], [0.0f32; 32]);
+        // SAFETY: only `recurrence_avx512` (built with AVX-512F, called when the CPU has it) reaches this; every
+        // pointer is to a 32-value row or array, two 16-value halves.
+        unsafe {
+            let (d0, d1) = (
+                _mm512_loadu_ps(delta.as_ptr()),
+                _mm512_loadu_ps(delta.as_ptr().add(16)),
+            );
+            let (mut o0, mut o1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let (mut u0, mut u1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for ((((row, &ki), &qi), &kn), &dn) in
+                block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
+            {
+                let p = row.as_mut_ptr();
+                let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
+                let (kn, dn) = (_mm512_set1_ps(kn), _mm512_set1_ps(dn));
+                let x0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(p));
+                let x1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(p.add(16)));
+                o0 = _mm512_fmadd_ps(x0, qi, o0);
+                o1 = _mm512_fmadd_ps(x1, qi, o1);
+                let (y0, y1) = (_mm512_mul_ps(x0, dn), _mm512_mul_ps(x1, dn));
+                u0 = _mm512_fmadd_ps(y0, kn, u0);
+                u1 = _mm512_fmadd_ps(y1, kn, u1);
+                _mm512_storeu_ps(p, y0);
+                _mm512_storeu_ps(p.add(16), y1);
+            }
+            _mm512_storeu_ps(o.as_mut_ptr(), o0);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
+            _mm512_storeu_ps(u_next.as_mut_ptr(), u0);
+            _mm512_storeu_ps(u_next.as_mut_ptr().add(16), u1);
+        }
+        (o, u_next)
+    }
+
+    #[inline(always)]
+    fn update_last(
+        block: &mut [[f32; 32]],
+        (k, q): (&[f32], &[f32]),
+        delta: &[f32; 32],
+    ) -> [f32; 32] {
+        use std::arch::x86_64::*;
+        let mut o = [0.0f32; 32];
+        // SAFETY: as in `update_and_next`.
+        unsafe {
+            let (d0, d1) = (
+                _mm512_loadu_ps(delta.as_ptr()),
+                _mm512_loadu_ps(delta.as_ptr().add(16)),
+            );
+            let (mut o0, mut o1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
+                let p = row.as_mut_ptr();
+                let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
+                let x0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(p));
+                let x1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(p.add(16)));
+                o0 = _mm512_fmadd_ps(x0, qi, o0);
+                o1 = _mm512_fmadd_ps(x1, qi, o1);
+                _mm512_storeu_ps(p, x0);
+                _mm512_storeu_ps(p.add(16), x1);
+            }
+            _mm512_storeu_ps(o.as_mut_ptr(), o0);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
+        }
+        o
+    }
 }
 
 #[cfg(test)]
@@ -277,12 +401,19 @@ mod tests {
             let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
             let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
             let (s_ref, out_ref) = per_token_form(&prev, &inp, t_len, d);
-            let builds: [(&str, Recurrence); 4] = [
+            let mut builds: Vec<(&str, Recurrence)> = vec![
                 ("dispatched", recurrence_head),
-                ("8", recurrence_blocks::<8>),
-                ("16", recurrence_blocks::<16>),
-                ("32", recurrence_blocks::<32>),
+                ("8", recurrence_blocks::<8, PlainSweep>),
+                ("16", recurrence_blocks::<16, PlainSweep>),
+                ("32", recurrence_blocks::<32, PlainSweep>),
             ];
+            #[cfg(target_arch = "x86_64")]
+            if deltafin_quant::simd::has_avx512() {
+                // SAFETY: AVX-512F is present.
+                builds.push(("32 in AVX-512 pairs", |s, p, i, t, d| unsafe {
+                    recurrence_avx512(s, p, i, t, d)
+                }));
+            }
             for (name, f) in builds {
                 let mut s = vec![f32::NAN; d * d];
                 let out = f(&mut s, Some(&prev), &inp, t_len, d);
