@@ -13,7 +13,7 @@
 //! verification agree to the bit). Within a block the scores run as multi-input tiles of the dot contract
 //! (`deltafin_quant::dot::dot_f32_tiles`: each cache row loaded once for several queries), and the absorbed products
 //! and the context as multiply-add chains in register tiles of up to four queries by 16 to 64 outputs, built for the
-//! widest vectors the CPU has.
+//! widest vectors the CPU has (on AVX-512, tiles of 64 to 128 outputs in named registers).
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::dot_f32_tiles;
@@ -26,6 +26,11 @@ const TILE_ROWS: usize = 32;
 const CTX_QUERIES: usize = 4;
 /// Outputs of one register tile at [`CTX_QUERIES`] queries (twice as many at two queries, four times at one).
 const CTX_COLS: usize = 16;
+/// Outputs of one AVX-512 register tile at three or four queries (twice as many at one or two, so that one query's
+/// tile fits `W_UV`'s 128 columns): four 16-lane vectors a query, so a row's four loads and the queries' broadcasts
+/// feed sixteen FMAs. The plain tiles' sums, as wide
+/// arrays, stay on the stack in an AVX-512 build (each FMA then waits on a store and a load), so these name vectors.
+const AVX512_COLS: usize = 64;
 
 /// One head's absorbed matrices and the latent cache it attends over.
 pub(crate) struct HeadCache<'a> {
@@ -60,7 +65,7 @@ pub(crate) fn attend(
             return unsafe { attend_avx2(hc, queries, seen, out) };
         }
     }
-    attend_body(hc, queries, seen, out)
+    attend_body::<false>(hc, queries, seen, out)
 }
 
 /// [`attend_body`] built for AVX-512.
@@ -75,7 +80,7 @@ unsafe fn attend_avx512(
     seen: &[usize],
     out: &mut [f32],
 ) {
-    attend_body(hc, queries, seen, out)
+    attend_body::<true>(hc, queries, seen, out)
 }
 
 /// [`attend_body`] built for AVX2 and FMA.
@@ -90,15 +95,22 @@ unsafe fn attend_avx2(
     seen: &[usize],
     out: &mut [f32],
 ) {
-    attend_body(hc, queries, seen, out)
+    attend_body::<false>(hc, queries, seen, out)
 }
 
+/// The block's attention; `AVX512` (only in [`attend_avx512`]) runs the context and absorbed products in
+/// [`context_tile_avx512`]'s register tiles.
 #[inline(always)]
-fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize], out: &mut [f32]) {
+fn attend_body<const AVX512: bool>(
+    hc: &HeadCache<'_>,
+    queries: &[(&[f32], &[f32])],
+    seen: &[usize],
+    out: &mut [f32],
+) {
     let (nq, kvl) = (queries.len(), hc.kvl);
     let span = seen.iter().copied().max().unwrap_or(0).min(hc.rows.len());
     let nopes: Vec<&[f32]> = queries.iter().map(|q| q.0).collect();
-    let q_abs = chains(hc.w_uk, &nopes);
+    let q_abs = chains::<AVX512>(hc.w_uk, &nopes);
     // Scores of every query against every row of the span ([row][query]); a query's rows past its own `seen` are
     // computed and never read.
     let rows = &hc.rows[..span];
@@ -126,15 +138,15 @@ fn attend_body(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize],
         sk.iter_mut().for_each(|v| *v /= total);
     }
     let mut ctx = vec![0.0f32; nq * kvl];
-    context(&p, span, seen, &latents, kvl, &mut ctx);
+    context::<AVX512>(&p, span, seen, &latents, kvl, &mut ctx);
     let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
-    out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains(hc.w_uv_t, &ctxs));
+    out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains::<AVX512>(hc.w_uv_t, &ctxs));
 }
 
 /// `xs[k] · m` for every input (`m` `[rows, cols]`, each input `rows` long), `[input][col]`: per output a chain of
 /// multiply-adds over the rows in order ([`context`] with every row seen).
 #[inline(always)]
-fn chains(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
+fn chains<const AVX512: bool>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
     let (rows, cols) = (m.rows(), m.cols());
     let owned: Vec<Vec<f32>>;
     let ms: Vec<&[f32]> = match m.data() {
@@ -146,7 +158,7 @@ fn chains(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
     };
     let p: Vec<f32> = xs.iter().flat_map(|x| x[..rows].iter().copied()).collect();
     let mut out = vec![0.0f32; xs.len() * cols];
-    context(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
+    context::<AVX512>(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
     out
 }
 
@@ -164,7 +176,7 @@ fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
 /// Rows every query of a tile sees go through register tiles of [`CTX_QUERIES`] queries by [`CTX_COLS`] channels;
 /// the rows past the tile's smallest `seen` follow per query, still in order.
 #[inline(always)]
-fn context(
+fn context<const AVX512: bool>(
     p: &[f32],
     span: usize,
     seen: &[usize],
@@ -177,11 +189,31 @@ fn context(
     while q0 < nq {
         let qn = CTX_QUERIES.min(nq - q0);
         let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
-        // Fewer queries, wider tiles: every tile keeps eight to sixteen 8-lane chains going.
-        let width = CTX_COLS * CTX_QUERIES / qn.next_power_of_two();
+        // Fewer queries, wider tiles: every tile keeps eight to sixteen 8-lane chains going (AVX-512: eight to
+        // sixteen 16-lane chains).
+        let width = if AVX512 {
+            match qn {
+                1 | 2 => AVX512_COLS * 2,
+                _ => AVX512_COLS,
+            }
+        } else {
+            CTX_COLS * CTX_QUERIES / qn.next_power_of_two()
+        };
         let mut i0 = 0;
         while i0 + width <= kvl {
             let at = (common, i0);
+            #[cfg(target_arch = "x86_64")]
+            if AVX512 {
+                const V: usize = AVX512_COLS / 16;
+                match qn {
+                    1 => context_tile_avx512::<1, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
+                    2 => context_tile_avx512::<2, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
+                    3 => context_tile_avx512::<3, V>(p, span, q0, at, latents, kvl, ctx),
+                    _ => context_tile_avx512::<4, V>(p, span, q0, at, latents, kvl, ctx),
+                }
+                i0 += width;
+                continue;
+            }
             match qn {
                 1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
                 2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
@@ -236,6 +268,51 @@ fn context_tile<const Q: usize, const C: usize>(
     }
 }
 
+/// [`context_tile`] in AVX-512 registers: `Q` queries by `V` vectors of 16 channels (`Q · V` at most 16), the
+/// same chain per output. Only [`attend_avx512`]'s build reaches it (`attend_body::<true>`): it must be inlined
+/// into code built with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn context_tile_avx512<const Q: usize, const V: usize>(
+    p: &[f32],
+    span: usize,
+    q0: usize,
+    (common, i0): (usize, usize),
+    latents: &[&[f32]],
+    kvl: usize,
+    ctx: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let mut pk: [&[f32]; Q] = [&[]; Q];
+    for (k, pk) in pk.iter_mut().enumerate() {
+        *pk = &p[(q0 + k) * span..(q0 + k) * span + common];
+    }
+    // SAFETY: AVX-512F is present (above); every load reads `16 · V` channels from `i0` of a row, every store
+    // writes them to a query's context, both checked by the slicing.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); V]; Q];
+        for (n, row) in latents[..common].iter().enumerate() {
+            let c = row[i0..i0 + 16 * V].as_ptr();
+            let mut cv = [_mm512_setzero_ps(); V];
+            for (v, cv) in cv.iter_mut().enumerate() {
+                *cv = _mm512_loadu_ps(c.add(16 * v));
+            }
+            for (a, pk) in acc.iter_mut().zip(&pk) {
+                let w = _mm512_set1_ps(pk[n]);
+                for (a, &cv) in a.iter_mut().zip(&cv) {
+                    *a = _mm512_fmadd_ps(w, cv, *a);
+                }
+            }
+        }
+        for (k, a) in acc.iter().enumerate() {
+            let dst = &mut ctx[(q0 + k) * kvl + i0..(q0 + k) * kvl + i0 + 16 * V];
+            for (v, &a) in a.iter().enumerate() {
+                _mm512_storeu_ps(dst.as_mut_ptr().add(16 * v), a);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -282,10 +359,15 @@ mod tests {
     }
 
     /// Blocks of 1 to 9 queries at the positions of a prompt's pass (each one more row than the last), with latent
-    /// widths that leave no tail and a tail past the register tiles, give each query's plain bits.
+    /// widths that leave no tail and a tail past the register tiles (of every build), give each query's plain bits.
     #[test]
     fn every_block_gives_each_querys_plain_bits() {
-        for (kvl, rope, nope, v) in [(64usize, 16usize, 24usize, 20usize), (40, 8, 16, 12)] {
+        // 288 = 256 + 32: AVX-512's tiles of one or two queries (128 channels) and of three or four (64), and a tail.
+        for (kvl, rope, nope, v) in [
+            (64usize, 16usize, 24usize, 20usize),
+            (40, 8, 16, 12),
+            (288, 16, 24, 20),
+        ] {
             let uk = DenseMatrix::new(nope, kvl, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
                 .expect("shape");
             let uv =
