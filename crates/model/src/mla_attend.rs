@@ -124,6 +124,15 @@ fn attend_body<const AVX512: bool>(
     let width = rows.first().map_or(kvl, |r| r.len());
     let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
     let mut scores = vec![0.0f32; span * nq];
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        scores_avx512(rows, &qs, &mut scores);
+    } else if deltafin_quant::simd::has_avx2_fma() {
+        scores_avx2(rows, &qs, &mut scores);
+    } else {
+        tiles_by_rows(rows, &qs, &mut scores);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
     tiles_by_rows(rows, &qs, &mut scores);
     // Probabilities `[query][row]`.
     let mut p = vec![0.0f32; nq * span];
@@ -172,9 +181,98 @@ fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// Defines `$scores(rows, xs, out)`: [`tiles_by_rows`]'s scores (`out[r · xs.len() + t]`) in tiles of up to three
+/// rows by four queries of `$simd`'s dot contract kernels, rows outermost (a row triple stays in L1 while every
+/// query tile passes it, so each row comes from L3 once a block of queries). Each tile's accumulators start as zeros
+/// in registers, run over every whole block (`dot_f32_tile`) and end in the contract's tail and reduction
+/// (`dot_f32_finish`): the scores have `dot_f32_ref`'s bits without the shared walk's accumulator buffer (and, on
+/// AVX-512, realigned row copies) allocated and zeroed for every call. The CPU must have `$simd`'s features: only
+/// the build for them calls `$scores`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! score_tiles {
+    ($scores:ident, $tile:ident, $simd:ident, $zero:expr) => {
+        #[inline(always)]
+        fn $scores(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
+            let n = xs.first().map_or(0, |x| x.len());
+            if rows.iter().chain(xs).any(|v| v.len() != n) {
+                // Not the cache's shape: the shared walk checks and handles it.
+                return tiles_by_rows(rows, xs, out);
+            }
+            let full = n / deltafin_quant::dot::BLOCK * deltafin_quant::dot::BLOCK;
+            let mut r0 = 0;
+            while r0 < rows.len() {
+                let rn = 3.min(rows.len() - r0);
+                let mut t0 = 0;
+                while t0 < xs.len() {
+                    let tn = 4.min(xs.len() - t0);
+                    let at = (r0, t0, full);
+                    match (rn, tn) {
+                        (1, 1) => $tile::<1, 1>(rows, xs, at, out),
+                        (1, 2) => $tile::<1, 2>(rows, xs, at, out),
+                        (1, 3) => $tile::<1, 3>(rows, xs, at, out),
+                        (1, _) => $tile::<1, 4>(rows, xs, at, out),
+                        (2, 1) => $tile::<2, 1>(rows, xs, at, out),
+                        (2, 2) => $tile::<2, 2>(rows, xs, at, out),
+                        (2, 3) => $tile::<2, 3>(rows, xs, at, out),
+                        (2, _) => $tile::<2, 4>(rows, xs, at, out),
+                        (_, 1) => $tile::<3, 1>(rows, xs, at, out),
+                        (_, 2) => $tile::<3, 2>(rows, xs, at, out),
+                        (_, 3) => $tile::<3, 3>(rows, xs, at, out),
+                        _ => $tile::<3, 4>(rows, xs, at, out),
+                    }
+                    t0 += tn;
+                }
+                r0 += rn;
+            }
+        }
+
+        /// Rows `r0 .. r0 + R` by queries `t0 .. t0 + T` (`at` = (r0, t0, whole-block values)).
+        #[inline(always)]
+        fn $tile<const R: usize, const T: usize>(
+            rows: &[&[f32]],
+            xs: &[&[f32]],
+            (r0, t0, full): (usize, usize, usize),
+            out: &mut [f32],
+        ) {
+            use deltafin_quant::simd::$simd::{F32Acc, dot_f32_finish, dot_f32_tile};
+            let w: [&[f32]; R] = std::array::from_fn(|k| rows[r0 + k]);
+            let x: [&[f32]; T] = std::array::from_fn(|k| xs[t0 + k]);
+            let nq = xs.len();
+            // SAFETY: the CPU has the kernels' features (the caller's build); every row and query has one length
+            // (checked), `full` whole blocks of it, and `acc` holds the `R · T` products at stride `T`.
+            unsafe {
+                let mut acc: [F32Acc; 12] = [$zero; 12];
+                dot_f32_tile::<R, T>(w, x, (0, full), &mut acc, T);
+                for (r, w) in w.iter().enumerate() {
+                    for (t, x) in x.iter().enumerate() {
+                        out[(r0 + r) * nq + t0 + t] = dot_f32_finish(&acc[r * T + t], w, x);
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+score_tiles!(
+    scores_avx512,
+    score_tile_avx512,
+    avx512,
+    [std::arch::x86_64::_mm512_setzero_ps(); 2]
+);
+#[cfg(target_arch = "x86_64")]
+score_tiles!(
+    scores_avx2,
+    score_tile_avx2,
+    avx2,
+    [std::arch::x86_64::_mm256_setzero_ps(); 4]
+);
+
 /// `ctx[k] = Σ_n p[k][n] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[query][span]`.
-/// Rows every query of a tile sees go through register tiles of [`CTX_QUERIES`] queries by [`CTX_COLS`] channels;
-/// the rows past the tile's smallest `seen` follow per query, still in order.
+/// Rows every query of a group of [`CTX_QUERIES`] sees go through register tiles ([`run_tile`]); the rows past the
+/// group's smallest `seen`, and channels past its last whole tile, follow per query, still in order. The tiles run
+/// by chunks of channels, every group's tiles over one chunk before the next chunk: the chunk's slice of the rows
+/// (a long span's: `span` × 512 bytes) stays in L2 from one group to the next instead of coming from L3 for each.
 #[inline(always)]
 fn context<const AVX512: bool>(
     p: &[f32],
@@ -185,41 +283,29 @@ fn context<const AVX512: bool>(
     ctx: &mut [f32],
 ) {
     let nq = seen.len();
-    let mut q0 = 0;
-    while q0 < nq {
-        let qn = CTX_QUERIES.min(nq - q0);
-        let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
-        // Fewer queries, wider tiles: every tile keeps eight to sixteen 8-lane chains going (AVX-512: eight to
-        // sixteen 16-lane chains).
-        let width = if AVX512 {
-            match qn {
-                1 | 2 => AVX512_COLS * 2,
-                _ => AVX512_COLS,
+    // (first query, queries, rows all of them see, tile width) of each group.
+    let groups: Vec<(usize, usize, usize, usize)> = (0..nq)
+        .step_by(CTX_QUERIES)
+        .map(|q0| {
+            let qn = CTX_QUERIES.min(nq - q0);
+            let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
+            (q0, qn, common, tile_width::<AVX512>(qn))
+        })
+        .collect();
+    // The widest tile, a multiple of every other width.
+    let chunk = tile_width::<AVX512>(1);
+    let whole = kvl / chunk * chunk;
+    for c0 in (0..whole).step_by(chunk) {
+        for &(q0, qn, common, width) in &groups {
+            for i0 in (c0..c0 + chunk).step_by(width) {
+                run_tile::<AVX512>(qn, p, span, q0, (common, i0), latents, kvl, ctx);
             }
-        } else {
-            CTX_COLS * CTX_QUERIES / qn.next_power_of_two()
-        };
-        let mut i0 = 0;
+        }
+    }
+    for &(q0, qn, common, width) in &groups {
+        let mut i0 = whole;
         while i0 + width <= kvl {
-            let at = (common, i0);
-            #[cfg(target_arch = "x86_64")]
-            if AVX512 {
-                const V: usize = AVX512_COLS / 16;
-                match qn {
-                    1 => context_tile_avx512::<1, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
-                    2 => context_tile_avx512::<2, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
-                    3 => context_tile_avx512::<3, V>(p, span, q0, at, latents, kvl, ctx),
-                    _ => context_tile_avx512::<4, V>(p, span, q0, at, latents, kvl, ctx),
-                }
-                i0 += width;
-                continue;
-            }
-            match qn {
-                1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
-                2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
-                3 => context_tile::<3, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
-                _ => context_tile::<4, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
-            }
+            run_tile::<AVX512>(qn, p, span, q0, (common, i0), latents, kvl, ctx);
             i0 += width;
         }
         for k in q0..q0 + qn {
@@ -231,14 +317,60 @@ fn context<const AVX512: bool>(
                     *c = pk[n].mul_add(v, *c);
                 }
             }
-            // Rows past the tile's common ones, every channel.
+            // Rows past the group's common ones, every channel.
             for (n, row) in latents.iter().enumerate().take(seen[k]).skip(common) {
                 for (c, &v) in ck.iter_mut().zip(&row[..kvl]) {
                     *c = pk[n].mul_add(v, *c);
                 }
             }
         }
-        q0 += qn;
+    }
+}
+
+/// Channels of one register tile of `qn` queries. Fewer queries, wider tiles: every tile keeps eight to sixteen
+/// 8-lane chains going (AVX-512: eight to sixteen 16-lane chains). The width at one query is the widest, and a
+/// multiple of the others.
+#[inline(always)]
+fn tile_width<const AVX512: bool>(qn: usize) -> usize {
+    if AVX512 {
+        match qn {
+            1 | 2 => AVX512_COLS * 2,
+            _ => AVX512_COLS,
+        }
+    } else {
+        CTX_COLS * CTX_QUERIES / qn.next_power_of_two()
+    }
+}
+
+/// The register tile of `qn` queries from `q0`, [`tile_width`] channels from `at.1`, rows `0 .. at.0`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn run_tile<const AVX512: bool>(
+    qn: usize,
+    p: &[f32],
+    span: usize,
+    q0: usize,
+    at: (usize, usize),
+    latents: &[&[f32]],
+    kvl: usize,
+    ctx: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        const V: usize = AVX512_COLS / 16;
+        match qn {
+            1 => context_tile_avx512::<1, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
+            2 => context_tile_avx512::<2, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
+            3 => context_tile_avx512::<3, V>(p, span, q0, at, latents, kvl, ctx),
+            _ => context_tile_avx512::<4, V>(p, span, q0, at, latents, kvl, ctx),
+        }
+        return;
+    }
+    match qn {
+        1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
+        2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
+        3 => context_tile::<3, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
+        _ => context_tile::<4, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
     }
 }
 
