@@ -351,6 +351,18 @@ mod tests {
     /// A build of the recurrence, as [`recurrence_head`] is called.
     type Recurrence = fn(&mut [f32], Option<&[f32]>, &HeadInputs, usize, usize) -> Vec<f32>;
 
+    /// The AVX-512 pairs build on its own, where the CPU has AVX-512 (the dispatched build runs it there too).
+    fn pair_build() -> Option<(&'static str, Recurrence)> {
+        #[cfg(target_arch = "x86_64")]
+        if deltafin_quant::simd::has_avx512() {
+            // SAFETY: AVX-512F is present.
+            return Some(("32 in AVX-512 pairs", |s, p, i, t, d| unsafe {
+                recurrence_avx512(s, p, i, t, d)
+            }));
+        }
+        None
+    }
+
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
@@ -401,20 +413,13 @@ mod tests {
             let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
             let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
             let (s_ref, out_ref) = per_token_form(&prev, &inp, t_len, d);
-            let mut builds: Vec<(&str, Recurrence)> = vec![
+            let builds: [(&str, Recurrence); 4] = [
                 ("dispatched", recurrence_head),
                 ("8", recurrence_blocks::<8, PlainSweep>),
                 ("16", recurrence_blocks::<16, PlainSweep>),
                 ("32", recurrence_blocks::<32, PlainSweep>),
             ];
-            #[cfg(target_arch = "x86_64")]
-            if deltafin_quant::simd::has_avx512() {
-                // SAFETY: AVX-512F is present.
-                builds.push(("32 in AVX-512 pairs", |s, p, i, t, d| unsafe {
-                    recurrence_avx512(s, p, i, t, d)
-                }));
-            }
-            for (name, f) in builds {
+            for (name, f) in builds.into_iter().chain(pair_build()) {
                 let mut s = vec![f32::NAN; d * d];
                 let out = f(&mut s, Some(&prev), &inp, t_len, d);
                 assert_eq!(bits(&out), bits(&out_ref), "{name}, D {d}, T {t_len}");
