@@ -283,6 +283,12 @@ fn context<const AVX512: bool>(
     ctx: &mut [f32],
 ) {
     let nq = seen.len();
+    let rows_in = TileIn {
+        p,
+        span,
+        latents,
+        kvl,
+    };
     // (first query, queries, rows all of them see, tile width) of each group.
     let groups: Vec<(usize, usize, usize, usize)> = (0..nq)
         .step_by(CTX_QUERIES)
@@ -298,14 +304,14 @@ fn context<const AVX512: bool>(
     for c0 in (0..whole).step_by(chunk) {
         for &(q0, qn, common, width) in &groups {
             for i0 in (c0..c0 + chunk).step_by(width) {
-                run_tile::<AVX512>(qn, p, span, q0, (common, i0), latents, kvl, ctx);
+                run_tile::<AVX512>(qn, &rows_in, q0, (common, i0), ctx);
             }
         }
     }
     for &(q0, qn, common, width) in &groups {
         let mut i0 = whole;
         while i0 + width <= kvl {
-            run_tile::<AVX512>(qn, p, span, q0, (common, i0), latents, kvl, ctx);
+            run_tile::<AVX512>(qn, &rows_in, q0, (common, i0), ctx);
             i0 += width;
         }
         for k in q0..q0 + qn {
@@ -342,49 +348,57 @@ fn tile_width<const AVX512: bool>(qn: usize) -> usize {
     }
 }
 
+/// What every register tile of one [`context`] call reads: the probabilities `[query][span]`, and the rows with the
+/// width of the context (`kvl`).
+struct TileIn<'a> {
+    p: &'a [f32],
+    span: usize,
+    latents: &'a [&'a [f32]],
+    kvl: usize,
+}
+
 /// The register tile of `qn` queries from `q0`, [`tile_width`] channels from `at.1`, rows `0 .. at.0`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn run_tile<const AVX512: bool>(
     qn: usize,
-    p: &[f32],
-    span: usize,
+    rows_in: &TileIn<'_>,
     q0: usize,
     at: (usize, usize),
-    latents: &[&[f32]],
-    kvl: usize,
     ctx: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if AVX512 {
         const V: usize = AVX512_COLS / 16;
         match qn {
-            1 => context_tile_avx512::<1, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
-            2 => context_tile_avx512::<2, { 2 * V }>(p, span, q0, at, latents, kvl, ctx),
-            3 => context_tile_avx512::<3, V>(p, span, q0, at, latents, kvl, ctx),
-            _ => context_tile_avx512::<4, V>(p, span, q0, at, latents, kvl, ctx),
+            1 => context_tile_avx512::<1, { 2 * V }>(rows_in, q0, at, ctx),
+            2 => context_tile_avx512::<2, { 2 * V }>(rows_in, q0, at, ctx),
+            3 => context_tile_avx512::<3, V>(rows_in, q0, at, ctx),
+            _ => context_tile_avx512::<4, V>(rows_in, q0, at, ctx),
         }
         return;
     }
     match qn {
-        1 => context_tile::<1, { CTX_COLS * 4 }>(p, span, q0, at, latents, kvl, ctx),
-        2 => context_tile::<2, { CTX_COLS * 2 }>(p, span, q0, at, latents, kvl, ctx),
-        3 => context_tile::<3, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
-        _ => context_tile::<4, CTX_COLS>(p, span, q0, at, latents, kvl, ctx),
+        1 => context_tile::<1, { CTX_COLS * 4 }>(rows_in, q0, at, ctx),
+        2 => context_tile::<2, { CTX_COLS * 2 }>(rows_in, q0, at, ctx),
+        3 => context_tile::<3, CTX_COLS>(rows_in, q0, at, ctx),
+        _ => context_tile::<4, CTX_COLS>(rows_in, q0, at, ctx),
     }
 }
 
 /// Queries `q0 .. q0 + Q`, channels `i0 .. i0 + C`, rows `0 .. common` of [`context`], in registers.
 #[inline(always)]
 fn context_tile<const Q: usize, const C: usize>(
-    p: &[f32],
-    span: usize,
+    rows_in: &TileIn<'_>,
     q0: usize,
     (common, i0): (usize, usize),
-    latents: &[&[f32]],
-    kvl: usize,
     ctx: &mut [f32],
 ) {
+    let TileIn {
+        p,
+        span,
+        latents,
+        kvl,
+    } = *rows_in;
     let mut acc = [[0.0f32; C]; Q];
     for (n, row) in latents[..common].iter().enumerate() {
         let c = &row[i0..i0 + C];
@@ -406,14 +420,17 @@ fn context_tile<const Q: usize, const C: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn context_tile_avx512<const Q: usize, const V: usize>(
-    p: &[f32],
-    span: usize,
+    rows_in: &TileIn<'_>,
     q0: usize,
     (common, i0): (usize, usize),
-    latents: &[&[f32]],
-    kvl: usize,
     ctx: &mut [f32],
 ) {
+    let TileIn {
+        p,
+        span,
+        latents,
+        kvl,
+    } = *rows_in;
     use std::arch::x86_64::*;
     let mut pk: [&[f32]; Q] = [&[]; Q];
     for (k, pk) in pk.iter_mut().enumerate() {
