@@ -134,20 +134,11 @@ fn attend_body<const AVX512: bool>(
     }
     #[cfg(not(target_arch = "x86_64"))]
     tiles_by_rows(rows, &qs, &mut scores);
-    // Probabilities `[query][row]`.
-    let mut p = vec![0.0f32; nq * span];
-    for (k, pk) in p.chunks_exact_mut(span).enumerate() {
-        let sk = &mut pk[..seen[k]];
-        for (n, v) in sk.iter_mut().enumerate() {
-            *v = scores[n * nq + k] * hc.scale;
-        }
-        let max = sk.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        sk.iter_mut().for_each(|v| *v = activation::exp(*v - max));
-        let total: f32 = sk.iter().sum();
-        sk.iter_mut().for_each(|v| *v /= total);
-    }
+    // The scores become the probabilities in place, `[row][query]`.
+    let mut p = scores;
+    softmax_by_rows(&mut p, seen, hc.scale);
     let mut ctx = vec![0.0f32; nq * kvl];
-    context::<AVX512>(&p, span, seen, &latents, kvl, &mut ctx);
+    context::<AVX512>(&p, seen, &latents, kvl, &mut ctx);
     let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
     out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains::<AVX512>(hc.w_uv_t, &ctxs));
 }
@@ -165,10 +156,75 @@ fn chains<const AVX512: bool>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
             owned.iter().map(|r| r.as_slice()).collect()
         }
     };
-    let p: Vec<f32> = xs.iter().flat_map(|x| x[..rows].iter().copied()).collect();
-    let mut out = vec![0.0f32; xs.len() * cols];
-    context::<AVX512>(&p, rows, &vec![rows; xs.len()], &ms, cols, &mut out);
+    // The inputs `[row][input]`, as the context takes its probabilities.
+    let nx = xs.len();
+    let mut p = vec![0.0f32; rows * nx];
+    for (k, x) in xs.iter().enumerate() {
+        for (j, &v) in x[..rows].iter().enumerate() {
+            p[j * nx + k] = v;
+        }
+    }
+    let mut out = vec![0.0f32; nx * cols];
+    context::<AVX512>(&p, &vec![rows; nx], &ms, cols, &mut out);
     out
+}
+
+/// `p[n · nq + k]` (the scores of query `k`, `nq = seen.len()`, against rows `n`) becomes query `k`'s probability of
+/// row `n` for `n < seen[k]`: `v = s · scale`, `m = max v` (folded in row order from −∞), `e = exp(v − m)`,
+/// `total = Σ e` in row order from zero, `p = e / total`. Sixteen queries at a time, one in each lane, so the max and
+/// the sum, each a chain over the rows, run sixteen chains at once; a lane past its query's rows adds nothing (its
+/// values are left unread). The same operations in the same order as one query at a time, so the same bits.
+#[inline(always)]
+fn softmax_by_rows(p: &mut [f32], seen: &[usize], scale: f32) {
+    const L: usize = 16;
+    let nq = seen.len();
+    let span = p.len() / nq.max(1);
+    let mut k0 = 0;
+    while k0 + L <= nq {
+        let s: [usize; L] = std::array::from_fn(|l| seen[k0 + l]);
+        let mut max = [f32::NEG_INFINITY; L];
+        for (n, row) in p.chunks_exact_mut(nq).enumerate() {
+            let row = &mut row[k0..k0 + L];
+            for l in 0..L {
+                row[l] *= scale;
+                let v = if n < s[l] { row[l] } else { f32::NEG_INFINITY };
+                max[l] = max[l].max(v);
+            }
+        }
+        let mut total = [0.0f32; L];
+        for (n, row) in p.chunks_exact_mut(nq).enumerate() {
+            let row = &mut row[k0..k0 + L];
+            for l in 0..L {
+                let e = activation::exp(row[l] - max[l]);
+                row[l] = e;
+                total[l] += if n < s[l] { e } else { 0.0 };
+            }
+        }
+        for row in p.chunks_exact_mut(nq) {
+            let row = &mut row[k0..k0 + L];
+            for l in 0..L {
+                row[l] /= total[l];
+            }
+        }
+        k0 += L;
+    }
+    // The last queries one at a time.
+    for (k, &sk) in seen.iter().enumerate().skip(k0) {
+        let mut max = f32::NEG_INFINITY;
+        for n in 0..sk.min(span) {
+            p[n * nq + k] *= scale;
+            max = max.max(p[n * nq + k]);
+        }
+        let mut total = 0.0f32;
+        for n in 0..sk.min(span) {
+            let e = activation::exp(p[n * nq + k] - max);
+            p[n * nq + k] = e;
+            total += e;
+        }
+        for n in 0..sk.min(span) {
+            p[n * nq + k] /= total;
+        }
+    }
 }
 
 /// [`dot_f32_tiles`] over [`TILE_ROWS`] rows at a time (`out[r · xs.len() + t]`), so that its accumulators (128
@@ -268,7 +324,7 @@ score_tiles!(
     [std::arch::x86_64::_mm256_setzero_ps(); 4]
 );
 
-/// `ctx[k] = Σ_n p[k][n] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[query][span]`.
+/// `ctx[k] = Σ_n p[n][k] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[row][query]`.
 /// Rows every query of a group of [`CTX_QUERIES`] sees go through register tiles ([`run_tile`]); the rows past the
 /// group's smallest `seen`, and channels past its last whole tile, follow per query, still in order. The tiles run
 /// by chunks of channels, every group's tiles over one chunk before the next chunk: the chunk's slice of the rows
@@ -276,7 +332,6 @@ score_tiles!(
 #[inline(always)]
 fn context<const AVX512: bool>(
     p: &[f32],
-    span: usize,
     seen: &[usize],
     latents: &[&[f32]],
     kvl: usize,
@@ -285,7 +340,7 @@ fn context<const AVX512: bool>(
     let nq = seen.len();
     let rows_in = TileIn {
         p,
-        span,
+        nq,
         latents,
         kvl,
     };
@@ -315,18 +370,19 @@ fn context<const AVX512: bool>(
             i0 += width;
         }
         for k in q0..q0 + qn {
-            let pk = &p[k * span..(k + 1) * span];
             let ck = &mut ctx[k * kvl..(k + 1) * kvl];
             // Channels past the last whole tile, from the first row.
             for (n, row) in latents[..common].iter().enumerate() {
+                let w = p[n * nq + k];
                 for (c, &v) in ck[i0..].iter_mut().zip(&row[i0..kvl]) {
-                    *c = pk[n].mul_add(v, *c);
+                    *c = w.mul_add(v, *c);
                 }
             }
             // Rows past the group's common ones, every channel.
             for (n, row) in latents.iter().enumerate().take(seen[k]).skip(common) {
+                let w = p[n * nq + k];
                 for (c, &v) in ck.iter_mut().zip(&row[..kvl]) {
-                    *c = pk[n].mul_add(v, *c);
+                    *c = w.mul_add(v, *c);
                 }
             }
         }
@@ -348,11 +404,11 @@ fn tile_width<const AVX512: bool>(qn: usize) -> usize {
     }
 }
 
-/// What every register tile of one [`context`] call reads: the probabilities `[query][span]`, and the rows with the
-/// width of the context (`kvl`).
+/// What every register tile of one [`context`] call reads: the probabilities `[row][query]` of `nq` queries, and
+/// the rows with the width of the context (`kvl`).
 struct TileIn<'a> {
     p: &'a [f32],
-    span: usize,
+    nq: usize,
     latents: &'a [&'a [f32]],
     kvl: usize,
 }
@@ -395,15 +451,15 @@ fn context_tile<const Q: usize, const C: usize>(
 ) {
     let TileIn {
         p,
-        span,
+        nq,
         latents,
         kvl,
     } = *rows_in;
     let mut acc = [[0.0f32; C]; Q];
     for (n, row) in latents[..common].iter().enumerate() {
         let c = &row[i0..i0 + C];
-        for (k, a) in acc.iter_mut().enumerate() {
-            let w = p[(q0 + k) * span + n];
+        let pn = &p[n * nq + q0..n * nq + q0 + Q];
+        for (a, &w) in acc.iter_mut().zip(pn) {
             for j in 0..C {
                 a[j] = w.mul_add(c[j], a[j]);
             }
@@ -427,27 +483,24 @@ fn context_tile_avx512<const Q: usize, const V: usize>(
 ) {
     let TileIn {
         p,
-        span,
+        nq,
         latents,
         kvl,
     } = *rows_in;
     use std::arch::x86_64::*;
-    let mut pk: [&[f32]; Q] = [&[]; Q];
-    for (k, pk) in pk.iter_mut().enumerate() {
-        *pk = &p[(q0 + k) * span..(q0 + k) * span + common];
-    }
     // SAFETY: AVX-512F is present (above); every load reads `16 · V` channels from `i0` of a row, every store
     // writes them to a query's context, both checked by the slicing.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); V]; Q];
         for (n, row) in latents[..common].iter().enumerate() {
             let c = row[i0..i0 + 16 * V].as_ptr();
+            let pn = &p[n * nq + q0..n * nq + q0 + Q];
             let mut cv = [_mm512_setzero_ps(); V];
             for (v, cv) in cv.iter_mut().enumerate() {
                 *cv = _mm512_loadu_ps(c.add(16 * v));
             }
-            for (a, pk) in acc.iter_mut().zip(&pk) {
-                let w = _mm512_set1_ps(pk[n]);
+            for (a, &pw) in acc.iter_mut().zip(pn) {
+                let w = _mm512_set1_ps(pw);
                 for (a, &cv) in a.iter_mut().zip(&cv) {
                     *a = _mm512_fmadd_ps(w, cv, *a);
                 }
@@ -507,8 +560,9 @@ mod tests {
         chain(hc.w_uv_t, &ctx)
     }
 
-    /// Blocks of 1 to 9 queries at the positions of a prompt's pass (each one more row than the last), with latent
-    /// widths that leave no tail and a tail past the register tiles (of every build), give each query's plain bits.
+    /// Blocks of 1 to 9 and of 16 to 30 queries at the positions of a prompt's pass (each one more row than the
+    /// last), with latent widths that leave no tail and a tail past the register tiles (of every build), give each
+    /// query's plain bits.
     #[test]
     fn every_block_gives_each_querys_plain_bits() {
         // 288 = 256 + 32: AVX-512's tiles of one or two queries (128 channels) and of three or four (64), and a tail.
@@ -530,7 +584,8 @@ mod tests {
                 kvl,
                 scale: ((nope + rope) as f32).powf(-0.5),
             };
-            for nq in 1..=9 {
+            // Up to 9 queries (every register tile shape), then 16 to 30 (the probabilities' lanes and a tail).
+            for nq in (1..=9).chain([16, 17, 23, 30]) {
                 let past = 30 - nq;
                 let qs: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
                     .map(|k| (wave(nope, 0.31, k as f32), wave(rope, 0.17, k as f32 + 0.5)))
