@@ -124,8 +124,13 @@ fn attend_body<const AVX512: bool>(
     let width = rows.first().map_or(kvl, |r| r.len());
     let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
     let mut scores = vec![0.0f32; span * nq];
+    // Fewer queries than a score tile's four (decode, a short verification) keep the shared walk, whose kernels
+    // run all of a product's accumulators at once where a tile would run three rows' chains one accumulator at a
+    // time.
     #[cfg(target_arch = "x86_64")]
-    if AVX512 {
+    if nq < 4 {
+        tiles_by_rows(rows, &qs, &mut scores);
+    } else if AVX512 {
         scores_avx512(rows, &qs, &mut scores);
     } else if deltafin_quant::simd::has_avx2_fma() {
         scores_avx2(rows, &qs, &mut scores);
