@@ -20,6 +20,9 @@ use deltafin_quant::dot::dot_f32_tiles;
 
 use crate::activation;
 
+/// Queries of a score tile (`score_tiles!`: up to three rows by this many queries).
+#[cfg(target_arch = "x86_64")]
+const SCORE_QUERIES: usize = 4;
 /// Rows per call of [`dot_f32_tiles`].
 const TILE_ROWS: usize = 32;
 /// Queries of one register tile of the context (and of the absorbed products).
@@ -123,24 +126,9 @@ fn attend_body<const AVX512: bool>(
         .collect();
     let width = rows.first().map_or(kvl, |r| r.len());
     let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
-    let mut scores = vec![0.0f32; span * nq];
-    // Fewer queries than a score tile's four (decode, a short verification) keep the shared walk, whose kernels
-    // run all of a product's accumulators at once where a tile would run three rows' chains one accumulator at a
-    // time.
-    #[cfg(target_arch = "x86_64")]
-    if nq < 4 {
-        tiles_by_rows(rows, &qs, &mut scores);
-    } else if AVX512 {
-        scores_avx512(rows, &qs, &mut scores);
-    } else if deltafin_quant::simd::has_avx2_fma() {
-        scores_avx2(rows, &qs, &mut scores);
-    } else {
-        tiles_by_rows(rows, &qs, &mut scores);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    tiles_by_rows(rows, &qs, &mut scores);
-    // The scores become the probabilities in place, `[row][query]`.
-    let mut p = scores;
+    // The scores, then in place the probabilities, `[row][query]`.
+    let mut p = vec![0.0f32; span * nq];
+    scores::<AVX512>(rows, &qs, &mut p);
     softmax_by_rows(&mut p, seen, hc.scale);
     let mut ctx = vec![0.0f32; nq * kvl];
     context::<AVX512>(&p, seen, &latents, kvl, &mut ctx);
@@ -232,6 +220,24 @@ fn softmax_by_rows(p: &mut [f32], seen: &[usize], scale: f32) {
     }
 }
 
+/// Every query's score against every row (`out[r · xs.len() + t]`, the dot contract): in the register tiles of
+/// this build where a block has a tile's [`SCORE_QUERIES`] queries, else (decode, a short verification) by the
+/// shared walk, whose one-input kernels run all of a product's accumulators at once where a tile would run three
+/// rows' chains one accumulator at a time.
+#[inline(always)]
+fn scores<const AVX512: bool>(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if xs.len() >= SCORE_QUERIES {
+        if AVX512 {
+            return scores_avx512(rows, xs, out);
+        }
+        if deltafin_quant::simd::has_avx2_fma() {
+            return scores_avx2(rows, xs, out);
+        }
+    }
+    tiles_by_rows(rows, xs, out)
+}
+
 /// [`dot_f32_tiles`] over [`TILE_ROWS`] rows at a time (`out[r · xs.len() + t]`), so that its accumulators (128
 /// bytes a product) stay a small heap block in cache instead of a fresh mapping for a whole span of rows.
 #[inline(always)]
@@ -265,7 +271,7 @@ macro_rules! score_tiles {
                 let rn = 3.min(rows.len() - r0);
                 let mut t0 = 0;
                 while t0 < xs.len() {
-                    let tn = 4.min(xs.len() - t0);
+                    let tn = SCORE_QUERIES.min(xs.len() - t0);
                     let at = (r0, t0, full);
                     match (rn, tn) {
                         (1, 1) => $tile::<1, 1>(rows, xs, at, out),
