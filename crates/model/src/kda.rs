@@ -7,14 +7,14 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use deltafin_quant::DenseMatrix;
+use deltafin_quant::{DenseMatrix, OutputLayout};
 use rayon::prelude::*;
 
 use crate::activation;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::kda_recurrence::{HeadInputs, recurrence_head};
-use crate::ops::{inv_rms, linear, linear_many_values, sigmoid, softplus, tensor, values};
+use crate::ops::{inv_rms, linear, linear_many_laid_out, sigmoid, softplus, tensor};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
@@ -173,8 +173,17 @@ impl Kda {
             OutGate::Full(w) => w,
             OutGate::LowRank { down, .. } => down,
         };
+        // The projections a head reads along its channels come by heads (`[H, T, D]`: a head's rows one contiguous
+        // run), so each head's task streams through its own memory; laid out by token, a head's 512-byte slice of a
+        // row lies a whole row (48 KB at K3's width) from the next, and every slice waits on memory.
+        let heads = OutputLayout::Heads(d);
+        let by_input = OutputLayout::ByInput;
         let p = profile.time(Phase::KdaProj, || -> Result<Projected> {
-            let outs = linear_many_values(
+            let og_layout = match &self.gate {
+                OutGate::Full(_) => heads,
+                OutGate::LowRank { .. } => by_input,
+            };
+            let outs = linear_many_laid_out(
                 x,
                 &[
                     &self.q_proj,
@@ -184,28 +193,35 @@ impl Kda {
                     &self.b_proj,
                     gate_in,
                 ],
+                &[heads, heads, heads, by_input, by_input, og_layout],
             )?;
             let [q_raw, k_raw, v_raw, f_a, b, gate_raw]: [Vec<f32>; 6] = outs
                 .try_into()
                 .map_err(|_| ModelError::Device("six linears gave another count".to_string()))?;
             // The decay gate's second projection for every token at once (a row's bits do not depend on how many
             // rows share the product).
-            let f_b = values(&linear(&tensor(f_a, t_len, self.f_a.rows())?, &self.f_b)?)?;
+            let by_heads = |y: Vec<f32>, w: &DenseMatrix| -> Result<Vec<f32>> {
+                let rows = y.len() / t_len.max(1);
+                let mut out = linear_many_laid_out(&tensor(y, t_len, rows)?, &[w], &[heads])?;
+                out.pop()
+                    .ok_or_else(|| ModelError::Device("a linear gave no output".to_string()))
+            };
+            let f_b = by_heads(f_a, &self.f_b)?;
             Ok(Projected {
                 raw: [q_raw, k_raw, v_raw],
                 f_b,
                 b,
                 og: match &self.gate {
                     OutGate::Full(_) => gate_raw,
-                    OutGate::LowRank { down, up } => {
-                        values(&linear(&tensor(gate_raw, t_len, down.rows())?, up)?)?
-                    }
+                    OutGate::LowRank { up, .. } => by_heads(gate_raw, up)?,
                 },
                 t_len,
+                d,
             })
         })?;
         let windows = old.conv()?;
-        let conv: [Vec<f32>; 3] = std::array::from_fn(|i| advance_window(&windows[i], &p.raw[i]));
+        let conv: [Vec<f32>; 3] =
+            std::array::from_fn(|i| advance_window(&windows[i], &p.raw[i], t_len, d));
 
         // A new conversation's state is not read: its matrices are zeros (and its untouched pages would be mapped
         // to the kernel's zero page by the reads, making the first writes into them copy-on-write faults later).
@@ -308,7 +324,7 @@ impl Kda {
     ) -> Vec<f32> {
         let inp = self.head_inputs(windows, p, head);
         let mut out = recurrence_head(s, s_prev, &inp, p.t_len, self.cfg.head_dim);
-        self.gated_norm_head(&mut out, &p.og, head);
+        self.gated_norm_head(&mut out, p, head);
         out
     }
 
@@ -328,21 +344,16 @@ impl Kda {
             let by_tap: Vec<f32> = (0..kern)
                 .flat_map(|k| (0..d).map(move |j| taps[(ch0 + j) * kern + k]))
                 .collect();
-            // The head's channels of row `r` of (window ++ raw).
+            // The head's channels of row `r` of (window ++ raw): the window by token, the raw rows by heads.
+            let raw = p.head(raw, head);
             let ext = |r: usize| -> &[f32] {
-                let (src, row) = if r < hist {
-                    (window, r)
+                if r < hist {
+                    &window[r * c + ch0..r * c + ch0 + d]
                 } else {
-                    (raw, r - hist)
-                };
-                &src[row * c + ch0..row * c + ch0 + d]
+                    &raw[(r - hist) * d..(r - hist + 1) * d]
+                }
             };
             for (t, out) in dst.chunks_exact_mut(d).enumerate() {
-                // The head's slices of the rows lie a whole projection row apart (48 KB at K3's width), where the
-                // hardware prefetchers do not follow: ask for a later row's now.
-                if t + hist + CONV_PREFETCH_ROWS < t_len + hist {
-                    prefetch(ext(t + hist + CONV_PREFETCH_ROWS));
-                }
                 conv_silu_row(out, &by_tap, |k| ext(t + k));
             }
         }
@@ -360,12 +371,11 @@ impl Kda {
         let a = self.a_exp[head];
         let mut g = vec![0.0f32; t_len * d];
         let bias = &self.dt_bias[ch0..ch0 + d];
-        for (t, g_t) in g.chunks_exact_mut(d).enumerate() {
-            let at = |t: usize| &p.f_b[t * c + ch0..t * c + ch0 + d];
-            if t + CONV_PREFETCH_ROWS < t_len {
-                prefetch(at(t + CONV_PREFETCH_ROWS));
-            }
-            let z = at(t).iter().zip(bias);
+        for (g_t, f_b) in g
+            .chunks_exact_mut(d)
+            .zip(p.head(&p.f_b, head).chunks_exact(d))
+        {
+            let z = f_b.iter().zip(bias);
             // The form chosen outside the loop, so the loop is one straight line of arithmetic (vectorised).
             match self.cfg.gate_lower_bound {
                 Some(lb) => {
@@ -384,18 +394,15 @@ impl Kda {
         HeadInputs { q, k, v, g, beta }
     }
 
-    /// The gated per-head RMSNorm of one head's output rows `out [T, D]`, with its channels of the gate `og`.
+    /// The gated per-head RMSNorm of one head's output rows `out [T, D]`, with its rows of the output gate.
     #[inline(always)]
-    fn gated_norm_head(&self, out: &mut [f32], og: &[f32], head: usize) {
+    fn gated_norm_head(&self, out: &mut [f32], p: &Projected, head: usize) {
         let d = self.cfg.head_dim;
-        let c = self.cfg.n_heads * d;
-        let at = |t: usize| &og[t * c + head * d..t * c + (head + 1) * d];
-        let t_len = out.len() / d.max(1);
-        for (t, o_h) in out.chunks_exact_mut(d).enumerate() {
-            if t + CONV_PREFETCH_ROWS < t_len {
-                prefetch(at(t + CONV_PREFETCH_ROWS));
-            }
-            self.gated_norm_row(o_h, at(t));
+        for (o_h, g_h) in out
+            .chunks_exact_mut(d)
+            .zip(p.head(&p.og, head).chunks_exact(d))
+        {
+            self.gated_norm_row(o_h, g_h);
         }
     }
 
@@ -409,17 +416,28 @@ impl Kda {
     }
 }
 
-/// The projections of one call's input, row-major.
+/// The projections of one call's input: those read along a head's channels by heads (`[H, T, D]`,
+/// [`OutputLayout::Heads`]), β by token.
 struct Projected {
-    /// q, k and v before the conv, `[T, C]` each.
+    /// q, k and v before the conv, `[H, T, D]` each.
     raw: [Vec<f32>; 3],
-    /// The decay gate's projection before its bias, `f_b · (f_a · x)`, `[T, C]`.
+    /// The decay gate's projection before its bias, `f_b · (f_a · x)`, `[H, T, D]`.
     f_b: Vec<f32>,
     /// β before the sigmoid, `[T, H]`.
     b: Vec<f32>,
-    /// The output gate before the sigmoid, `[T, C]`.
+    /// The output gate before the sigmoid, `[H, T, D]`.
     og: Vec<f32>,
     t_len: usize,
+    /// Channels per head.
+    d: usize,
+}
+
+impl Projected {
+    /// Head `head`'s rows `[T, D]` of a projection laid out by heads.
+    fn head<'a>(&self, by_heads: &'a [f32], head: usize) -> &'a [f32] {
+        let n = self.t_len * self.d;
+        &by_heads[head * n..(head + 1) * n]
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -505,10 +523,6 @@ fn a_log_heads(name: &str, shape: &[usize], data: &[f32], heads: usize) -> Resul
     Ok(data[..heads].to_vec())
 }
 
-/// Rows ahead of the current one that [`prefetch`] asks for, where a head reads its slice of `[T, C]` rows (the
-/// short conv's inputs, the decay gate's and the output gate's projections).
-const CONV_PREFETCH_ROWS: usize = 8;
-
 /// One token's short conv and SiLU over a head's channels: `out[j] = SiLU(0 + w_0j·x_0j + w_1j·x_1j + …)`, the
 /// taps in order (the plain loop's order), with `by_tap` the head's taps `[K][D]` and `rows(k)` the head's channels of
 /// the `k`-th input row. Sixteen channels at a time, so each running sum stays in a register through the taps instead
@@ -541,22 +555,6 @@ fn conv_silu_row<'a>(out: &mut [f32], by_tap: &[f32], rows: impl Fn(usize) -> &'
     }
 }
 
-/// A hint that `data` is read soon: each of its cache lines into every cache level (x86-64; elsewhere nothing).
-#[inline(always)]
-fn prefetch(data: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(16) {
-        // SAFETY: a prefetch is a hint that never faults; the address lies in `data`.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr().cast(),
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
-
 /// `x ← x / sqrt(Σx² + eps)`.
 #[inline(always)]
 fn l2_normalize(x: &mut [f32]) {
@@ -566,14 +564,20 @@ fn l2_normalize(x: &mut [f32]) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// The conv window after the new rows `raw`: the last `window.len()` values (K-1 rows) of `window ++ raw`, taken from
+/// The conv window after the new rows: the last `window.len() / C` rows (K-1) of `window ++ raw`, the window `[K-1, C]`
+/// by token and `raw` the `t_len` new rows by heads of `d` channels (`[H, T, D]`), the result by token; taken from
 /// the two tails alone (a long prompt's raw rows are tens of megabytes).
-fn advance_window(window: &[f32], raw: &[f32]) -> Vec<f32> {
-    let keep = window.len();
-    let from_raw = raw.len().min(keep);
-    let mut next = Vec::with_capacity(keep);
-    next.extend_from_slice(&window[from_raw..]);
-    next.extend_from_slice(&raw[raw.len() - from_raw..]);
+fn advance_window(window: &[f32], raw: &[f32], t_len: usize, d: usize) -> Vec<f32> {
+    let c = raw.len() / t_len.max(1);
+    let keep_rows = window.len() / c.max(1);
+    let from_raw = t_len.min(keep_rows);
+    let mut next = Vec::with_capacity(window.len());
+    next.extend_from_slice(&window[from_raw * c..]);
+    for t in t_len - from_raw..t_len {
+        for head in raw.chunks_exact(t_len * d) {
+            next.extend_from_slice(&head[t * d..(t + 1) * d]);
+        }
+    }
     next
 }
 
@@ -584,13 +588,16 @@ mod tests {
     /// The window is the tail of `window ++ raw` for new row counts below, at and above its length.
     #[test]
     fn conv_window_advances_by_the_new_rows() {
-        let c = 3;
+        // Two heads of three channels; the new rows come by heads.
+        let (heads, d) = (2, 3);
+        let c = heads * d;
         let window: Vec<f32> = (0..3 * c).map(|i| -(i as f32) - 1.0).collect();
         for rows in [0, 1, 2, 3, 5] {
             let raw: Vec<f32> = (0..rows * c).map(|i| i as f32 + 1.0).collect();
             let all: Vec<f32> = window.iter().chain(&raw).copied().collect();
+            let raw_heads = OutputLayout::Heads(d).arrange(raw, rows, c);
             assert_eq!(
-                advance_window(&window, &raw),
+                advance_window(&window, &raw_heads, rows, d),
                 all[all.len() - window.len()..],
                 "{rows} rows"
             );

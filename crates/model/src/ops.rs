@@ -1,8 +1,8 @@
 //! Small numeric building blocks shared by the blocks: linear layers, norms and activations, all in f32.
 
 use candle_core::Tensor;
-use deltafin_quant::DenseMatrix;
 use deltafin_quant::dot::dot_f32;
+use deltafin_quant::{DenseMatrix, OutputLayout};
 use rayon::prelude::*;
 
 use crate::config::Activation;
@@ -56,14 +56,37 @@ pub fn linear_many(x: &Tensor, ws: &[&DenseMatrix]) -> Result<Vec<Tensor>> {
 /// that work on the values: a long prompt's projections are tens of megabytes each, and a tensor made only to be
 /// read back out is two copies on one thread.
 pub fn linear_many_values(x: &Tensor, ws: &[&DenseMatrix]) -> Result<Vec<Vec<f32>>> {
+    linear_many_laid_out(x, ws, &vec![OutputLayout::ByInput; ws.len()])
+}
+
+/// [`linear_many_values`] with each output in its layout (`layouts[i]` for `ws[i]`, as
+/// `deltafin_quant::gemm_many_laid_out` places it): the same values.
+pub fn linear_many_laid_out(
+    x: &Tensor,
+    ws: &[&DenseMatrix],
+    layouts: &[OutputLayout],
+) -> Result<Vec<Vec<f32>>> {
     let t = x.dim(0)?;
     #[cfg(feature = "cuda")]
     if ws.iter().any(|w| w.cuda().is_some()) {
-        return ws.iter().map(|w| values(&linear(x, w)?)).collect();
+        if layouts.len() != ws.len() {
+            return Err(ModelError::Device(format!(
+                "{} layouts for {} linears",
+                layouts.len(),
+                ws.len()
+            )));
+        }
+        return ws
+            .iter()
+            .zip(layouts)
+            .map(|(w, layout)| Ok(layout.arrange(values(&linear(x, w)?)?, t, w.rows())))
+            .collect();
     }
-    deltafin_quant::gemm_many(ws, &values(x)?, t).map_err(|e| ModelError::BadWeight {
-        name: format!("{} linears of one input", ws.len()),
-        msg: e.to_string(),
+    deltafin_quant::gemm_many_laid_out(ws, layouts, &values(x)?, t).map_err(|e| {
+        ModelError::BadWeight {
+            name: format!("{} linears of one input", ws.len()),
+            msg: e.to_string(),
+        }
     })
 }
 

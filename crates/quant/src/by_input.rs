@@ -11,12 +11,13 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-/// A product's output `y [t_rows, rows]` (by input), shared by the tasks that each write one block of weight rows
-/// by inputs into it ([`ByInput::put`]).
+/// A product's output `y` (by input, or by heads of `head` outputs: [`Grid::head`]), shared by the tasks that each
+/// write one block of weight rows by inputs into it ([`ByInput::put`]).
 struct ByInput<'a> {
     ptr: *mut f32,
     rows: usize,
     t_rows: usize,
+    head: usize,
     _y: PhantomData<&'a mut [f32]>,
 }
 
@@ -27,18 +28,31 @@ unsafe impl Send for ByInput<'_> {}
 unsafe impl Sync for ByInput<'_> {}
 
 impl<'a> ByInput<'a> {
-    /// `y` holds at least `rows * t_rows` values (fewer shrink `t_rows` to the whole inputs it holds).
-    fn new(y: &'a mut [f32], rows: usize, t_rows: usize) -> ByInput<'a> {
+    /// `y` holds at least `rows * t_rows` values (fewer shrink `t_rows` to the whole inputs it holds); `head` as in
+    /// [`Grid::head`] (one that does not divide `rows` counts as `rows`: by input).
+    fn new(y: &'a mut [f32], rows: usize, t_rows: usize, head: usize) -> ByInput<'a> {
         let t_rows = y
             .len()
             .checked_div(rows)
             .map_or(t_rows, |whole| t_rows.min(whole));
+        let head = if head > 0 && rows.is_multiple_of(head) {
+            head
+        } else {
+            rows.max(1)
+        };
         ByInput {
             ptr: y.as_mut_ptr(),
             rows,
             t_rows,
+            head,
             _y: PhantomData,
         }
+    }
+
+    /// Where output `r` of input `t` lies in `y`: heads of `head` outputs one after another, each `[t_rows, head]`
+    /// (with `head == rows`, `t · rows + r`).
+    fn at(&self, t: usize, r: usize) -> usize {
+        (r / self.head) * self.t_rows * self.head + t * self.head + r % self.head
     }
 
     /// Writes `block [n, inputs.len()]` (by weight row: rows `r0 .. r0 + n` for the inputs `inputs`) into `y`. A
@@ -61,26 +75,36 @@ impl<'a> ByInput<'a> {
         if !fits {
             return;
         }
-        for (j, t) in inputs.enumerate() {
-            // SAFETY: `t < t_rows` and `r0 + n <= rows`, so the n values lie in `y`; the caller keeps other writers
-            // off them.
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(self.ptr.add(t * self.rows + r0), n) };
-            for (i, d) in dst.iter_mut().enumerate() {
-                *d = block[i * w + j];
+        // The block's rows by the heads they fall in: within a head, an input's outputs are contiguous in `y`.
+        let mut r = r0;
+        while r < r0 + n {
+            let run = (self.head - r % self.head).min(r0 + n - r);
+            for (j, t) in inputs.clone().enumerate() {
+                // SAFETY: `t < t_rows` and `r + run <= rows` within one head, so the `run` values lie in `y`; the
+                // caller keeps other writers off them.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.at(t, r)), run) };
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = block[(r - r0 + i) * w + j];
+                }
             }
+            r += run;
         }
     }
 }
 
-/// One product's output for [`fill`]: `y [t_rows, rows]` (by input), computed in blocks of `row_step` weight rows by
-/// `input_step` inputs (the last ones shorter; a step of 0 counts as 1).
+/// One product's output for [`fill`], computed in blocks of `row_step` weight rows by `input_step` inputs (the last
+/// ones shorter; a step of 0 counts as 1).
 pub(crate) struct Grid<'a> {
     pub(crate) y: &'a mut [f32],
     pub(crate) rows: usize,
     pub(crate) t_rows: usize,
     pub(crate) row_step: usize,
     pub(crate) input_step: usize,
+    /// `y`'s layout: `rows` (or 0, or any count that does not divide `rows`) for `[t_rows, rows]` by input; a
+    /// divisor `h` of `rows` for `[rows / h, t_rows, h]`, each head's outputs for every input together
+    /// ([`crate::dense::OutputLayout::Heads`]).
+    pub(crate) head: usize,
 }
 
 /// Fills every grid's `y`: for each block, `compute(k, r0, inputs, out)` fills `out [n, inputs.len()]` (by weight
@@ -104,7 +128,7 @@ pub(crate) fn fill(
     }
     let targets: Vec<ByInput<'_>> = grids
         .into_iter()
-        .map(|g| ByInput::new(g.y, g.rows, g.t_rows))
+        .map(|g| ByInput::new(g.y, g.rows, g.t_rows, g.head))
         .collect();
     let run = |(k, r0, n, inputs): (usize, usize, usize, Range<usize>)| {
         with_block(n * inputs.len(), |out| {
@@ -149,7 +173,7 @@ mod tests {
     fn blocks_land_transposed_and_out_of_range_ones_are_dropped() {
         let (rows, t_rows) = (5, 3);
         let mut y = vec![-1.0f32; rows * t_rows];
-        let target = ByInput::new(&mut y, rows, t_rows);
+        let target = ByInput::new(&mut y, rows, t_rows, 0);
         // Rows 1..3 for inputs 1..3: block [2, 2] by row.
         // SAFETY: one call at a time.
         unsafe { target.put(1, 1..3, &[10.0, 11.0, 20.0, 21.0]) };
@@ -180,6 +204,7 @@ mod tests {
                     t_rows,
                     row_step,
                     input_step,
+                    head: 0,
                 },
                 Grid {
                     y: &mut b,
@@ -187,6 +212,7 @@ mod tests {
                     t_rows: 2,
                     row_step,
                     input_step,
+                    head: 3,
                 },
             ];
             fill(grids, |k, r0, inputs, out| {
@@ -207,6 +233,40 @@ mod tests {
                         "steps {row_step}/{input_step} product {k}"
                     );
                 }
+            }
+        }
+    }
+
+    /// Heads of 4 outputs: every output of every input lands at its head's place, whatever the blocks' steps (a row
+    /// step that is not a divisor of the head makes blocks that straddle two heads).
+    #[test]
+    fn head_layout_puts_each_head_together() {
+        let (rows, t_rows, head) = (12, 5, 4);
+        for (row_step, input_step) in [(1, 1), (3, 2), (4, 5), (5, 3), (12, 5)] {
+            let mut y = vec![f32::NAN; rows * t_rows];
+            let grids = vec![Grid {
+                y: &mut y,
+                rows,
+                t_rows,
+                row_step,
+                input_step,
+                head,
+            }];
+            fill(grids, |_, r0, inputs, out| {
+                let w = inputs.len();
+                for (i, row) in out.chunks_exact_mut(w).enumerate() {
+                    for (o, t) in row.iter_mut().zip(inputs.clone()) {
+                        *o = (100 * t + r0 + i) as f32;
+                    }
+                }
+            });
+            for (j, &v) in y.iter().enumerate() {
+                let (h, t, c) = (j / (t_rows * head), j / head % t_rows, j % head);
+                assert_eq!(
+                    v,
+                    (100 * t + h * head + c) as f32,
+                    "steps {row_step}/{input_step} at {j}"
+                );
             }
         }
     }

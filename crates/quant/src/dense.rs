@@ -230,7 +230,7 @@ impl DenseMatrix {
             par_row_blocks(&mut y, |r0, out| self.rows_with(r0, &x, out));
             return Ok(y);
         }
-        let mut ys = gemm_tokens(&[self], x, t_rows);
+        let mut ys = gemm_tokens(&[self], &[OutputLayout::ByInput], x, t_rows);
         Ok(ys.pop().unwrap_or_default())
     }
 
@@ -294,11 +294,66 @@ impl DenseMatrix {
 /// so the threads fork and join once rather than once per matrix, and a thread runs from one matrix into the next
 /// instead of waiting at each one's end. Each output is bit-identical to that matrix's [`DenseMatrix::gemm`].
 pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<Vec<f32>>> {
-    for m in mats {
+    gemm_many_laid_out(mats, &vec![OutputLayout::ByInput; mats.len()], x, t_rows)
+}
+
+/// How a product's output `y` for `t_rows` inputs is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputLayout {
+    /// `[t_rows, rows]`: each input's outputs together.
+    ByInput,
+    /// `[rows / h, t_rows, h]` for `Heads(h)`, `h` a divisor of the rows: the outputs in heads of `h`, each head's
+    /// outputs for every input together, as attention reads them head by head (a head's `[t_rows, h]` is one
+    /// contiguous run instead of `t_rows` runs a whole output row apart). One input's layouts coincide.
+    Heads(usize),
+}
+
+impl OutputLayout {
+    /// `y [t_rows, rows]` (by input) rearranged into this layout (the same values; heads that do not divide `rows`
+    /// leave it by input, as [`gemm_many_laid_out`] refuses them).
+    pub fn arrange(self, y: Vec<f32>, t_rows: usize, rows: usize) -> Vec<f32> {
+        let h = match self {
+            OutputLayout::Heads(h) if h > 0 && h < rows && rows.is_multiple_of(h) => h,
+            _ => return y,
+        };
+        let mut out = Vec::with_capacity(y.len());
+        for head in 0..rows / h {
+            for t in 0..t_rows {
+                out.extend_from_slice(&y[t * rows + head * h..t * rows + (head + 1) * h]);
+            }
+        }
+        out
+    }
+}
+
+/// [`gemm_many`] with each output in its own layout (`layouts[i]` for `mats[i]`). The values are the same bits as
+/// [`gemm_many`]'s, only placed differently.
+pub fn gemm_many_laid_out(
+    mats: &[&DenseMatrix],
+    layouts: &[OutputLayout],
+    x: &[f32],
+    t_rows: usize,
+) -> Result<Vec<Vec<f32>>> {
+    if layouts.len() != mats.len() {
+        return Err(QuantError::BadLayout(format!(
+            "{} layouts for {} matrices",
+            layouts.len(),
+            mats.len()
+        )));
+    }
+    for (m, layout) in mats.iter().zip(layouts) {
         m.check(x, t_rows)?;
+        if let OutputLayout::Heads(h) = *layout
+            && (h == 0 || !m.rows.is_multiple_of(h))
+        {
+            return Err(QuantError::BadLayout(format!(
+                "heads of {h} outputs for a matrix of {} rows",
+                m.rows
+            )));
+        }
     }
     if t_rows != 1 {
-        return Ok(gemm_tokens(mats, x, t_rows));
+        return Ok(gemm_tokens(mats, layouts, x, t_rows));
     }
     // The input prepared once per kind of matrix that reads it.
     let mut prepared: Vec<Prepared> = Vec::new();
@@ -334,8 +389,14 @@ pub fn gemm_many(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Result<Vec<
 
 /// [`gemm_many`] for more than one activation row (shapes checked): each input row is prepared once per kind of
 /// matrix, in parallel, and the bf16 matrices' tiles all run in one threaded job ([`par_row_tiles`]), so the
-/// projections that read one input (KDA's six, a GLU's gate and up) share its permuted copy and one barrier.
-fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>> {
+/// projections that read one input (KDA's six, a GLU's gate and up) share its permuted copy and one barrier. Each
+/// output is written in its layout (checked by the caller).
+fn gemm_tokens(
+    mats: &[&DenseMatrix],
+    layouts: &[OutputLayout],
+    x: &[f32],
+    t_rows: usize,
+) -> Vec<Vec<f32>> {
     let Some(first) = mats.first() else {
         return Vec::new();
     };
@@ -396,10 +457,17 @@ fn gemm_tokens(mats: &[&DenseMatrix], x: &[f32], t_rows: usize) -> Vec<Vec<f32>>
     #[cfg(not(target_arch = "x86_64"))]
     let _ = &lanes;
     {
-        let mut outs: Vec<(usize, &mut [f32])> = mats
+        let mut outs: Vec<(usize, usize, &mut [f32])> = mats
             .iter()
+            .zip(layouts)
             .zip(ys.iter_mut())
-            .map(|(m, y)| (m.rows, y.as_mut_slice()))
+            .map(|((m, layout), y)| {
+                let head = match *layout {
+                    OutputLayout::ByInput => m.rows,
+                    OutputLayout::Heads(h) => h,
+                };
+                (m.rows, head, y.as_mut_slice())
+            })
             .collect();
         par_row_tiles(t_rows, &mut outs, |k, r0, tokens, out| {
             let m = mats[k];
@@ -521,23 +589,24 @@ const TILE_ROWS_PER_TASK: usize = 32;
 /// memory instead, and got slower per token as prompts grew.
 pub const TOKEN_BLOCK: usize = 64;
 
-/// Fills each `(rows, y [t_rows, rows])` of `outs` in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
+/// Fills each `(rows, head, y)` of `outs` (`y` as [`crate::by_input::Grid::head`] lays it out) in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
 /// most [`TOKEN_BLOCK`] inputs, the tasks of every product in one threaded job: `f(k, r0, tokens, out)` fills `out
 /// [rows_here, tokens.len()]` (by weight row, zeroed before) for rows `r0 ..` of product `k` and the inputs
 /// `tokens`, and the task writes it into `y` ([`crate::by_input`]).
 fn par_row_tiles(
     t_rows: usize,
-    outs: &mut [(usize, &mut [f32])],
+    outs: &mut [(usize, usize, &mut [f32])],
     f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
     let grids = outs
         .iter_mut()
-        .map(|(rows, y)| crate::by_input::Grid {
+        .map(|(rows, head, y)| crate::by_input::Grid {
             y,
             rows: *rows,
             t_rows,
             row_step: TILE_ROWS_PER_TASK,
             input_step: TOKEN_BLOCK,
+            head: *head,
         })
         .collect();
     crate::by_input::fill(grids, f);

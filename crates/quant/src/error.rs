@@ -41,6 +41,9 @@ pub enum QuantError {
         /// Length supplied.
         actual: usize,
     },
+    /// An output layout that does not fit its matrix (heads that do not divide its rows, or one layout too few).
+    #[error("output layout: {0}")]
+    BadLayout(String),
     /// A host product of a matrix whose values live only on the GPU (see `DenseMatrix::release_host`).
     #[error("the {rows}x{cols} matrix's values are on the GPU only")]
     HostReleased {

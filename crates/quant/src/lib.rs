@@ -27,7 +27,7 @@ pub mod quantise;
 pub mod simd;
 pub mod words;
 
-pub use dense::{DenseData, DenseMatrix, gemm_many};
+pub use dense::{DenseData, DenseMatrix, OutputLayout, gemm_many, gemm_many_laid_out};
 pub use error::{QuantError, Result};
 pub use mxfp4::{MXFP4_GROUP, Mxfp4Input, Mxfp4Matrix, e2m1_value, e8m0_scale};
 pub use pages::{collect_on_huge_pages, huge_page_vec};

@@ -964,6 +964,7 @@ fn gemm_pieces(products: &mut [Mxfp4Product<'_, '_>], input: Mxfp4Input) -> Resu
                 rows_per_task(&p.matrix, p.t_rows, &inputs[input_of[i]])
             },
             input_step: p.t_rows,
+            head: 0,
             y: &mut *p.y,
         })
         .collect();

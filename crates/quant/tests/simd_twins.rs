@@ -1,7 +1,7 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
 use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
-use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::dense::{DenseData, DenseMatrix, OutputLayout};
 use deltafin_quant::dot::{dot_f32, dot_f32_ref, dot_f32_tiles};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
 use deltafin_quant::mxfp4::{Mxfp4Input, Mxfp4Matrix, Mxfp4Product, gemm_batch, gemm_batch_with};
@@ -290,6 +290,42 @@ fn gemm_many_equals_each_gemm() {
         }
         // A wrong input length is an error, not a panic.
         assert!(deltafin_quant::gemm_many(&refs, &x[1..], t_rows).is_err());
+        // Laid out by heads (of more rows than a task, fewer, a whole matrix) the same values land in their heads.
+        let layouts = [
+            OutputLayout::Heads(60),
+            OutputLayout::Heads(5),
+            OutputLayout::ByInput,
+            OutputLayout::Heads(129),
+            OutputLayout::Heads(35),
+        ];
+        let laid =
+            deltafin_quant::gemm_many_laid_out(&refs, &layouts, &x, t_rows).expect("layouts");
+        for ((y, by_input), (m, layout)) in laid.iter().zip(&many).zip(mats.iter().zip(layouts)) {
+            let head = match layout {
+                OutputLayout::ByInput => m.rows(),
+                OutputLayout::Heads(h) => h,
+            };
+            assert_eq!(y.len(), by_input.len());
+            assert_eq!(
+                layout.arrange(by_input.clone(), t_rows, m.rows()),
+                *y,
+                "arranged {layout:?}"
+            );
+            for (j, v) in y.iter().enumerate() {
+                let (h, t, c) = (j / (t_rows * head), j / head % t_rows, j % head);
+                let want = by_input[t * m.rows() + h * head + c];
+                assert_eq!(
+                    v.to_bits(),
+                    want.to_bits(),
+                    "{layout:?}, {t_rows} inputs, at {j}"
+                );
+            }
+        }
+        // Heads that do not divide a matrix's rows, or a layout missing, are errors.
+        let mut bad = layouts;
+        bad[0] = OutputLayout::Heads(7);
+        assert!(deltafin_quant::gemm_many_laid_out(&refs, &bad, &x, t_rows).is_err());
+        assert!(deltafin_quant::gemm_many_laid_out(&refs, &layouts[1..], &x, t_rows).is_err());
     }
 }
 
