@@ -4,6 +4,7 @@
 //! decay gate g (bounded K3 form or Kimi Linear softplus form); β = σ(b·x); L2-normalised q, k with q scaled by
 //! D^-½; the recurrence S ← (I − β k kᵀ) diag(eᵍ) S + β k vᵀ, o = Sᵀ q; per-head gated RMSNorm; output projection.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use candle_core::Tensor;
@@ -236,30 +237,26 @@ impl Kda {
             )));
         }
         let mut s_new = crate::state::state_buffer(s_len);
-        let per_head: Vec<Vec<f32>> = s_new
+        // Each head writes its gated output straight into its columns of the rows `[T, C]` the output projection
+        // reads (a separate pass from `[H, T, D]` read every head's rows back from memory).
+        let mut out = vec![0.0f32; t_len * c];
+        let columns = HeadColumns::new(&mut out, c, d);
+        s_new
             .par_chunks_mut(d * d)
             .enumerate()
-            .map(|(head, s)| {
+            .for_each(|(head, s)| {
                 let s_prev = old_s.map(|o| &o[head * d * d..(head + 1) * d * d]);
-                self.head(windows, &p, head, (s, s_prev))
-            })
-            .collect();
-        *state = Arc::new(KdaState::new(conv, s_new));
-        // [H, T, D] -> [T, H·D], a token row per task.
-        let mut out = vec![0.0f32; t_len * c];
-        out.par_chunks_mut(c.max(1))
-            .enumerate()
-            .for_each(|(t, row)| {
-                for (head, o) in per_head.iter().enumerate() {
-                    row[head * d..(head + 1) * d].copy_from_slice(&o[t * d..(t + 1) * d]);
-                }
+                // SAFETY: this task is head `head`'s only one, and nothing else touches `out` until they end.
+                let dst = unsafe { columns.head(head) };
+                self.head(windows, &p, head, (s, s_prev), dst);
             });
+        *state = Arc::new(KdaState::new(conv, s_new));
         let out = tensor(out, t_len, c)?;
         profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
     }
 
     /// One head's part of a call: its inputs, its recurrence from `state.1` (`None`: zeros) into `state.0`, and its
-    /// gated norm; returns its output rows `[T, D]`. Run on the widest vectors the CPU has (an AVX-512 or AVX2 build
+    /// gated norm into the head's columns `dst` of the layer's output rows. Run on the widest vectors the CPU has (an AVX-512 or AVX2 build
     /// of the same code: its loops are element-wise or keep their order, so every build gives the same bits).
     fn head(
         &self,
@@ -267,19 +264,20 @@ impl Kda {
         p: &Projected,
         head: usize,
         state: (&mut [f32], Option<&[f32]>),
-    ) -> Vec<f32> {
+        dst: HeadSlots<'_>,
+    ) {
         #[cfg(target_arch = "x86_64")]
         {
             if deltafin_quant::simd::has_avx512() {
                 // SAFETY: AVX-512F is present.
-                return unsafe { self.head_avx512(windows, p, head, state) };
+                return unsafe { self.head_avx512(windows, p, head, state, dst) };
             }
             if deltafin_quant::simd::has_avx2_fma() {
                 // SAFETY: AVX2 and FMA are present.
-                return unsafe { self.head_avx2(windows, p, head, state) };
+                return unsafe { self.head_avx2(windows, p, head, state, dst) };
             }
         }
-        self.head_work(windows, p, head, state)
+        self.head_work(windows, p, head, state, dst)
     }
 
     /// [`Self::head_work`] built for AVX-512.
@@ -294,8 +292,9 @@ impl Kda {
         p: &Projected,
         head: usize,
         state: (&mut [f32], Option<&[f32]>),
-    ) -> Vec<f32> {
-        self.head_work(windows, p, head, state)
+        dst: HeadSlots<'_>,
+    ) {
+        self.head_work(windows, p, head, state, dst)
     }
 
     /// [`Self::head_work`] built for AVX2.
@@ -310,8 +309,9 @@ impl Kda {
         p: &Projected,
         head: usize,
         state: (&mut [f32], Option<&[f32]>),
-    ) -> Vec<f32> {
-        self.head_work(windows, p, head, state)
+        dst: HeadSlots<'_>,
+    ) {
+        self.head_work(windows, p, head, state, dst)
     }
 
     #[inline(always)]
@@ -321,11 +321,11 @@ impl Kda {
         p: &Projected,
         head: usize,
         (s, s_prev): (&mut [f32], Option<&[f32]>),
-    ) -> Vec<f32> {
+        dst: HeadSlots<'_>,
+    ) {
         let inp = self.head_inputs(windows, p, head);
-        let mut out = recurrence_head(s, s_prev, &inp, p.t_len, self.cfg.head_dim);
-        self.gated_norm_head(&mut out, p, head);
-        out
+        let out = recurrence_head(s, s_prev, &inp, p.t_len, self.cfg.head_dim);
+        self.gated_norm_head(&out, p, head, dst);
     }
 
     /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
@@ -394,25 +394,85 @@ impl Kda {
         HeadInputs { q, k, v, g, beta }
     }
 
-    /// The gated per-head RMSNorm of one head's output rows `out [T, D]`, with its rows of the output gate.
+    /// The gated per-head RMSNorm of one head's recurrence output `out [T, D]`, with its rows of the output gate,
+    /// into `dst`.
     #[inline(always)]
-    fn gated_norm_head(&self, out: &mut [f32], p: &Projected, head: usize) {
+    fn gated_norm_head(&self, out: &[f32], p: &Projected, head: usize, mut dst: HeadSlots<'_>) {
         let d = self.cfg.head_dim;
-        for (o_h, g_h) in out
-            .chunks_exact_mut(d)
-            .zip(p.head(&p.og, head).chunks_exact(d))
-        {
-            self.gated_norm_row(o_h, g_h);
+        let rows = out.chunks_exact(d).zip(p.head(&p.og, head).chunks_exact(d));
+        for (t, (o_h, g_h)) in rows.enumerate() {
+            self.gated_norm_row(o_h, g_h, dst.row(t));
         }
     }
 
-    /// The gated RMSNorm of one head's output row `o_h [D]` with its gate values `g_h [D]`, in place.
+    /// The gated RMSNorm of one head's output row `o_h [D]` with its gate values `g_h [D]`, into `dst [D]`.
     #[inline(always)]
-    fn gated_norm_row(&self, o_h: &mut [f32], g_h: &[f32]) {
+    fn gated_norm_row(&self, o_h: &[f32], g_h: &[f32], dst: &mut [f32]) {
         let inv = inv_rms(o_h, self.eps);
-        for ((o, w), gate) in o_h.iter_mut().zip(&self.o_norm).zip(g_h) {
-            *o = (*o * inv) * w * activation::sigmoid(*gate);
+        for (((y, &o), w), gate) in dst.iter_mut().zip(o_h).zip(&self.o_norm).zip(g_h) {
+            *y = (o * inv) * w * activation::sigmoid(*gate);
         }
+    }
+}
+
+/// A layer's output rows `[T, C]` shared by its heads' tasks, each of which writes only its own `D` columns
+/// ([`HeadColumns::head`]).
+struct HeadColumns<'a> {
+    ptr: *mut f32,
+    t_len: usize,
+    c: usize,
+    d: usize,
+    _rows: PhantomData<&'a mut [f32]>,
+}
+
+// SAFETY: `HeadColumns` is a `&mut [f32]` handed to the heads' tasks; `head`'s contract (one task a head) keeps their
+// writes apart (a head's columns are disjoint from every other head's), and nothing reads through it.
+unsafe impl Send for HeadColumns<'_> {}
+// SAFETY: as above.
+unsafe impl Sync for HeadColumns<'_> {}
+
+impl<'a> HeadColumns<'a> {
+    /// `rows` holds whole rows of `c` values, `d` a head's share of them (at most `c`).
+    fn new(rows: &'a mut [f32], c: usize, d: usize) -> HeadColumns<'a> {
+        HeadColumns {
+            ptr: rows.as_mut_ptr(),
+            t_len: rows.len().checked_div(c).unwrap_or(0),
+            c,
+            d: d.min(c),
+            _rows: PhantomData,
+        }
+    }
+
+    /// Head `head`'s columns `head·D .. (head+1)·D` of every row (none if they lie past a row's end).
+    ///
+    /// # Safety
+    /// At most one [`HeadSlots`] of a head may be live at a time.
+    unsafe fn head(&self, head: usize) -> HeadSlots<'_> {
+        let fits = (head + 1) * self.d <= self.c;
+        HeadSlots {
+            columns: self,
+            col0: head * self.d,
+            t_len: if fits { self.t_len } else { 0 },
+        }
+    }
+}
+
+/// One head's columns of a layer's output rows ([`HeadColumns::head`]).
+struct HeadSlots<'a> {
+    columns: &'a HeadColumns<'a>,
+    col0: usize,
+    t_len: usize,
+}
+
+impl HeadSlots<'_> {
+    /// The head's `D` values of row `t` (panics past the last row: a caller's bug).
+    fn row(&mut self, t: usize) -> &mut [f32] {
+        assert!(t < self.t_len, "row {t} of {}", self.t_len);
+        let cols = self.columns;
+        // SAFETY: `t < t_len` and `col0 + d <= c`, so the `d` values lie in the rows; they are this head's, only this
+        // head's `HeadSlots` reaches them ([`HeadColumns::head`]'s contract), and `&mut self` keeps one row borrowed
+        // at a time.
+        unsafe { std::slice::from_raw_parts_mut(cols.ptr.add(t * cols.c + self.col0), cols.d) }
     }
 }
 
