@@ -256,8 +256,9 @@ impl Kda {
     }
 
     /// One head's part of a call: its inputs, its recurrence from `state.1` (`None`: zeros) into `state.0`, and its
-    /// gated norm into the head's columns `dst` of the layer's output rows. Run on the widest vectors the CPU has (an AVX-512 or AVX2 build
-    /// of the same code: its loops are element-wise or keep their order, so every build gives the same bits).
+    /// gated norm into the head's columns `dst` of the layer's output rows. Run on the widest vectors the CPU has (an
+    /// AVX-512 or AVX2 build of the same code: its loops are element-wise or keep their order, so every build gives
+    /// the same bits).
     fn head(
         &self,
         windows: &[Vec<f32>; 3],
