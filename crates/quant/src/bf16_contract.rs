@@ -78,22 +78,37 @@ pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
 }
 
 /// How far ahead of each row the AVX-512 kernels prefetch (0: not at all), chosen once from the CPU and the cores this
-/// process may use. An Intel core keeps too few lines in flight for its share of memory bandwidth without help: on
-/// the 16-core device host (Intel) a GEMV at K3's width read 0.83 of the memory rate without and 0.96 with 16 KiB
-/// ahead (`gemv_sweep`), and on two Intel vCPUs decode went from 1.37–1.44 to 1.29–1.37 × its bound (8 KiB ahead:
-/// 1.34–1.40, 32 KiB: 1.26–1.32 with slower tokens). On two AMD vCPUs the same prefetch made decode slower (1.41 →
-/// 1.48–1.74 × its bound), so other CPUs prefetch from [`PREFETCH_MIN_CORES`] up only.
+/// process may use, unless `DELTAFIN_BF16_PREFETCH_KIB` gives it (in KiB). An Intel core keeps too few lines in flight
+/// for its share of memory bandwidth without help: on the 16-core device host (Intel) a GEMV at K3's width read 0.83
+/// of the memory rate without and 0.96 with 16 KiB ahead (`gemv_sweep`), and on two Intel vCPUs decode went from
+/// 1.37–1.44 to 1.29–1.37 × its bound (8 KiB ahead: 1.34–1.40, 32 KiB: 1.26–1.32 with slower tokens). So does a Zen 5
+/// core (AMD family 26): on two Zen 5 vCPUs `gemv_sweep` read 0.44–0.49 of the memory rate without and 0.75–0.78 with
+/// 16 KiB ahead, and decode took 0.217–0.218 s a token against 0.258–0.261. On two Zen 4 vCPUs (family 25) the same
+/// prefetch made decode slower (1.41 → 1.48–1.74 × its bound), so older AMD cores prefetch from
+/// [`PREFETCH_MIN_CORES`] up only.
 pub fn prefetch_bytes() -> usize {
     static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *AHEAD.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if cores >= PREFETCH_MIN_CORES || crate::simd::is_intel() {
-            16 << 10
-        } else {
-            0
-        }
+        std::env::var("DELTAFIN_BF16_PREFETCH_KIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map_or_else(prefetch_rule, |kib| kib << 10)
     })
 }
+
+/// [`prefetch_bytes`]'s choice from the CPU and the core count.
+fn prefetch_rule() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let helped = crate::simd::is_intel() || crate::simd::cpu_family() >= ZEN5_FAMILY;
+    if helped || cores >= PREFETCH_MIN_CORES {
+        16 << 10
+    } else {
+        0
+    }
+}
+
+/// AMD's CPU family of Zen 5 (26); later families are taken to keep its need for a software prefetch.
+const ZEN5_FAMILY: u32 = 0x1a;
 
 /// Cores from which the bf16 kernels prefetch on CPUs other than Intel's ([`prefetch_bytes`]).
 pub const PREFETCH_MIN_CORES: usize = 8;
@@ -426,8 +441,8 @@ fn lanes_measured_faster() -> bool {
 mod tests {
     use super::*;
 
-    /// The prefetch choice follows its rule: the vendor CPUID reports (checked against what Linux reports) and the
-    /// core count.
+    /// The prefetch choice follows its rule: the vendor and family CPUID reports (checked against what Linux reports)
+    /// and the core count, or the variable that overrides it.
     #[test]
     fn prefetch_follows_the_vendor_and_the_cores() {
         #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
@@ -439,13 +454,27 @@ mod tests {
                 .is_some_and(|l| l.trim_end().ends_with("GenuineIntel"));
             assert_eq!(crate::simd::is_intel(), linux_says);
         }
+        #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+        {
+            let info = std::fs::read_to_string("/proc/cpuinfo").expect("cpuinfo");
+            let family = info
+                .lines()
+                .find(|l| l.starts_with("cpu family"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<u32>().ok());
+            assert_eq!(Some(crate::simd::cpu_family()), family);
+        }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let want = if cores >= PREFETCH_MIN_CORES || crate::simd::is_intel() {
+        let helped = crate::simd::is_intel() || crate::simd::cpu_family() >= ZEN5_FAMILY;
+        let want = if helped || cores >= PREFETCH_MIN_CORES {
             16 << 10
         } else {
             0
         };
-        assert_eq!(prefetch_bytes(), want);
+        let given = std::env::var("DELTAFIN_BF16_PREFETCH_KIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        assert_eq!(prefetch_bytes(), given.map_or(want, |kib| kib << 10));
     }
 
     #[test]

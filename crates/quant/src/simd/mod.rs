@@ -84,6 +84,28 @@ pub fn is_intel() -> bool {
     false
 }
 
+/// The CPU's family as CPUID leaf 1 reports it (the base family, plus the extended family where the base is 15);
+/// read once; 0 off x86-64. AMD's Zen 3 and 4 are family 25 (0x19), Zen 5 26 (0x1A).
+pub fn cpu_family() -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static FAMILY: OnceLock<u32> = OnceLock::new();
+        *FAMILY.get_or_init(|| {
+            // CPUID leaf 1 exists on every x86-64 CPU.
+            let eax = std::arch::x86_64::__cpuid(1).eax;
+            let base = (eax >> 8) & 0xf;
+            if base == 0xf {
+                base + ((eax >> 20) & 0xff)
+            } else {
+                base
+            }
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    0
+}
+
 /// Whether the NEON kernels are allowed; NEON is part of the aarch64 baseline, so only `DELTAFIN_NO_SIMD=1`
 /// (for comparisons and debugging) turns them off. Read once.
 #[cfg(target_arch = "aarch64")]
