@@ -239,7 +239,7 @@ impl Kda {
         let mut s_new = crate::state::state_buffer(s_len);
         // Each head writes its gated output straight into its columns of the rows `[T, C]` the output projection
         // reads (a separate pass from `[H, T, D]` read every head's rows back from memory).
-        let mut out = vec![0.0f32; t_len * c];
+        let mut out = deltafin_quant::zeroed::zeroed(t_len * c);
         let columns = HeadColumns::new(&mut out, c, d);
         s_new
             .par_chunks_mut(d * d)

@@ -226,7 +226,7 @@ impl Mla {
         // and writes its own output rows; the arithmetic of a head is the same whatever thread runs it. Queries in
         // blocks: a cache row is read once for every query of a block (`mla_attend`: each query's bits do not
         // depend on the block).
-        let mut by_head = vec![0.0f32; nh * t_len * vd];
+        let mut by_head = deltafin_quant::zeroed::zeroed(nh * t_len * vd);
         by_head
             .par_chunks_mut(t_len * vd)
             .enumerate()
@@ -250,7 +250,7 @@ impl Mla {
             });
         // [heads, T, v] -> [T, heads, v] with the output gate, a token row per task.
         let width = nh * vd;
-        let mut out = vec![0.0f32; t_len * width];
+        let mut out = deltafin_quant::zeroed::zeroed(t_len * width);
         out.par_chunks_mut(width.max(1))
             .enumerate()
             .for_each(|(t, row)| {

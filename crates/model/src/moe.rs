@@ -260,7 +260,7 @@ impl Moe {
         })?;
         let trunk_from = Instant::now();
         let width = self.width;
-        let mut combined = vec![0.0f32; t_len * width];
+        let mut combined = deltafin_quant::zeroed::zeroed(t_len * width);
         let add_row = |(dst, row_slots): (&mut [f32], &Vec<(usize, f32, usize)>)| {
             for &(e, w, j) in row_slots {
                 if let Some(y) = outs.get(&e).and_then(|y| y.get(j * width..(j + 1) * width)) {

@@ -421,7 +421,10 @@ fn gemm_tokens(
         };
         input_of.push(at);
     }
-    let mut ys: Vec<Vec<f32>> = mats.iter().map(|m| vec![0.0f32; t_rows * m.rows]).collect();
+    let mut ys: Vec<Vec<f32>> = mats
+        .iter()
+        .map(|m| crate::zeroed::zeroed(t_rows * m.rows))
+        .collect();
     // Every matrix in tiles of rows by inputs (each weight row loaded, and widened, once for every input of a tile),
     // together: per matrix, its inputs as the float kernels read them, and as the int8 kernels do.
     let inputs: Vec<Vec<&[f32]>> = input_of

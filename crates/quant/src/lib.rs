@@ -26,6 +26,7 @@ pub mod pages;
 pub mod quantise;
 pub mod simd;
 pub mod words;
+pub mod zeroed;
 
 pub use dense::{DenseData, DenseMatrix, OutputLayout, gemm_many, gemm_many_laid_out};
 pub use error::{QuantError, Result};
