@@ -561,7 +561,14 @@ impl Kda {
             lower_bound: self.cfg.gate_lower_bound,
             eps: self.eps,
         };
-        kda_forward(params, &mats, &dims, old, (&values(x)?, t_len), profile)
+        kda_forward(
+            params,
+            &mats,
+            &dims,
+            old,
+            (&crate::ops::values(x)?, t_len),
+            profile,
+        )
     }
 }
 
