@@ -584,8 +584,10 @@ impl Prepared {
 const DENSE_ROWS_PER_TASK: usize = 64;
 
 /// Weight rows per task of a multi-token product ([`par_row_tiles`]): a few dozen rows, so that K3's widest layers
-/// still give every thread several tasks.
-const TILE_ROWS_PER_TASK: usize = 32;
+/// still give every thread several tasks, and a multiple of every tile's rows (the bf16 lanes' six, the f32 tiles'
+/// three, the int8 tiles' four), so no task ends in a narrower, slower tile (with 32, the bf16 lanes ran five tiles of
+/// six rows and one of two a task).
+const TILE_ROWS_PER_TASK: usize = 48;
 
 /// Activation rows per piece of a multi-token product: a piece's inputs (64 × 28 KB at K3's width) stay in a core's
 /// L2 while every row task of the piece reads them. A task over all of a long prompt's inputs read them from L3 or
