@@ -28,17 +28,22 @@ unsafe impl Send for ByInput<'_> {}
 unsafe impl Sync for ByInput<'_> {}
 
 impl<'a> ByInput<'a> {
-    /// `y` holds at least `rows * t_rows` values (fewer shrink `t_rows` to the whole inputs it holds); `head` as in
-    /// [`Grid::head`] (one that does not divide `rows` counts as `rows`: by input).
+    /// `y` holds at least `rows * t_rows` values (by input, fewer shrink `t_rows` to the whole inputs it holds; by
+    /// heads, whose places depend on `t_rows`, fewer leave nothing to write); `head` as in [`Grid::head`] (one that
+    /// does not divide `rows` counts as `rows`: by input).
     fn new(y: &'a mut [f32], rows: usize, t_rows: usize, head: usize) -> ByInput<'a> {
-        let t_rows = y
-            .len()
-            .checked_div(rows)
-            .map_or(t_rows, |whole| t_rows.min(whole));
         let head = if head > 0 && rows.is_multiple_of(head) {
             head
         } else {
             rows.max(1)
+        };
+        let whole = y.len().checked_div(rows).unwrap_or(t_rows);
+        let t_rows = if whole >= t_rows {
+            t_rows
+        } else if head == rows {
+            whole
+        } else {
+            0
         };
         ByInput {
             ptr: y.as_mut_ptr(),
@@ -180,6 +185,14 @@ mod tests {
         if !cfg!(debug_assertions) {
             // SAFETY: as above; rows 4..6 reach past `y`, so nothing is written.
             unsafe { target.put(4, 0..1, &[7.0, 8.0]) };
+        }
+        if !cfg!(debug_assertions) {
+            // By heads a short `y` leaves nothing to write (its places depend on every input being there).
+            let mut short = vec![-1.0f32; 2 * 3];
+            let by_heads = ByInput::new(&mut short, 2, 4, 1);
+            // SAFETY: one call at a time.
+            unsafe { by_heads.put(0, 0..1, &[5.0, 6.0]) };
+            assert_eq!(short, [-1.0; 6]);
         }
         let expect = [
             [-1.0, -1.0, -1.0, -1.0, -1.0],
