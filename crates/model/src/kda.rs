@@ -202,8 +202,7 @@ impl Kda {
             // The decay gate's second projection for every token at once (a row's bits do not depend on how many
             // rows share the product).
             let by_heads = |y: Vec<f32>, w: &DenseMatrix| -> Result<Vec<f32>> {
-                let rows = y.len() / t_len.max(1);
-                let mut out = linear_many_laid_out(&tensor(y, t_len, rows)?, &[w], &[heads])?;
+                let mut out = linear_many_laid_out(&tensor(y, t_len, w.cols())?, &[w], &[heads])?;
                 out.pop()
                     .ok_or_else(|| ModelError::Device("a linear gave no output".to_string()))
             };
