@@ -90,10 +90,16 @@ pub fn dot_f32(w: &[f32], x: &[f32]) -> f32 {
     dot_f32_ref(w, x)
 }
 
-/// Inputs per tile of [`dot_f32_tiles`].
+/// Rows and inputs per tile of [`dot_f32_tiles`] on AVX-512: two rows by six inputs (24 accumulators, four row and
+/// two input vectors) load each row block from L2 once for six inputs, where three rows by four did for four and ran
+/// slower at K3's width (docs/performance-log.md).
 #[cfg(target_arch = "x86_64")]
-const TILE_TOKENS: usize = 4;
-/// Values per block of [`dot_f32_tiles`]: a tile's four inputs over a block (16 KiB) stay in L1 while every row
+const AVX512_TILE: (usize, usize) = (2, 6);
+/// Rows and inputs per tile of [`dot_f32_tiles`] on AVX2 alone (twelve accumulators a tile either way; three rows
+/// by four loads fewer vectors a step than two by six, which ran slower there).
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILE: (usize, usize) = (3, 4);
+/// Values per block of [`dot_f32_tiles`]: a tile's inputs over a block (24 KiB at six) stay in L1 while every row
 /// pair goes through them (unblocked, the rows of K3's width made each tile stream its inputs from L2).
 #[cfg(target_arch = "x86_64")]
 const TILE_BLOCK: usize = 1024;
@@ -115,24 +121,26 @@ macro_rules! f32_tile {
     }};
 }
 
-/// Runs `$tile` (a `dot_f32_tile` of `crate::simd`: up to three rows by [`TILE_TOKENS`] inputs, accumulators
-/// `acc[r · tokens + t]`) over every tile of `$rows` by `$xs` for the values of `$span`, inputs outermost. Unsafe as
-/// `$tile` is.
+/// Runs `$tile` (a `dot_f32_tile` of `crate::simd`, accumulators `acc[r · tokens + t]`) over every tile of `$rows`
+/// by `$xs` for the values of `$span`, inputs outermost, in tiles of at most `$shape` = (rows, inputs): up to two
+/// rows by six inputs or three rows by four ([`AVX512_TILE`], [`AVX2_TILE`]). Unsafe as `$tile` is.
 #[cfg(target_arch = "x86_64")]
 macro_rules! walk_tiles {
-    ($tile:ident, $rows:expr, $xs:expr, $span:expr, $acc:expr) => {{
+    ($tile:ident, $rows:expr, $xs:expr, $span:expr, $acc:expr, $shape:expr) => {{
         let (rows, xs): (&[&[f32]], &[&[f32]]) = (&$rows, &$xs);
+        let (max_rows, max_inputs): (usize, usize) = $shape;
         let tokens = xs.len();
-        for t0 in (0..tokens).step_by(TILE_TOKENS) {
-            let width = TILE_TOKENS.min(tokens - t0);
+        for t0 in (0..tokens).step_by(max_inputs) {
+            let width = max_inputs.min(tokens - t0);
             let mut r0 = 0;
             while r0 < rows.len() {
-                match rows.len() - r0 {
-                    1 => f32_tile!($tile, 1, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
-                    2 => f32_tile!($tile, 2, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
+                let here = (rows.len() - r0).min(max_rows);
+                match here {
+                    1 => f32_tile!($tile, 1, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4 5 6),
+                    2 => f32_tile!($tile, 2, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4 5 6),
                     _ => f32_tile!($tile, 3, (rows, xs, $acc, $span), (r0, t0, width), 1 2 3 4),
                 }
-                r0 += (rows.len() - r0).min(3);
+                r0 += here;
             }
         }
     }};
@@ -153,8 +161,8 @@ macro_rules! finish_tiles {
 }
 
 /// `out[r · xs.len() + t]` = `rows[r] · xs[t]` for every f32 row and input (all of one length), each bit-identical
-/// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of three rows by four inputs that share their loads (24
-/// accumulators, six row and two input vectors: all 32 registers), on AVX2 alone in tiles of three rows by four
+/// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of two rows by six inputs that share their loads (24
+/// accumulators, four row and two input vectors: 30 registers), on AVX2 alone in tiles of three rows by four
 /// inputs that run the contract's four accumulators one after the other (twelve registers), both over blocks of
 /// [`TILE_BLOCK`] values (multi-token products); elsewhere one at a time.
 pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
@@ -172,7 +180,7 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
         // Weight rows that do not start on a cache line (a `Vec<f32>` from the allocator usually does not) are copied
         // block by block onto whole lines first: a 64-byte load across two lines costs the L1 two accesses, and every
         // weight vector of a block is loaded once per tile of inputs. The values and their order are unchanged.
-        let realign = tokens > TILE_TOKENS
+        let realign = tokens > AVX512_TILE.1
             && rows
                 .iter()
                 .any(|w| !(w.as_ptr() as usize).is_multiple_of(64));
@@ -203,7 +211,7 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
             let (rows, xs) = (&block_rows[..], &block_xs[..]);
             // SAFETY: AVX-512F, AVX2 and FMA present; rows and inputs of one length, the span whole blocks within
             // them, and `acc` holding every product (checked above).
-            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc) };
+            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc, AVX512_TILE) };
         }
         // SAFETY: AVX-512F, AVX2 and FMA present; one length (checked above).
         unsafe { finish_tiles!(dot_f32_finish, rows, xs, acc, out) };
@@ -219,7 +227,7 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
             let span = (b0, (b0 + TILE_BLOCK).min(full));
             // SAFETY: AVX2 and FMA present; rows and inputs of one length, the span whole blocks within them, and
             // `acc` holding every product (checked above).
-            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc) };
+            unsafe { walk_tiles!(dot_f32_tile, rows, xs, span, acc, AVX2_TILE) };
         }
         // SAFETY: AVX2 and FMA present; one length (checked above).
         unsafe { finish_tiles!(dot_f32_finish, rows, xs, acc, out) };
