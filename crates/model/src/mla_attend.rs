@@ -20,9 +20,15 @@ use deltafin_quant::dot::dot_f32_tiles;
 
 use crate::activation;
 
-/// Queries of a score tile (`score_tiles!`: up to three rows by this many queries).
+/// Queries from which the scores run in tiles (`score_tiles!`).
 #[cfg(target_arch = "x86_64")]
 const SCORE_QUERIES: usize = 4;
+/// Queries of one score tile.
+#[cfg(target_arch = "x86_64")]
+const SCORE_TILE_QUERIES: usize = 2;
+/// Cache rows of one score tile.
+#[cfg(target_arch = "x86_64")]
+const SCORE_ROWS: usize = 6;
 /// Rows per call of [`dot_f32_tiles`].
 const TILE_ROWS: usize = 32;
 /// Queries of one register tile of the context (and of the absorbed products).
@@ -248,9 +254,11 @@ fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     }
 }
 
-/// Defines `$scores(rows, xs, out)`: [`tiles_by_rows`]'s scores (`out[r · xs.len() + t]`) in tiles of up to three
-/// rows by four queries of `$simd`'s dot contract kernels, rows outermost (a row triple stays in L1 while every
-/// query tile passes it, so each row comes from L3 once a block of queries). Each tile's accumulators start as zeros
+/// Defines `$scores(rows, xs, out)`: [`tiles_by_rows`]'s scores (`out[r · xs.len() + t]`) in tiles of up to
+/// [`SCORE_ROWS`] cache rows by [`SCORE_TILE_QUERIES`] queries of `$simd`'s dot contract kernels, the queries as the
+/// kernels' held rows and the cache rows as their inputs, rows outermost (six rows stay in L1 while every query pair
+/// passes them, so each row comes from L3 once a block of queries, and a step loads four query vectors from L2 for
+/// 24 FMAs where three rows by four queries loaded eight). Each tile's accumulators start as zeros
 /// in registers, run over every whole block (`dot_f32_tile`) and end in the contract's tail and reduction
 /// (`dot_f32_finish`): the scores have `dot_f32_ref`'s bits without the shared walk's accumulator buffer (and, on
 /// AVX-512, realigned row copies) allocated and zeroed for every call. The CPU must have `$simd`'s features: only
@@ -268,24 +276,24 @@ macro_rules! score_tiles {
             let full = n / deltafin_quant::dot::BLOCK * deltafin_quant::dot::BLOCK;
             let mut r0 = 0;
             while r0 < rows.len() {
-                let rn = 3.min(rows.len() - r0);
+                let rn = SCORE_ROWS.min(rows.len() - r0);
                 let mut t0 = 0;
                 while t0 < xs.len() {
-                    let tn = SCORE_QUERIES.min(xs.len() - t0);
+                    let tn = SCORE_TILE_QUERIES.min(xs.len() - t0);
                     let at = (r0, t0, full);
-                    match (rn, tn) {
+                    match (tn, rn) {
                         (1, 1) => $tile::<1, 1>(rows, xs, at, out),
                         (1, 2) => $tile::<1, 2>(rows, xs, at, out),
                         (1, 3) => $tile::<1, 3>(rows, xs, at, out),
-                        (1, _) => $tile::<1, 4>(rows, xs, at, out),
-                        (2, 1) => $tile::<2, 1>(rows, xs, at, out),
-                        (2, 2) => $tile::<2, 2>(rows, xs, at, out),
-                        (2, 3) => $tile::<2, 3>(rows, xs, at, out),
-                        (2, _) => $tile::<2, 4>(rows, xs, at, out),
-                        (_, 1) => $tile::<3, 1>(rows, xs, at, out),
-                        (_, 2) => $tile::<3, 2>(rows, xs, at, out),
-                        (_, 3) => $tile::<3, 3>(rows, xs, at, out),
-                        _ => $tile::<3, 4>(rows, xs, at, out),
+                        (1, 4) => $tile::<1, 4>(rows, xs, at, out),
+                        (1, 5) => $tile::<1, 5>(rows, xs, at, out),
+                        (1, _) => $tile::<1, 6>(rows, xs, at, out),
+                        (_, 1) => $tile::<2, 1>(rows, xs, at, out),
+                        (_, 2) => $tile::<2, 2>(rows, xs, at, out),
+                        (_, 3) => $tile::<2, 3>(rows, xs, at, out),
+                        (_, 4) => $tile::<2, 4>(rows, xs, at, out),
+                        (_, 5) => $tile::<2, 5>(rows, xs, at, out),
+                        _ => $tile::<2, 6>(rows, xs, at, out),
                     }
                     t0 += tn;
                 }
@@ -293,26 +301,28 @@ macro_rules! score_tiles {
             }
         }
 
-        /// Rows `r0 .. r0 + R` by queries `t0 .. t0 + T` (`at` = (r0, t0, whole-block values)).
+        /// Queries `t0 .. t0 + Q` by cache rows `r0 .. r0 + C` (`at` = (r0, t0, whole-block values)): the queries
+        /// as the kernel's rows, held while the cache rows pass (the dot contract's products are the same with the
+        /// two sides swapped: each step a multiply-add of the two values).
         #[inline(always)]
-        fn $tile<const R: usize, const T: usize>(
+        fn $tile<const Q: usize, const C: usize>(
             rows: &[&[f32]],
             xs: &[&[f32]],
             (r0, t0, full): (usize, usize, usize),
             out: &mut [f32],
         ) {
             use deltafin_quant::simd::$simd::{F32Acc, dot_f32_finish, dot_f32_tile};
-            let w: [&[f32]; R] = std::array::from_fn(|k| rows[r0 + k]);
-            let x: [&[f32]; T] = std::array::from_fn(|k| xs[t0 + k]);
+            let q: [&[f32]; Q] = std::array::from_fn(|k| xs[t0 + k]);
+            let c: [&[f32]; C] = std::array::from_fn(|k| rows[r0 + k]);
             let nq = xs.len();
             // SAFETY: the CPU has the kernels' features (the caller's build); every row and query has one length
-            // (checked), `full` whole blocks of it, and `acc` holds the `R · T` products at stride `T`.
+            // (checked), `full` whole blocks of it, and `acc` holds the `Q · C` products at stride `C`.
             unsafe {
                 let mut acc: [F32Acc; 12] = [$zero; 12];
-                dot_f32_tile::<R, T>(w, x, (0, full), &mut acc, T);
-                for (r, w) in w.iter().enumerate() {
-                    for (t, x) in x.iter().enumerate() {
-                        out[(r0 + r) * nq + t0 + t] = dot_f32_finish(&acc[r * T + t], w, x);
+                dot_f32_tile::<Q, C>(q, c, (0, full), &mut acc, C);
+                for (i, qv) in q.iter().enumerate() {
+                    for (j, cv) in c.iter().enumerate() {
+                        out[(r0 + j) * nq + t0 + i] = dot_f32_finish(&acc[i * C + j], qv, cv);
                     }
                 }
             }
@@ -595,9 +605,11 @@ mod tests {
                 kvl,
                 scale: ((nope + rope) as f32).powf(-0.5),
             };
-            // Up to 9 queries (every register tile shape), then 16 to 30 (the probabilities' lanes and a tail).
-            for nq in (1..=9).chain([16, 17, 23, 30]) {
-                let past = 30 - nq;
+            // Up to 9 queries (every register tile shape), then 16 to 30 (the probabilities' lanes and a tail); spans
+            // of 25 to 30 rows end the score tiles' six rows in every shorter tile.
+            let shapes = (1..=9).chain([16, 17, 23, 30]).map(|nq| (nq, 30));
+            for (nq, span) in shapes.chain((25..30).map(|span| (9, span))) {
+                let past = span - nq;
                 let qs: Vec<(Vec<f32>, Vec<f32>)> = (0..nq)
                     .map(|k| (wave(nope, 0.31, k as f32), wave(rope, 0.17, k as f32 + 0.5)))
                     .collect();
@@ -614,7 +626,11 @@ mod tests {
                         "kvl {kvl}, {nq} queries"
                     );
                     let bits = |s: &[f32]| s.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(got), bits(&want), "kvl {kvl}, query {k} of {nq}");
+                    assert_eq!(
+                        bits(got),
+                        bits(&want),
+                        "kvl {kvl}, query {k} of {nq}, {span} rows"
+                    );
                 }
             }
         }
