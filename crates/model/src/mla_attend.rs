@@ -13,7 +13,7 @@
 //! verification agree to the bit). Within a block the scores run as multi-input tiles of the dot contract
 //! (`deltafin_quant::dot::dot_f32_tiles`: each cache row loaded once for several queries), and the absorbed products
 //! and the context as multiply-add chains in register tiles of up to four queries by 16 to 64 outputs, built for the
-//! widest vectors the CPU has (on AVX-512, tiles of 64 to 128 outputs in named registers).
+//! widest vectors the CPU has (on AVX-512, tiles of up to six queries by 64 or 128 outputs in named registers).
 
 use deltafin_quant::dense::{DenseData, DenseMatrix};
 use deltafin_quant::dot::dot_f32_tiles;
@@ -33,6 +33,10 @@ const SCORE_ROWS: usize = 6;
 const TILE_ROWS: usize = 32;
 /// Queries of one register tile of the context (and of the absorbed products).
 const CTX_QUERIES: usize = 4;
+/// Queries of one AVX-512 register tile of the context (six by four vectors: 24 sums, so a row's four loads from L2
+/// feed 24 FMAs where four queries' fed sixteen).
+#[cfg(target_arch = "x86_64")]
+const AVX512_CTX_QUERIES: usize = 6;
 /// Outputs of one register tile at [`CTX_QUERIES`] queries (twice as many at two queries, four times at one).
 const CTX_COLS: usize = 16;
 /// Outputs of one AVX-512 register tile at three or four queries (twice as many at one or two, so that one query's
@@ -366,10 +370,11 @@ fn context<const AVX512: bool>(
         kvl,
     };
     // (first query, queries, rows all of them see, tile width) of each group.
+    let per_group = group_queries::<AVX512>();
     let groups: Vec<(usize, usize, usize, usize)> = (0..nq)
-        .step_by(CTX_QUERIES)
+        .step_by(per_group)
         .map(|q0| {
-            let qn = CTX_QUERIES.min(nq - q0);
+            let qn = per_group.min(nq - q0);
             let common = seen[q0..q0 + qn].iter().copied().min().unwrap_or(0);
             (q0, qn, common, tile_width::<AVX512>(qn))
         })
@@ -408,6 +413,16 @@ fn context<const AVX512: bool>(
             }
         }
     }
+}
+
+/// Queries of one register tile of the context at most.
+#[inline(always)]
+fn group_queries<const AVX512: bool>() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 {
+        return AVX512_CTX_QUERIES;
+    }
+    CTX_QUERIES
 }
 
 /// Channels of one register tile of `qn` queries. Fewer queries, wider tiles: every tile keeps eight to sixteen
@@ -450,7 +465,9 @@ fn run_tile<const AVX512: bool>(
             1 => context_tile_avx512::<1, { 2 * V }>(rows_in, q0, at, ctx),
             2 => context_tile_avx512::<2, { 2 * V }>(rows_in, q0, at, ctx),
             3 => context_tile_avx512::<3, V>(rows_in, q0, at, ctx),
-            _ => context_tile_avx512::<4, V>(rows_in, q0, at, ctx),
+            4 => context_tile_avx512::<4, V>(rows_in, q0, at, ctx),
+            5 => context_tile_avx512::<5, V>(rows_in, q0, at, ctx),
+            _ => context_tile_avx512::<6, V>(rows_in, q0, at, ctx),
         }
         return;
     }
@@ -491,7 +508,7 @@ fn context_tile<const Q: usize, const C: usize>(
     }
 }
 
-/// [`context_tile`] in AVX-512 registers: `Q` queries by `V` vectors of 16 channels (`Q · V` at most 16), the
+/// [`context_tile`] in AVX-512 registers: `Q` queries by `V` vectors of 16 channels (`Q · V` at most 24), the
 /// same chain per output. Only [`attend_avx512`]'s build reaches it (`attend_body::<true>`): it must be inlined
 /// into code built with AVX-512F.
 #[cfg(target_arch = "x86_64")]
