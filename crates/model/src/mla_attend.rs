@@ -141,7 +141,7 @@ fn attend_body<const AVX512: bool>(
     scores::<AVX512>(rows, &qs, &mut p);
     softmax_by_rows(&mut p, seen, hc.scale);
     let mut ctx = vec![0.0f32; nq * kvl];
-    context::<AVX512>(&p, seen, &latents, kvl, &mut ctx);
+    context::<AVX512>(&Weights::by_row(&p, nq), seen, &latents, kvl, &mut ctx);
     let ctxs: Vec<&[f32]> = ctx.chunks_exact(kvl).collect();
     out[..nq * hc.w_uv_t.cols()].copy_from_slice(&chains::<AVX512>(hc.w_uv_t, &ctxs));
 }
@@ -159,16 +159,11 @@ fn chains<const AVX512: bool>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
             owned.iter().map(|r| r.as_slice()).collect()
         }
     };
-    // The inputs `[row][input]`, as the context takes its probabilities.
+    // Each input's values are its weights of the rows, read where they lie (a copy `[row][input]` for the
+    // context's layout of probabilities took as long as half the product).
     let nx = xs.len();
-    let mut p = vec![0.0f32; rows * nx];
-    for (k, x) in xs.iter().enumerate() {
-        for (j, &v) in x[..rows].iter().enumerate() {
-            p[j * nx + k] = v;
-        }
-    }
     let mut out = vec![0.0f32; nx * cols];
-    context::<AVX512>(&p, &vec![rows; nx], &ms, cols, &mut out);
+    context::<AVX512>(&Weights::by_query(xs), &vec![rows; nx], &ms, cols, &mut out);
     out
 }
 
@@ -349,26 +344,22 @@ score_tiles!(
     [std::arch::x86_64::_mm256_setzero_ps(); 4]
 );
 
-/// `ctx[k] = Σ_n p[n][k] · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `p` `[row][query]`.
+/// `ctx[k] = Σ_n w(n, k) · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `w` the weights of each
+/// row for each query ([`Weights`]).
 /// Rows every query of a group of [`CTX_QUERIES`] sees go through register tiles ([`run_tile`]); the rows past the
 /// group's smallest `seen`, and channels past its last whole tile, follow per query, still in order. The tiles run
 /// by chunks of channels, every group's tiles over one chunk before the next chunk: the chunk's slice of the rows
 /// (a long span's: `span` × 512 bytes) stays in L2 from one group to the next instead of coming from L3 for each.
 #[inline(always)]
 fn context<const AVX512: bool>(
-    p: &[f32],
+    w: &Weights<'_>,
     seen: &[usize],
     latents: &[&[f32]],
     kvl: usize,
     ctx: &mut [f32],
 ) {
     let nq = seen.len();
-    let rows_in = TileIn {
-        p,
-        nq,
-        latents,
-        kvl,
-    };
+    let rows_in = TileIn { w, latents, kvl };
     // (first query, queries, rows all of them see, tile width) of each group.
     let per_group = group_queries::<AVX512>();
     let groups: Vec<(usize, usize, usize, usize)> = (0..nq)
@@ -399,14 +390,14 @@ fn context<const AVX512: bool>(
             let ck = &mut ctx[k * kvl..(k + 1) * kvl];
             // Channels past the last whole tile, from the first row.
             for (n, row) in latents[..common].iter().enumerate() {
-                let w = p[n * nq + k];
+                let w = w.at(n, k);
                 for (c, &v) in ck[i0..].iter_mut().zip(&row[i0..kvl]) {
                     *c = w.mul_add(v, *c);
                 }
             }
             // Rows past the group's common ones, every channel.
             for (n, row) in latents.iter().enumerate().take(seen[k]).skip(common) {
-                let w = p[n * nq + k];
+                let w = w.at(n, k);
                 for (c, &v) in ck.iter_mut().zip(&row[..kvl]) {
                     *c = w.mul_add(v, *c);
                 }
@@ -440,11 +431,50 @@ fn tile_width<const AVX512: bool>(qn: usize) -> usize {
     }
 }
 
-/// What every register tile of one [`context`] call reads: the probabilities `[row][query]` of `nq` queries, and
-/// the rows with the width of the context (`kvl`).
+/// The weights of a [`context`] call: query `k`'s weight of row `n` is `queries[k][n · step]`.
+struct Weights<'a> {
+    queries: Vec<&'a [f32]>,
+    step: usize,
+}
+
+impl<'a> Weights<'a> {
+    /// Probabilities `p` laid out `[row][query]` for `nq` queries.
+    fn by_row(p: &'a [f32], nq: usize) -> Weights<'a> {
+        Weights {
+            queries: (0..nq).map(|k| &p[k.min(p.len())..]).collect(),
+            step: nq,
+        }
+    }
+
+    /// One slice of weights a query, `[row]`.
+    fn by_query(xs: &[&'a [f32]]) -> Weights<'a> {
+        Weights {
+            queries: xs.to_vec(),
+            step: 1,
+        }
+    }
+
+    /// Query `k`'s weight of row `n`.
+    #[inline(always)]
+    fn at(&self, n: usize, k: usize) -> f32 {
+        self.queries[k][n * self.step]
+    }
+
+    /// Queries `q0 .. q0 + Q`, each cut to its weights of rows `0 .. rows` (a query holding fewer panics here, before
+    /// a tile's loop starts).
+    #[inline(always)]
+    fn tile<const Q: usize>(&self, q0: usize, rows: usize) -> [&'a [f32]; Q] {
+        std::array::from_fn(|k| {
+            let q = self.queries[q0 + k];
+            &q[..(rows.max(1) - 1) * self.step + usize::from(rows > 0)]
+        })
+    }
+}
+
+/// What every register tile of one [`context`] call reads: the weights, and the rows with the width of the context
+/// (`kvl`).
 struct TileIn<'a> {
-    p: &'a [f32],
-    nq: usize,
+    w: &'a Weights<'a>,
     latents: &'a [&'a [f32]],
     kvl: usize,
 }
@@ -487,17 +517,13 @@ fn context_tile<const Q: usize, const C: usize>(
     (common, i0): (usize, usize),
     ctx: &mut [f32],
 ) {
-    let TileIn {
-        p,
-        nq,
-        latents,
-        kvl,
-    } = *rows_in;
+    let TileIn { w, latents, kvl } = *rows_in;
+    let (qw, step) = (w.tile::<Q>(q0, common), w.step);
     let mut acc = [[0.0f32; C]; Q];
     for (n, row) in latents[..common].iter().enumerate() {
         let c = &row[i0..i0 + C];
-        let pn = &p[n * nq + q0..n * nq + q0 + Q];
-        for (a, &w) in acc.iter_mut().zip(pn) {
+        for (a, qw) in acc.iter_mut().zip(&qw) {
+            let w = qw[n * step];
             for j in 0..C {
                 a[j] = w.mul_add(c[j], a[j]);
             }
@@ -519,12 +545,8 @@ fn context_tile_avx512<const Q: usize, const V: usize>(
     (common, i0): (usize, usize),
     ctx: &mut [f32],
 ) {
-    let TileIn {
-        p,
-        nq,
-        latents,
-        kvl,
-    } = *rows_in;
+    let TileIn { w, latents, kvl } = *rows_in;
+    let (qw, step) = (w.tile::<Q>(q0, common), w.step);
     use std::arch::x86_64::*;
     // SAFETY: AVX-512F is present (above); every load reads `16 · V` channels from `i0` of a row, every store
     // writes them to a query's context, both checked by the slicing.
@@ -532,13 +554,12 @@ fn context_tile_avx512<const Q: usize, const V: usize>(
         let mut acc = [[_mm512_setzero_ps(); V]; Q];
         for (n, row) in latents[..common].iter().enumerate() {
             let c = row[i0..i0 + 16 * V].as_ptr();
-            let pn = &p[n * nq + q0..n * nq + q0 + Q];
             let mut cv = [_mm512_setzero_ps(); V];
             for (v, cv) in cv.iter_mut().enumerate() {
                 *cv = _mm512_loadu_ps(c.add(16 * v));
             }
-            for (a, &pw) in acc.iter_mut().zip(pn) {
-                let w = _mm512_set1_ps(pw);
+            for (a, qw) in acc.iter_mut().zip(&qw) {
+                let w = _mm512_set1_ps(qw[n * step]);
                 for (a, &cv) in a.iter_mut().zip(&cv) {
                     *a = _mm512_fmadd_ps(w, cv, *a);
                 }
