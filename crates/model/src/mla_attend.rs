@@ -129,11 +129,12 @@ fn attend_body<const AVX512: bool>(
     let rows = &hc.rows[..span];
     let latents: Vec<&[f32]> = rows.iter().map(|r| &r[..kvl]).collect();
     // Each query as one row of the cache's width: its latent part, then its rope part.
-    let qcat: Vec<f32> = q_abs
-        .chunks_exact(kvl)
-        .zip(queries)
-        .flat_map(|(a, q)| a.iter().chain(q.1).copied())
-        .collect();
+    let mut qcat =
+        Vec::with_capacity(q_abs.len() + queries.iter().map(|q| q.1.len()).sum::<usize>());
+    for (a, q) in q_abs.chunks_exact(kvl).zip(queries) {
+        qcat.extend_from_slice(a);
+        qcat.extend_from_slice(q.1);
+    }
     let width = rows.first().map_or(kvl, |r| r.len());
     let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
     // The scores, then in place the probabilities, `[row][query]`.
