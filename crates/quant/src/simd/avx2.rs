@@ -110,6 +110,7 @@ pub type F32Acc = [__m256; 4];
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
     let full = w.len().min(x.len()) / BLOCK * BLOCK;

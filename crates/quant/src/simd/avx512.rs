@@ -202,6 +202,7 @@ pub unsafe fn dot_f32_tile<const R: usize, const T: usize>(
 ///
 /// # Safety
 /// The CPU must support AVX-512F, AVX2 and FMA; `w` and `x` have one length.
+#[inline]
 #[target_feature(enable = "avx512f,avx2,fma")]
 pub unsafe fn dot_f32_finish(acc: &F32Acc, w: &[f32], x: &[f32]) -> f32 {
     let full = w.len().min(x.len()) / BLOCK * BLOCK;
