@@ -235,10 +235,12 @@ fn scores<const AVX512: bool>(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if xs.len() >= SCORE_QUERIES {
         if AVX512 {
-            return scores_avx512(rows, xs, out);
+            // SAFETY: only the AVX-512 build sets `AVX512` (its caller checked the CPU).
+            return unsafe { scores_avx512(rows, xs, out) };
         }
         if deltafin_quant::simd::has_avx2_fma() {
-            return scores_avx2(rows, xs, out);
+            // SAFETY: AVX2 and FMA are present (checked just above).
+            return unsafe { scores_avx2(rows, xs, out) };
         }
     }
     tiles_by_rows(rows, xs, out)
@@ -265,9 +267,12 @@ fn tiles_by_rows(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
 /// the build for them calls `$scores`.
 #[cfg(target_arch = "x86_64")]
 macro_rules! score_tiles {
-    ($scores:ident, $tile:ident, $simd:ident, $zero:expr) => {
-        #[inline(always)]
-        fn $scores(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
+    ($scores:ident, $tile:ident, $simd:ident, $zero:expr, $reduce_all:path, $features:literal) => {
+        /// # Safety
+        /// The CPU must have the build's features.
+        #[target_feature(enable = $features)]
+        #[inline(never)]
+        unsafe fn $scores(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
             let n = xs.first().map_or(0, |x| x.len());
             if rows.iter().chain(xs).any(|v| v.len() != n) {
                 // Not the cache's shape: the shared walk checks and handles it.
@@ -320,9 +325,19 @@ macro_rules! score_tiles {
             unsafe {
                 let mut acc: [F32Acc; 12] = [$zero; 12];
                 dot_f32_tile::<Q, C>(q, c, (0, full), &mut acc, C);
+                // Rows without a tail (K3's 576 values) reduce every product of the tile at once where the build can.
+                let no_tail = q.first().is_some_and(|v| v.len() == full);
+                let all = if no_tail {
+                    $reduce_all(&acc[..Q * C])
+                } else {
+                    None
+                };
                 for (i, qv) in q.iter().enumerate() {
                     for (j, cv) in c.iter().enumerate() {
-                        out[(r0 + j) * nq + t0 + i] = dot_f32_finish(&acc[i * C + j], qv, cv);
+                        out[(r0 + j) * nq + t0 + i] = match &all {
+                            Some(sums) => sums[i * C + j],
+                            None => dot_f32_finish(&acc[i * C + j], qv, cv),
+                        };
                     }
                 }
             }
@@ -335,15 +350,41 @@ score_tiles!(
     scores_avx512,
     score_tile_avx512,
     avx512,
-    [std::arch::x86_64::_mm512_setzero_ps(); 2]
+    [std::arch::x86_64::_mm512_setzero_ps(); 2],
+    reduce_all_avx512,
+    "avx512f,avx512vl,avx2,fma"
 );
 #[cfg(target_arch = "x86_64")]
 score_tiles!(
     scores_avx2,
     score_tile_avx2,
     avx2,
-    [std::arch::x86_64::_mm256_setzero_ps(); 4]
+    [std::arch::x86_64::_mm256_setzero_ps(); 4],
+    reduce_one_at_a_time,
+    "avx2,fma"
 );
+
+/// A score tile's products (at most 16, no tail) reduced at once (`dot_f32_finish16`). Only the AVX-512 build of
+/// the scores calls it.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce_all_avx512(acc: &[deltafin_quant::simd::avx512::F32Acc]) -> Option<[f32; 16]> {
+    // SAFETY: AVX-512F is present (the caller's build); a tile holds at most 12 products.
+    Some(unsafe { deltafin_quant::simd::avx512::dot_f32_finish16(acc) })
+}
+
+/// The AVX2 build reduces its products one at a time.
+///
+/// # Safety
+/// None (unsafe only to share [`reduce_all_avx512`]'s signature in the tiles' macro).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn reduce_one_at_a_time(_: &[deltafin_quant::simd::avx2::F32Acc]) -> Option<[f32; 16]> {
+    None
+}
 
 /// `ctx[k] = Σ_n w(n, k) · latents[n]` over `n < seen[k]` in order (fused multiply-adds), `w` the weights of each
 /// row for each query ([`Weights`]).
@@ -625,11 +666,13 @@ mod tests {
     /// query's plain bits.
     #[test]
     fn every_block_gives_each_querys_plain_bits() {
-        // 288 = 256 + 32: AVX-512's tiles of one or two queries (128 channels) and of three or four (64), and a tail.
+        // 288 = 256 + 32: AVX-512's tiles of one or two queries (128 channels) and of three or four (64), and a tail;
+        // 112 + 16 = 128: cache rows of whole blocks (no tail), whose score tiles reduce all their products at once.
         for (kvl, rope, nope, v) in [
             (64usize, 16usize, 24usize, 20usize),
             (40, 8, 16, 12),
             (288, 16, 24, 20),
+            (112, 16, 24, 20),
         ] {
             let uk = DenseMatrix::new(nope, kvl, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
                 .expect("shape");

@@ -1655,3 +1655,38 @@ mod neon_kernels {
         }
     }
 }
+
+/// `dot_f32_finish16` reduces up to sixteen products' accumulators at once with the bits of `dot_f32_finish` on each.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f32_finish16_matches_one_product_at_a_time() {
+    use deltafin_quant::simd::avx512::{F32Acc, dot_f32_finish, dot_f32_finish16};
+    if !cpu_has_or_skip("avx512", deltafin_quant::simd::has_avx512()) {
+        return;
+    }
+    let mut r = rng();
+    for count in 1..=16 {
+        let accs: Vec<F32Acc> = (0..count)
+            .map(|_| {
+                // Values of very different sizes, so any other pairing of the additions shows in the bits.
+                let v: Vec<f32> = (0..32)
+                    .map(|i| r.random_range(-4.0f32..4.0) * [1.0, 1e-4, 3e3, 7e-8][i % 4])
+                    .collect();
+                // SAFETY: AVX-512F is present (checked above); `v` holds 32 f32.
+                unsafe {
+                    [
+                        std::arch::x86_64::_mm512_loadu_ps(v.as_ptr()),
+                        std::arch::x86_64::_mm512_loadu_ps(v.as_ptr().add(16)),
+                    ]
+                }
+            })
+            .collect();
+        // SAFETY: AVX-512F present; at most 16 products; empty rows have no tail.
+        let all = unsafe { dot_f32_finish16(&accs) };
+        for (p, acc) in accs.iter().enumerate() {
+            // SAFETY: as above.
+            let one = unsafe { dot_f32_finish(acc, &[], &[]) };
+            same_bits(all[p], one, &format!("product {p} of {count}"));
+        }
+    }
+}
