@@ -508,7 +508,12 @@ impl<'a> Weights<'a> {
     fn tile<const Q: usize>(&self, q0: usize, rows: usize) -> [&'a [f32]; Q] {
         std::array::from_fn(|k| {
             let q = self.queries[q0 + k];
-            &q[..(rows.max(1) - 1) * self.step + usize::from(rows > 0)]
+            let len = if rows == 0 {
+                0
+            } else {
+                (rows - 1) * self.step + 1
+            };
+            &q[..len]
         })
     }
 }

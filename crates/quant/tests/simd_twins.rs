@@ -674,10 +674,7 @@ fn mxfp4_tiles_match_twin_for_any_chunk_blocks() {
     use deltafin_quant::simd::avx512::{
         Bf16Acc, DECODED_CHUNK, bf16_finish, mxfp4_decode_rows, mxfp4_tile,
     };
-    let present = std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("fma");
-    if !cpu_has_or_skip("avx512", present) {
+    if !avx512_cpu_or_skip() {
         return;
     }
     let mut r = rng();
@@ -1024,6 +1021,17 @@ fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
 /// Whether the instruction set `what` (as `DELTAFIN_TEST_SKIP` names it) can be exercised here (`present`). A test
 /// that cannot exercise its kernels would check nothing, so it fails unless `DELTAFIN_TEST_SKIP` lists `what`
 /// (CI's pass with `DELTAFIN_NO_AVX512=1` does, for the AVX-512 sets); then it says in the log that it skipped.
+/// [`cpu_has_or_skip`] for the AVX-512 kernels that tests call directly (AVX-512F and BW, AVX2, FMA): what counts is
+/// the CPU, not the dispatch, which `DELTAFIN_NO_AVX512` turns off.
+#[cfg(target_arch = "x86_64")]
+fn avx512_cpu_or_skip() -> bool {
+    let present = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma");
+    cpu_has_or_skip("avx512", present)
+}
+
 #[cfg(target_arch = "x86_64")]
 fn cpu_has_or_skip(what: &str, present: bool) -> bool {
     if present {
@@ -1661,11 +1669,7 @@ mod neon_kernels {
 #[test]
 fn f32_finish16_matches_one_product_at_a_time() {
     use deltafin_quant::simd::avx512::{F32Acc, dot_f32_finish, dot_f32_finish16};
-    // The kernels are called directly: what counts is the CPU, not the dispatch (`DELTAFIN_NO_AVX512`).
-    let present = std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma");
-    if !cpu_has_or_skip("avx512", present) {
+    if !avx512_cpu_or_skip() {
         return;
     }
     let mut r = rng();
