@@ -208,7 +208,7 @@ impl Mla {
             rms_norm_row(&mut row[..kvl], &self.kv_a_norm, MLA_LORA_NORM_EPS);
         }
         let past = cache.len();
-        cache.push_block(ckv, kvl + rope);
+        cache.push_block(&ckv, kvl + rope);
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             let mut out = g.attend(&q, cache, past, t_len, scale)?;

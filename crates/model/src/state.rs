@@ -5,6 +5,8 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
+use deltafin_quant::aligned::Lines;
+
 use crate::config::{AttnKind, ModelConfig};
 
 /// Idle KDA state matrices kept for reuse, at most this many (two per KDA layer of K3, with room to spare).
@@ -162,9 +164,36 @@ impl Drop for KdaState {
 /// state kept while a speculative draft is verified — copies pointers, never rows.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct MlaCache {
-    blocks: Vec<Arc<Vec<f32>>>,
+    blocks: Vec<Arc<CacheBlock>>,
     row: usize,
     len: usize,
+}
+
+/// One block of a latent cache's rows, stored from the start of a cache line: at K3's width (576 values, 36 lines)
+/// every row then starts a line, so the attention's full-width loads of a row never straddle two lines (rows 16 bytes
+/// off a line, as the allocator hands out a large `Vec`, made the scores and the context a fifth slower).
+#[derive(Debug, PartialEq)]
+pub struct CacheBlock {
+    lines: Lines,
+    len: usize,
+}
+
+impl CacheBlock {
+    /// A block holding a copy of `rows`.
+    fn copy_of(rows: &[f32]) -> Self {
+        CacheBlock {
+            lines: Lines::copy_of(rows),
+            len: rows.len(),
+        }
+    }
+}
+
+impl std::ops::Deref for CacheBlock {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        &self.lines[..self.len]
+    }
 }
 
 impl MlaCache {
@@ -178,14 +207,14 @@ impl MlaCache {
         self.len == 0
     }
 
-    /// Appends `rows` (`[n, row_width]`) as one block.
-    pub fn push_block(&mut self, rows: Vec<f32>, row_width: usize) {
+    /// Appends a copy of `rows` (`[n, row_width]`) as one block.
+    pub fn push_block(&mut self, rows: &[f32], row_width: usize) {
         if rows.is_empty() || row_width == 0 {
             return;
         }
         self.row = row_width;
         self.len += rows.len() / row_width;
-        self.blocks.push(Arc::new(rows));
+        self.blocks.push(Arc::new(CacheBlock::copy_of(rows)));
     }
 
     /// Every cached row in order, each `row_width` values.
@@ -195,7 +224,7 @@ impl MlaCache {
     }
 
     /// The blocks, oldest first (for serialisation).
-    pub fn blocks(&self) -> &[Arc<Vec<f32>>] {
+    pub fn blocks(&self) -> &[Arc<CacheBlock>] {
         &self.blocks
     }
 

@@ -217,7 +217,7 @@ pub fn load(path: &Path, cfg: &ModelConfig, fingerprint: u32) -> Result<Snapshot
                     ));
                 }
                 let mut cache = MlaCache::default();
-                cache.push_block(rows, width);
+                cache.push_block(&rows, width);
                 layers.push(LayerState::Mla(cache));
             }
             _ => return Err(bad(path, format!("layer {l}: state of the wrong kind"))),

@@ -22,7 +22,7 @@ use super::{cuda_err, sized, started_timer};
 use crate::config::MLA_LORA_NORM_EPS;
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Profile};
-use crate::state::MlaCache;
+use crate::state::{CacheBlock, MlaCache};
 
 /// Threads per block of `mla_attend` (as `MLA_THREADS` in `kernels/attention.cu`).
 const MLA_THREADS: usize = 512;
@@ -32,7 +32,7 @@ const NORM_THREADS: u32 = 256;
 /// The rows of the latent cache already on the device, and the host blocks they came from.
 #[derive(Default)]
 struct Mirror {
-    blocks: Vec<Arc<Vec<f32>>>,
+    blocks: Vec<Arc<CacheBlock>>,
     buf: Option<CudaSlice<f32>>,
     cap_rows: usize,
 }
@@ -273,7 +273,7 @@ impl MlaGpu {
         let new_rows = rows.downloaded(new_range).map_err(cuda_err)?.to_vec();
         drop(rows);
         profile.add(Phase::AttnDevice, timer.elapsed().map_err(cuda_err)?);
-        cache.push_block(new_rows, row);
+        cache.push_block(&new_rows, row);
         mirror.blocks = cache.blocks().to_vec();
         Ok(y_host)
     }
@@ -441,7 +441,7 @@ fn sync_mirror(
     for b in &blocks[common..] {
         let mut dst = buf.slice_mut(offset..offset + b.len());
         gpu.stream()
-            .memcpy_htod(b.as_slice(), &mut dst)
+            .memcpy_htod(&b[..], &mut dst)
             .map_err(|e| ModelError::Device(format!("cuda: latent cache upload: {e}")))?;
         offset += b.len();
     }
