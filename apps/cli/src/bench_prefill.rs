@@ -132,17 +132,11 @@ fn prompt_flop(engine: &Engine, t: usize) -> PromptFlop {
                     * deltafin_model::kda_recurrence::recurrence_flops(t, cfg.kda.head_dim) as f64
             }
             AttnKind::Mla => {
-                let (kvl, rope, nope, vd) = (
-                    m.kv_lora_rank as f64,
-                    m.rope_dim as f64,
-                    m.nope_dim as f64,
-                    m.v_dim as f64,
-                );
-                // Σ over query positions p = 1..t of the per-head work.
-                let positions = t_f * (t_f + 1.0) / 2.0;
-                flop.mla_attention += 2.0
-                    * m.n_heads as f64
-                    * (t_f * kvl * (nope + vd) + positions * (2.0 * kvl + rope));
+                flop.mla_attention += m.n_heads as f64
+                    * deltafin_model::mla_attend::prompt_flops(
+                        t,
+                        (m.kv_lora_rank, m.rope_dim, m.nope_dim, m.v_dim),
+                    )
             }
         }
     }

@@ -43,6 +43,8 @@ fn main() {
             std::process::exit(2);
         }
     }
+    // The engine's allocator settings (its buffers reused, not mapped afresh each call).
+    deltafin_quant::allocator::keep_freed_memory();
     let peak_before = deltafin_quant::flops::fma_peak(20_000_000);
     let prev: Vec<f32> = (0..heads * D * D)
         .map(|i| ((i as f32) * 0.013).sin() * 0.05)

@@ -16,7 +16,7 @@ pub mod kda;
 pub mod kda_recurrence;
 pub mod layer;
 pub mod mla;
-mod mla_attend;
+pub mod mla_attend;
 pub mod mlp;
 pub mod model;
 pub mod moe;

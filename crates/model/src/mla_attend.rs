@@ -45,8 +45,18 @@ const CTX_COLS: usize = 16;
 /// arrays, stay on the stack in an AVX-512 build (each FMA then waits on a store and a load), so these name vectors.
 const AVX512_COLS: usize = 64;
 
+/// One head's arithmetic over a prompt of `t_len` tokens from an empty cache (query `p` of `1..=t_len` sees `p`
+/// rows), an FMA counting two: the absorbed products `q_nope · W_UK` and `ctx · W_UV` once a token, the scores over
+/// the cache row's `kv_lora + rope` values and the context over its `kv_lora` once a row seen. `(kvl, rope, nope, v)`
+/// are the model's widths.
+pub fn prompt_flops(t_len: usize, (kvl, rope, nope, v): (usize, usize, usize, usize)) -> f64 {
+    let t = t_len as f64;
+    let positions = t * (t + 1.0) / 2.0;
+    2.0 * (t * (kvl * (nope + v)) as f64 + positions * (2 * kvl + rope) as f64)
+}
+
 /// One head's absorbed matrices and the latent cache it attends over.
-pub(crate) struct HeadCache<'a> {
+pub struct HeadCache<'a> {
     /// `W_UK,h` `[nope, kv_lora]`.
     pub w_uk: &'a DenseMatrix,
     /// `W_UV,hᵀ` `[kv_lora, v]`.
@@ -61,12 +71,7 @@ pub(crate) struct HeadCache<'a> {
 
 /// A block of queries: query `k`'s nope and rope parts and the cache rows it sees (`seen[k]`, at least 1, at most
 /// the cache's rows). Writes each query's `[v]` output row into `out` (`queries.len() · v` values).
-pub(crate) fn attend(
-    hc: &HeadCache<'_>,
-    queries: &[(&[f32], &[f32])],
-    seen: &[usize],
-    out: &mut [f32],
-) {
+pub fn attend(hc: &HeadCache<'_>, queries: &[(&[f32], &[f32])], seen: &[usize], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
         if deltafin_quant::simd::has_avx512() {

@@ -37,6 +37,8 @@ fn timed(peaks: &mut Vec<f64>, flop: f64, f: impl FnOnce()) -> (f64, f64) {
 }
 
 fn main() {
+    // The engine's allocator settings (its buffers reused, not mapped afresh each call).
+    deltafin_quant::allocator::keep_freed_memory();
     let args: Vec<String> = std::env::args().collect();
     let counts: Vec<usize> = match args.iter().position(|a| a == "--tokens") {
         Some(i) => args

@@ -6,15 +6,16 @@
 //! then faults in freshly zeroed pages and unmaps them again, and in a process with many threads every unmapping
 //! interrupts each core that runs one of them to flush its TLB. [`keep_freed_memory`] keeps buffers up to 32 MiB
 //! (the largest threshold glibc accepts) in its heaps and stops the trimming, so a layer reuses what the last one
-//! freed. The freed bytes stay in the process, within what the memory plan charges as scratch
-//! ([`crate::budget`]): they are the same buffers, allocated again.
+//! freed. The freed bytes stay in the process, within what the runtime's memory plan charges as scratch: they are
+//! the same buffers, allocated again. It lives here, beside the kernels, so that their benchmarks (the `examples/`
+//! of this crate and the model's) allocate as the engine does.
 
 /// Largest allocation glibc serves from its heaps after [`keep_freed_memory`]; larger ones are mapped as before.
 pub const HEAP_ALLOCATION_MAX: usize = 32 << 20;
 
 /// Sets the allocator for the engine's pattern of allocation (see the module header). Call it once, early, from
-/// the program's `main` (the command-line tool and the server do); it only changes how freed memory is kept.
-/// Returns whether the allocator took both settings (false off glibc).
+/// the program's `main` (the command-line tool and the server do, and the kernels' benchmarks); it only changes how
+/// freed memory is kept. Returns whether the allocator took both settings (false off glibc).
 pub fn keep_freed_memory() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -6,6 +6,7 @@
 #![deny(missing_docs)]
 
 pub mod aligned;
+pub mod allocator;
 pub mod bf16_contract;
 pub mod bf16_lanes;
 mod by_input;

@@ -4,7 +4,6 @@
 //! **Invariant:** no HTTP, JSON wire formats or terminals here; apps call this crate.
 #![deny(missing_docs)]
 
-pub mod allocator;
 pub mod budget;
 pub mod constraint;
 pub mod convert;
@@ -45,7 +44,7 @@ pub fn shared_gpu(
     deltafin_quant::cuda::Gpu::shared_with_cache(device.kernel_cache.as_deref())
 }
 /// The all-core memory read bound benchmarks measure against (re-exported for the apps).
-pub use deltafin_quant::{flops, membw};
+pub use deltafin_quant::{allocator, flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{Engine, OpenTimes};
 pub use error::{Result, RuntimeError};

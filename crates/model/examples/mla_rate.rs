@@ -1,0 +1,137 @@
+//! MLA's attention over a prompt at K3's width (96 heads; latent 512, rope 64, nope and value 128) against the f32
+//! FMA peak measured in the same process: every head's blocks of 32 queries over the latent cache of the prompt, as a
+//! layer's prefill runs them (heads in parallel, the cache as the layer stores it, glibc's heap set as the engine sets
+//! it), median of five passes after a warm-up.
+//!
+//! `cargo run --release -p deltafin-model --example mla_rate [-- --tokens 512,2048] [--heads 96]`
+//!
+//! FLOP: `deltafin_model::mla_attend::prompt_flops` (the absorbed products once a token, the scores and the context
+//! once a row a query sees), the count `deltafin bench-prefill` reports; the FMA peak is
+//! `deltafin_quant::flops::fma_peak` on every thread of rayon's pool, read before and after, the faster used.
+
+use std::time::Instant;
+
+use deltafin_model::mla_attend::{HeadCache, attend, prompt_flops};
+use deltafin_model::state::MlaCache;
+use deltafin_quant::dense::{DenseData, DenseMatrix};
+use rayon::prelude::*;
+
+/// K3's latent width, rope, nope and value widths.
+const DIMS: (usize, usize, usize, usize) = (512, 64, 128, 128);
+/// Queries a block (the layer's `QUERY_BLOCK`).
+const BLOCK: usize = 32;
+/// Timed passes per token count.
+const PASSES: usize = 5;
+
+fn parse_list(v: &str) -> Result<Vec<usize>, String> {
+    v.split(',')
+        .map(|s| s.trim().parse::<usize>().map_err(|e| format!("{s:?}: {e}")))
+        .collect()
+}
+
+fn wave(n: usize, f: f32, phase: f32) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * f + phase).sin() * 0.5).collect()
+}
+
+fn main() {
+    let mut tokens = vec![512];
+    let mut heads = 96usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let value = args.next().unwrap_or_default();
+        let parsed = match a.as_str() {
+            "--tokens" => parse_list(&value).map(|v| tokens = v),
+            "--heads" => value
+                .parse()
+                .map(|h| heads = h)
+                .map_err(|e| format!("{value:?}: {e}")),
+            other => Err(format!("unknown argument {other}")),
+        };
+        if let Err(e) = parsed {
+            eprintln!("{e}; usage: mla_rate [--tokens 512,2048] [--heads 96]");
+            std::process::exit(2);
+        }
+    }
+    // The engine's allocator settings (its buffers reused, not mapped afresh each call).
+    deltafin_quant::allocator::keep_freed_memory();
+    let (kvl, rope, nope, vd) = DIMS;
+    let matrix = |rows: usize, cols: usize, phase: f32| {
+        DenseMatrix::new(rows, cols, DenseData::F32(wave(rows * cols, 0.013, phase)))
+    };
+    let built: Result<Vec<(DenseMatrix, DenseMatrix)>, _> = (0..heads)
+        .map(|h| {
+            Ok((
+                matrix(nope, kvl, h as f32)?,
+                matrix(kvl, vd, h as f32 + 0.5)?,
+            ))
+        })
+        .collect();
+    let absorbed = match built {
+        Ok(m) => m,
+        Err(e) => {
+            let e: deltafin_quant::QuantError = e;
+            eprintln!("absorbed matrices: {e}");
+            std::process::exit(1);
+        }
+    };
+    let peak_before = deltafin_quant::flops::fma_peak(20_000_000);
+    let mut results = Vec::new();
+    for &t_len in &tokens {
+        // The prompt's latent rows in one block, as a layer's prefill pushes them.
+        let mut cache = MlaCache::default();
+        cache.push_block(&wave(t_len * (kvl + rope), 0.011, 0.2), kvl + rope);
+        let rows: Vec<&[f32]> = cache.rows().collect();
+        let q: Vec<f32> = wave(t_len * heads * (nope + rope), 0.007, 0.3);
+        let mut by_head = vec![0.0f32; heads * t_len * vd];
+        let mut pass = || {
+            let started = Instant::now();
+            by_head
+                .par_chunks_mut(t_len * vd)
+                .enumerate()
+                .for_each(|(h, dst)| {
+                    let hc = HeadCache {
+                        w_uk: &absorbed[h].0,
+                        w_uv_t: &absorbed[h].1,
+                        rows: &rows,
+                        kvl,
+                        scale: ((nope + rope) as f32).powf(-0.5),
+                    };
+                    let qk = nope + rope;
+                    for (b, dst) in dst.chunks_mut(BLOCK * vd).enumerate() {
+                        let b0 = b * BLOCK;
+                        let nq = dst.len() / vd;
+                        let queries: Vec<(&[f32], &[f32])> = (b0..b0 + nq)
+                            .map(|t| {
+                                q[(t * heads + h) * qk..(t * heads + h + 1) * qk].split_at(nope)
+                            })
+                            .collect();
+                        let seen: Vec<usize> = (b0..b0 + nq).map(|t| t + 1).collect();
+                        attend(&hc, &queries, &seen, dst);
+                    }
+                });
+            std::hint::black_box(&by_head);
+            started.elapsed().as_secs_f64()
+        };
+        pass();
+        let mut secs: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
+        secs.sort_by(f64::total_cmp);
+        results.push((t_len, secs[PASSES / 2]));
+    }
+    let peak_after = deltafin_quant::flops::fma_peak(20_000_000);
+    let peak = peak_before.max(peak_after);
+    println!(
+        "threads {}, FMA peak {:.0} / {:.0} GFLOP/s (before / after)",
+        rayon::current_num_threads(),
+        peak_before / 1e9,
+        peak_after / 1e9
+    );
+    for (t_len, s) in results {
+        let flops = prompt_flops(t_len, DIMS) * heads as f64;
+        println!(
+            "{{\"tokens\":{t_len},\"heads\":{heads},\"ms\":{:.3},\"gflop_s\":{:.1},\"of_peak\":{:.3}}}",
+            s * 1e3,
+            flops / s / 1e9,
+            flops / s / peak
+        );
+    }
+}
