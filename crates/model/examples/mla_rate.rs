@@ -11,9 +11,8 @@
 
 use std::time::Instant;
 
-use deltafin_model::mla_attend::{HeadCache, attend, prompt_flops};
+use deltafin_model::mla_attend::{AbsorbedMatrix, HeadCache, attend, prompt_flops};
 use deltafin_model::state::MlaCache;
-use deltafin_quant::dense::{DenseData, DenseMatrix};
 use rayon::prelude::*;
 
 /// K3's latent width, rope, nope and value widths.
@@ -55,25 +54,17 @@ fn main() {
     // The engine's allocator settings (its buffers reused, not mapped afresh each call).
     deltafin_quant::allocator::keep_freed_memory();
     let (kvl, rope, nope, vd) = DIMS;
-    let matrix = |rows: usize, cols: usize, phase: f32| {
-        DenseMatrix::new(rows, cols, DenseData::F32(wave(rows * cols, 0.013, phase)))
-    };
-    let built: Result<Vec<(DenseMatrix, DenseMatrix)>, _> = (0..heads)
-        .map(|h| {
-            Ok((
+    let absorbed: Vec<(AbsorbedMatrix, AbsorbedMatrix)> = (0..heads)
+        .filter_map(|h| {
+            let matrix = |rows: usize, cols: usize, phase: f32| {
+                AbsorbedMatrix::new(rows, cols, &wave(rows * cols, 0.013, phase))
+            };
+            Some((
                 matrix(nope, kvl, h as f32)?,
                 matrix(kvl, vd, h as f32 + 0.5)?,
             ))
         })
         .collect();
-    let absorbed = match built {
-        Ok(m) => m,
-        Err(e) => {
-            let e: deltafin_quant::QuantError = e;
-            eprintln!("absorbed matrices: {e}");
-            std::process::exit(1);
-        }
-    };
     let peak_before = deltafin_quant::flops::fma_peak(20_000_000);
     let mut results = Vec::new();
     for &t_len in &tokens {

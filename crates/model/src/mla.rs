@@ -13,8 +13,8 @@ use rayon::prelude::*;
 
 use crate::activation::gate_in_place;
 use crate::config::{MLA_LORA_NORM_EPS, MlaConfig};
-use crate::error::Result;
-use crate::mla_attend::{HeadCache, attend};
+use crate::error::{ModelError, Result};
+use crate::mla_attend::{AbsorbedMatrix, HeadCache, attend};
 use crate::ops::{linear, linear_many, rms_norm, rms_norm_row, tensor, values};
 use crate::profile::{Phase, Profile};
 use crate::state::MlaCache;
@@ -47,9 +47,9 @@ pub struct Mla {
     kv_a: DenseMatrix,
     kv_a_norm: Vec<f32>,
     /// Per head `W_UK,h` `[nope, kv_lora]`: a query's nope part times it is the query in the latent space.
-    w_uk: Vec<DenseMatrix>,
+    w_uk: Vec<AbsorbedMatrix>,
     /// Per head `W_UV,hᵀ` `[kv_lora, v]`: a latent context times it is the head's values.
-    w_uv_t: Vec<DenseMatrix>,
+    w_uv_t: Vec<AbsorbedMatrix>,
     gate: Option<DenseMatrix>,
     o_proj: DenseMatrix,
     /// The absorbed attention on the GPU, when the model runs on CUDA.
@@ -129,14 +129,14 @@ impl Mla {
         if !on_gpu {
             for h in 0..nh {
                 let (k, v) = head(h);
-                w_uk.push(Loader::f32_matrix(
-                    &kv_b_name,
-                    cfg.nope_dim,
-                    kvl,
-                    k.to_vec(),
-                )?);
-                let v_t = transposed(v, cfg.v_dim, kvl);
-                w_uv_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.v_dim, v_t)?);
+                let absorbed = |rows: usize, cols: usize, values: &[f32]| {
+                    AbsorbedMatrix::new(rows, cols, values).ok_or_else(|| ModelError::BadWeight {
+                        name: kv_b_name.clone(),
+                        msg: format!("a head's slice is not [{rows}, {cols}]"),
+                    })
+                };
+                w_uk.push(absorbed(cfg.nope_dim, kvl, k)?);
+                w_uv_t.push(absorbed(kvl, cfg.v_dim, &transposed(v, cfg.v_dim, kvl))?);
             }
         }
         Ok(Self {

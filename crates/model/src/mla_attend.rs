@@ -15,7 +15,7 @@
 //! and the context as multiply-add chains in register tiles of up to four queries by 16 to 64 outputs, built for the
 //! widest vectors the CPU has (on AVX-512, tiles of up to six queries by 64 or 128 outputs in named registers).
 
-use deltafin_quant::dense::{DenseData, DenseMatrix};
+use deltafin_quant::aligned::Lines;
 use deltafin_quant::dot::dot_f32_tiles;
 
 use crate::activation;
@@ -55,12 +55,60 @@ pub fn prompt_flops(t_len: usize, (kvl, rope, nope, v): (usize, usize, usize, us
     2.0 * (t * (kvl * (nope + v)) as f64 + positions * (2 * kvl + rope) as f64)
 }
 
+/// One of a head's absorbed matrices `[rows, cols]` in f32, every row starting a cache line (its stride `cols`
+/// rounded up to 16 values), so the register tiles' loads of a row never straddle two lines.
+#[derive(Debug)]
+pub struct AbsorbedMatrix {
+    values: Lines,
+    rows: usize,
+    cols: usize,
+    stride: usize,
+}
+
+impl AbsorbedMatrix {
+    /// The matrix of `values` (`rows · cols`, row-major), or `None` when their count is not `rows · cols`.
+    pub fn new(rows: usize, cols: usize, values: &[f32]) -> Option<Self> {
+        if rows.checked_mul(cols)? != values.len() {
+            return None;
+        }
+        let stride = cols.next_multiple_of(16);
+        let mut lines = Lines::zeroed(rows * stride);
+        for (dst, src) in lines
+            .chunks_exact_mut(stride.max(1))
+            .zip(values.chunks_exact(cols.max(1)))
+        {
+            dst[..cols].copy_from_slice(src);
+        }
+        Some(AbsorbedMatrix {
+            values: lines,
+            rows,
+            cols,
+            stride,
+        })
+    }
+
+    /// Row `r` (`cols` values).
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.values[r * self.stride..r * self.stride + self.cols]
+    }
+
+    /// Rows.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
 /// One head's absorbed matrices and the latent cache it attends over.
 pub struct HeadCache<'a> {
     /// `W_UK,h` `[nope, kv_lora]`.
-    pub w_uk: &'a DenseMatrix,
+    pub w_uk: &'a AbsorbedMatrix,
     /// `W_UV,hᵀ` `[kv_lora, v]`.
-    pub w_uv_t: &'a DenseMatrix,
+    pub w_uv_t: &'a AbsorbedMatrix,
     /// The cache rows (`kv_lora` latent values, then `rope` values of `k_pe`).
     pub rows: &'a [&'a [f32]],
     /// `kv_lora`.
@@ -133,15 +181,22 @@ fn attend_body<const AVX512: bool>(
     // computed and never read.
     let rows = &hc.rows[..span];
     let latents: Vec<&[f32]> = rows.iter().map(|r| &r[..kvl]).collect();
-    // Each query as one row of the cache's width: its latent part, then its rope part.
-    let mut qcat =
-        Vec::with_capacity(q_abs.len() + queries.iter().map(|q| q.1.len()).sum::<usize>());
-    for (a, q) in q_abs.chunks_exact(kvl).zip(queries) {
-        qcat.extend_from_slice(a);
-        qcat.extend_from_slice(q.1);
+    // Each query as one row of the cache's width: its latent part, then its rope part, on whole cache lines like the
+    // cache rows (`crate::state::CacheBlock`): at K3's width every query then starts a line, and the score tiles'
+    // loads of it never straddle two.
+    let width = kvl + queries.first().map_or(0, |q| q.1.len());
+    let mut qcat = deltafin_quant::aligned::Lines::zeroed(nq * width);
+    for ((dst, a), q) in qcat
+        .chunks_exact_mut(width.max(1))
+        .zip(q_abs.chunks_exact(kvl))
+        .zip(queries)
+    {
+        dst[..kvl].copy_from_slice(a);
+        for (d, &v) in dst[kvl..].iter_mut().zip(q.1) {
+            *d = v;
+        }
     }
-    let width = rows.first().map_or(kvl, |r| r.len());
-    let qs: Vec<&[f32]> = qcat.chunks_exact(width.max(1)).collect();
+    let qs: Vec<&[f32]> = qcat[..nq * width].chunks_exact(width.max(1)).collect();
     // The scores, then in place the probabilities, `[row][query]`.
     let mut p = vec![0.0f32; span * nq];
     scores::<AVX512>(rows, &qs, &mut p);
@@ -155,16 +210,9 @@ fn attend_body<const AVX512: bool>(
 /// `xs[k] · m` for every input (`m` `[rows, cols]`, each input `rows` long), `[input][col]`: per output a chain of
 /// multiply-adds over the rows in order ([`context`] with every row seen).
 #[inline(always)]
-fn chains<const AVX512: bool>(m: &DenseMatrix, xs: &[&[f32]]) -> Vec<f32> {
+fn chains<const AVX512: bool>(m: &AbsorbedMatrix, xs: &[&[f32]]) -> Vec<f32> {
     let (rows, cols) = (m.rows(), m.cols());
-    let owned: Vec<Vec<f32>>;
-    let ms: Vec<&[f32]> = match m.data() {
-        DenseData::F32(v) => v.chunks_exact(cols.max(1)).take(rows).collect(),
-        _ => {
-            owned = (0..rows).map(|r| m.row_f32(r)).collect();
-            owned.iter().map(|r| r.as_slice()).collect()
-        }
-    };
+    let ms: Vec<&[f32]> = (0..rows).map(|r| m.row(r)).collect();
     // Each input's values are its weights of the rows, read where they lie (a copy `[row][input]` for the
     // context's layout of probabilities took as long as half the product).
     let nx = xs.len();
@@ -637,11 +685,10 @@ mod tests {
     /// One query at a time, written plainly in the module header's order.
     fn plain(hc: &HeadCache<'_>, q: (&[f32], &[f32]), seen: usize) -> Vec<f32> {
         let kvl = hc.kvl;
-        let chain = |m: &DenseMatrix, x: &[f32]| -> Vec<f32> {
+        let chain = |m: &AbsorbedMatrix, x: &[f32]| -> Vec<f32> {
             let mut y = vec![0.0f32; m.cols()];
             for (j, &xj) in x.iter().enumerate() {
-                let row = m.row_f32(j);
-                for (yi, &w) in y.iter_mut().zip(&row) {
+                for (yi, &w) in y.iter_mut().zip(m.row(j)) {
                     *yi = xj.mul_add(w, *yi);
                 }
             }
@@ -684,10 +731,9 @@ mod tests {
             (288, 16, 24, 20),
             (112, 16, 24, 20),
         ] {
-            let uk = DenseMatrix::new(nope, kvl, DenseData::F32(wave(kvl * nope, 0.37, 0.1)))
-                .expect("shape");
-            let uv =
-                DenseMatrix::new(kvl, v, DenseData::F32(wave(v * kvl, 0.23, 0.4))).expect("shape");
+            // Value widths of 20 and 12 leave `W_UV`'s rows padded to a line.
+            let uk = AbsorbedMatrix::new(nope, kvl, &wave(kvl * nope, 0.37, 0.1)).expect("shape");
+            let uv = AbsorbedMatrix::new(kvl, v, &wave(v * kvl, 0.23, 0.4)).expect("shape");
             let cache: Vec<Vec<f32>> = (0..30).map(|n| wave(kvl + rope, 0.11, n as f32)).collect();
             let rows: Vec<&[f32]> = cache.iter().map(|r| r.as_slice()).collect();
             let hc = HeadCache {
