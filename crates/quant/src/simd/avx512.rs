@@ -157,6 +157,7 @@ pub type F32Acc = [__m512; 2];
 /// The CPU must support AVX-512F, AVX2 and FMA; `b0` and `b1` are multiples of 32 within every row and input; `acc`
 /// holds `(R - 1) · stride + T` accumulators.
 #[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
 pub unsafe fn dot_f32_tile<const R: usize, const T: usize>(
     rows: [&[f32]; R],
     xs: [&[f32]; T],
