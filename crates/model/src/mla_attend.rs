@@ -720,6 +720,36 @@ mod tests {
         chain(hc.w_uv_t, &ctx)
     }
 
+    /// `prompt_flops` is the sum over the prompt's queries of each one's products (query `p` sees `p` rows), and an
+    /// absorbed matrix refuses values that are not `rows · cols` and pads its rows without changing them.
+    #[test]
+    fn prompt_flops_and_absorbed_matrices() {
+        let (kvl, rope, nope, v) = (512usize, 64usize, 128usize, 128usize);
+        for t_len in [0usize, 1, 7, 512] {
+            let per_query: u64 = (1..=t_len as u64)
+                .map(|p| 2 * (kvl * (nope + v)) as u64 + 2 * p * (2 * kvl + rope) as u64)
+                .sum();
+            assert_eq!(
+                prompt_flops(t_len, (kvl, rope, nope, v)),
+                per_query as f64,
+                "{t_len} tokens"
+            );
+        }
+        let values = wave(3 * 20, 0.3, 0.0);
+        assert!(AbsorbedMatrix::new(3, 21, &values).is_none());
+        assert!(AbsorbedMatrix::new(usize::MAX, 2, &values).is_none());
+        let m = AbsorbedMatrix::new(3, 20, &values).expect("shape");
+        assert_eq!((m.rows(), m.cols()), (3, 20));
+        for r in 0..3 {
+            assert_eq!(m.row(r), &values[r * 20..(r + 1) * 20]);
+            assert_eq!(
+                m.row(r).as_ptr() as usize % 64,
+                0,
+                "row {r} starts a cache line"
+            );
+        }
+    }
+
     /// Blocks of 1 to 9 and of 16 to 30 queries at the positions of a prompt's pass (each one more row than the
     /// last), with latent widths that leave no tail and a tail past the register tiles (of every build), give each
     /// query's plain bits.

@@ -274,3 +274,38 @@ impl SessionState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cache keeps each block's rows as given, in order, and at K3's width (576 values) every row starts a cache
+    /// line; a clone shares the blocks.
+    #[test]
+    fn latent_cache_rows_are_kept_in_order_on_cache_lines() {
+        let width = 576;
+        let block = |n: usize, base: f32| -> Vec<f32> {
+            (0..n * width).map(|i| base + i as f32 * 0.5).collect()
+        };
+        let (a, b) = (block(3, 1.0), block(2, -7.0));
+        let mut cache = MlaCache::default();
+        cache.push_block(&a, width);
+        cache.push_block(&[], width);
+        cache.push_block(&b, width);
+        assert_eq!(cache.len(), 5);
+        let rows: Vec<&[f32]> = cache.rows().collect();
+        let want: Vec<&[f32]> = a.chunks_exact(width).chain(b.chunks_exact(width)).collect();
+        assert_eq!(rows, want);
+        assert!(
+            rows.iter()
+                .all(|r| (r.as_ptr() as usize).is_multiple_of(64))
+        );
+        let copy = cache.clone();
+        assert!(
+            copy.blocks()
+                .iter()
+                .zip(cache.blocks())
+                .all(|(x, y)| Arc::ptr_eq(x, y))
+        );
+    }
+}
