@@ -13,47 +13,21 @@ use std::time::Instant;
 use deltafin_model::kda_recurrence::{HeadInputs, recurrence_flops, recurrence_head};
 use rayon::prelude::*;
 
+mod common;
+
 /// Channels per head (K3).
 const D: usize = 128;
-/// Timed passes per token count.
-const PASSES: usize = 5;
-
-fn parse_list(v: &str) -> Result<Vec<usize>, String> {
-    v.split(',')
-        .map(|s| s.trim().parse::<usize>().map_err(|e| format!("{s:?}: {e}")))
-        .collect()
-}
 
 fn main() {
-    let mut tokens = vec![1, 64, 512];
-    let mut heads = 96usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let value = args.next().unwrap_or_default();
-        let parsed = match a.as_str() {
-            "--tokens" => parse_list(&value).map(|v| tokens = v),
-            "--heads" => value
-                .parse()
-                .map(|h| heads = h)
-                .map_err(|e| format!("{value:?}: {e}")),
-            other => Err(format!("unknown argument {other}")),
-        };
-        if let Err(e) = parsed {
-            eprintln!("{e}; usage: kda_rate [--tokens 1,64,512] [--heads 96]");
-            std::process::exit(2);
-        }
-    }
-    // The engine's allocator settings (its buffers reused, not mapped afresh each call).
-    deltafin_quant::allocator::keep_freed_memory();
-    let peak_before = deltafin_quant::flops::fma_peak(20_000_000);
+    let mut rate = common::Rate::from_args("kda_rate", &[1, 64, 512]);
+    let heads = rate.heads;
     let prev: Vec<f32> = (0..heads * D * D)
         .map(|i| ((i as f32) * 0.013).sin() * 0.05)
         .collect();
-    let mut results = Vec::new();
-    for &t_len in &tokens {
+    for t_len in rate.tokens.clone() {
         let inputs: Vec<HeadInputs> = (0..heads).map(|h| inputs(t_len, h)).collect();
         let mut state = vec![0.0f32; heads * D * D];
-        let mut pass = || {
+        rate.time(t_len, || {
             let started = Instant::now();
             let sink: f32 = state
                 .par_chunks_mut(D * D)
@@ -63,29 +37,9 @@ fn main() {
                 .sum();
             std::hint::black_box(sink);
             started.elapsed().as_secs_f64()
-        };
-        pass();
-        let mut secs: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
-        secs.sort_by(f64::total_cmp);
-        results.push((t_len, secs[PASSES / 2]));
+        });
     }
-    let peak_after = deltafin_quant::flops::fma_peak(20_000_000);
-    let peak = peak_before.max(peak_after);
-    println!(
-        "threads {}, FMA peak {:.0} / {:.0} GFLOP/s (before / after)",
-        rayon::current_num_threads(),
-        peak_before / 1e9,
-        peak_after / 1e9
-    );
-    for (t_len, s) in results {
-        let flops = recurrence_flops(t_len, D) as f64 * heads as f64;
-        println!(
-            "{{\"tokens\":{t_len},\"heads\":{heads},\"ms\":{:.3},\"gflop_s\":{:.1},\"of_peak\":{:.3}}}",
-            s * 1e3,
-            flops / s / 1e9,
-            flops / s / peak
-        );
-    }
+    rate.report(|t_len| recurrence_flops(t_len, D) as f64 * heads as f64);
 }
 
 /// Smooth inputs of one head: unit-norm keys and queries as the layer makes them, gates in K3's bounded range.

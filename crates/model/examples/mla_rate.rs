@@ -15,66 +15,43 @@ use deltafin_model::mla_attend::{AbsorbedMatrix, HeadCache, attend, prompt_flops
 use deltafin_model::state::MlaCache;
 use rayon::prelude::*;
 
+mod common;
+
 /// K3's latent width, rope, nope and value widths.
 const DIMS: (usize, usize, usize, usize) = (512, 64, 128, 128);
 /// Queries a block (the layer's `QUERY_BLOCK`).
 const BLOCK: usize = 32;
-/// Timed passes per token count.
-const PASSES: usize = 5;
-
-fn parse_list(v: &str) -> Result<Vec<usize>, String> {
-    v.split(',')
-        .map(|s| s.trim().parse::<usize>().map_err(|e| format!("{s:?}: {e}")))
-        .collect()
-}
-
 fn wave(n: usize, f: f32, phase: f32) -> Vec<f32> {
     (0..n).map(|i| (i as f32 * f + phase).sin() * 0.5).collect()
 }
 
 fn main() {
-    let mut tokens = vec![512];
-    let mut heads = 96usize;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        let value = args.next().unwrap_or_default();
-        let parsed = match a.as_str() {
-            "--tokens" => parse_list(&value).map(|v| tokens = v),
-            "--heads" => value
-                .parse()
-                .map(|h| heads = h)
-                .map_err(|e| format!("{value:?}: {e}")),
-            other => Err(format!("unknown argument {other}")),
-        };
-        if let Err(e) = parsed {
-            eprintln!("{e}; usage: mla_rate [--tokens 512,2048] [--heads 96]");
-            std::process::exit(2);
-        }
-    }
-    // The engine's allocator settings (its buffers reused, not mapped afresh each call).
-    deltafin_quant::allocator::keep_freed_memory();
+    let mut rate = common::Rate::from_args("mla_rate", &[512]);
+    let heads = rate.heads;
     let (kvl, rope, nope, vd) = DIMS;
-    let absorbed: Vec<(AbsorbedMatrix, AbsorbedMatrix)> = (0..heads)
-        .filter_map(|h| {
-            let matrix = |rows: usize, cols: usize, phase: f32| {
-                AbsorbedMatrix::new(rows, cols, &wave(rows * cols, 0.013, phase))
-            };
+    let matrix = |rows: usize, cols: usize, phase: f32| {
+        AbsorbedMatrix::new(rows, cols, &wave(rows * cols, 0.013, phase))
+    };
+    let built: Option<Vec<(AbsorbedMatrix, AbsorbedMatrix)>> = (0..heads)
+        .map(|h| {
             Some((
                 matrix(nope, kvl, h as f32)?,
                 matrix(kvl, vd, h as f32 + 0.5)?,
             ))
         })
         .collect();
-    let peak_before = deltafin_quant::flops::fma_peak(20_000_000);
-    let mut results = Vec::new();
-    for &t_len in &tokens {
+    let Some(absorbed) = built else {
+        eprintln!("mla_rate: the absorbed matrices' shapes do not hold their values");
+        std::process::exit(1);
+    };
+    for t_len in rate.tokens.clone() {
         // The prompt's latent rows in one block, as a layer's prefill pushes them.
         let mut cache = MlaCache::default();
         cache.push_block(&wave(t_len * (kvl + rope), 0.011, 0.2), kvl + rope);
         let rows: Vec<&[f32]> = cache.rows().collect();
         let q: Vec<f32> = wave(t_len * heads * (nope + rope), 0.007, 0.3);
         let mut by_head = vec![0.0f32; heads * t_len * vd];
-        let mut pass = || {
+        rate.time(t_len, || {
             let started = Instant::now();
             by_head
                 .par_chunks_mut(t_len * vd)
@@ -102,27 +79,7 @@ fn main() {
                 });
             std::hint::black_box(&by_head);
             started.elapsed().as_secs_f64()
-        };
-        pass();
-        let mut secs: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
-        secs.sort_by(f64::total_cmp);
-        results.push((t_len, secs[PASSES / 2]));
+        });
     }
-    let peak_after = deltafin_quant::flops::fma_peak(20_000_000);
-    let peak = peak_before.max(peak_after);
-    println!(
-        "threads {}, FMA peak {:.0} / {:.0} GFLOP/s (before / after)",
-        rayon::current_num_threads(),
-        peak_before / 1e9,
-        peak_after / 1e9
-    );
-    for (t_len, s) in results {
-        let flops = prompt_flops(t_len, DIMS) * heads as f64;
-        println!(
-            "{{\"tokens\":{t_len},\"heads\":{heads},\"ms\":{:.3},\"gflop_s\":{:.1},\"of_peak\":{:.3}}}",
-            s * 1e3,
-            flops / s / 1e9,
-            flops / s / peak
-        );
-    }
+    rate.report(|t_len| prompt_flops(t_len, DIMS) * heads as f64);
 }

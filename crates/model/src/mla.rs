@@ -126,15 +126,15 @@ impl Mla {
         // runs as multiply-add chains across its outputs). With the absorbed attention on the GPU the host keeps no
         // copy of its matrices.
         let (mut w_uk, mut w_uv_t) = (Vec::new(), Vec::new());
+        let absorbed = |rows: usize, cols: usize, values: &[f32]| {
+            AbsorbedMatrix::new(rows, cols, values).ok_or_else(|| ModelError::BadWeight {
+                name: kv_b_name.clone(),
+                msg: format!("a head's slice is not [{rows}, {cols}]"),
+            })
+        };
         if !on_gpu {
             for h in 0..nh {
                 let (k, v) = head(h);
-                let absorbed = |rows: usize, cols: usize, values: &[f32]| {
-                    AbsorbedMatrix::new(rows, cols, values).ok_or_else(|| ModelError::BadWeight {
-                        name: kv_b_name.clone(),
-                        msg: format!("a head's slice is not [{rows}, {cols}]"),
-                    })
-                };
                 w_uk.push(absorbed(cfg.nope_dim, kvl, k)?);
                 w_uv_t.push(absorbed(kvl, cfg.v_dim, &transposed(v, cfg.v_dim, kvl))?);
             }

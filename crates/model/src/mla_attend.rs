@@ -185,7 +185,7 @@ fn attend_body<const AVX512: bool>(
     // cache rows (`crate::state::CacheBlock`): at K3's width every query then starts a line, and the score tiles'
     // loads of it never straddle two.
     let width = kvl + queries.first().map_or(0, |q| q.1.len());
-    let mut qcat = deltafin_quant::aligned::Lines::zeroed(nq * width);
+    let mut qcat = Lines::zeroed(nq * width);
     for ((dst, a), q) in qcat
         .chunks_exact_mut(width.max(1))
         .zip(q_abs.chunks_exact(kvl))
@@ -742,9 +742,8 @@ mod tests {
         assert_eq!((m.rows(), m.cols()), (3, 20));
         for r in 0..3 {
             assert_eq!(m.row(r), &values[r * 20..(r + 1) * 20]);
-            assert_eq!(
-                m.row(r).as_ptr() as usize % 64,
-                0,
+            assert!(
+                (m.row(r).as_ptr() as usize).is_multiple_of(64),
                 "row {r} starts a cache line"
             );
         }

@@ -1021,17 +1021,6 @@ fn mxfp4_i16_input_matches_twin_for_every_shape_and_batch() {
 /// Whether the instruction set `what` (as `DELTAFIN_TEST_SKIP` names it) can be exercised here (`present`). A test
 /// that cannot exercise its kernels would check nothing, so it fails unless `DELTAFIN_TEST_SKIP` lists `what`
 /// (CI's pass with `DELTAFIN_NO_AVX512=1` does, for the AVX-512 sets); then it says in the log that it skipped.
-/// [`cpu_has_or_skip`] for the AVX-512 kernels that tests call directly (AVX-512F and BW, AVX2, FMA): what counts is
-/// the CPU, not the dispatch, which `DELTAFIN_NO_AVX512` turns off.
-#[cfg(target_arch = "x86_64")]
-fn avx512_cpu_or_skip() -> bool {
-    let present = std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma");
-    cpu_has_or_skip("avx512", present)
-}
-
 #[cfg(target_arch = "x86_64")]
 fn cpu_has_or_skip(what: &str, present: bool) -> bool {
     if present {
@@ -1045,6 +1034,17 @@ fn cpu_has_or_skip(what: &str, present: bool) -> bool {
     );
     eprintln!("skipped (DELTAFIN_TEST_SKIP={what}): no {what} kernels can run here");
     false
+}
+
+/// [`cpu_has_or_skip`] for the AVX-512 kernels that tests call directly (AVX-512F and BW, AVX2, FMA): what counts is
+/// the CPU, not the dispatch, which `DELTAFIN_NO_AVX512` turns off.
+#[cfg(target_arch = "x86_64")]
+fn avx512_cpu_or_skip() -> bool {
+    let present = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma");
+    cpu_has_or_skip("avx512", present)
 }
 
 /// An int16-input MXFP4 kernel pair: two rows against one input, and one row against several inputs.

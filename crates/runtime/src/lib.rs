@@ -43,7 +43,8 @@ pub fn shared_gpu(
 ) -> deltafin_quant::Result<std::sync::Arc<deltafin_quant::cuda::Gpu>> {
     deltafin_quant::cuda::Gpu::shared_with_cache(device.kernel_cache.as_deref())
 }
-/// The all-core memory read bound benchmarks measure against (re-exported for the apps).
+/// The allocator's settings, and the bounds benchmarks measure against (all-core memory read, FMA peak),
+/// re-exported for the apps.
 pub use deltafin_quant::{allocator, flops, membw};
 pub use deltafin_storage::{HubOptions, Missing, Secret};
 pub use engine::{Engine, OpenTimes};
