@@ -484,7 +484,7 @@ fn context<const AVX512: bool>(
         for k in q0..q0 + qn {
             let ck = &mut ctx[k * kvl..(k + 1) * kvl];
             // Channels past the last whole tile, from the first row (none at K3's widths: then no walk over the
-            // rows at all, which cost as much as a fifth of the context's time).
+            // rows at all, a bounds check and a weight lookup a row for nothing).
             let tail = if i0 < kvl { common } else { 0 };
             for (n, row) in latents[..tail].iter().enumerate() {
                 let w = w.at(n, k);

@@ -170,8 +170,8 @@ pub struct MlaCache {
 }
 
 /// One block of a latent cache's rows, stored from the start of a cache line: at K3's width (576 values, 36 lines)
-/// every row then starts a line, so the attention's full-width loads of a row never straddle two lines (rows 16 bytes
-/// off a line, as the allocator hands out a large `Vec`, made the scores and the context a fifth slower).
+/// every row then starts a line, so the attention's full-width loads of a row never straddle two lines (a large `Vec`
+/// from the allocator starts 16 bytes off one, and every load of its rows then touches two).
 #[derive(Debug, PartialEq)]
 pub struct CacheBlock {
     lines: Lines,
