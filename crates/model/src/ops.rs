@@ -13,6 +13,22 @@ pub fn values(x: &Tensor) -> Result<Vec<f32>> {
     Ok(x.flatten_all()?.to_vec1::<f32>()?)
 }
 
+/// `f` of the values of a `[T, n]` tensor, row-major: borrowed from the tensor's storage where it is a contiguous f32
+/// tensor on the CPU (every tensor the blocks make), else copied as [`values`] does. A long prompt's activations are
+/// tens of megabytes, and a copy is one thread's memory traffic while every other core waits for it.
+pub fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = x.storage_and_layout();
+    if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+        (&*storage, layout.contiguous_offsets())
+        && let Ok(all) = cpu.as_slice::<f32>()
+        && let Some(v) = all.get(start..end)
+    {
+        return Ok(f(v));
+    }
+    drop(storage);
+    Ok(f(&values(x)?))
+}
+
 /// A `[rows, cols]` tensor from row-major values.
 pub fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(
@@ -33,7 +49,7 @@ pub fn linear(x: &Tensor, w: &DenseMatrix) -> Result<Tensor> {
             .map_err(|e| ModelError::Device(format!("linear {}x{}: {e}", w.rows(), w.cols())))?;
         return tensor(y, t, w.rows());
     }
-    let y = w.gemm(&values(x)?, t).map_err(|e| ModelError::BadWeight {
+    let y = with_values(x, |v| w.gemm(v, t))?.map_err(|e| ModelError::BadWeight {
         name: format!("linear {}x{}", w.rows(), w.cols()),
         msg: e.to_string(),
     })?;
@@ -82,7 +98,7 @@ pub fn linear_many_laid_out(
             .map(|(w, layout)| Ok(layout.arrange(values(&linear(x, w)?)?, t, w.rows())))
             .collect();
     }
-    deltafin_quant::gemm_many_laid_out(ws, layouts, &values(x)?, t).map_err(|e| {
+    with_values(x, |v| deltafin_quant::gemm_many_laid_out(ws, layouts, v, t))?.map_err(|e| {
         ModelError::BadWeight {
             name: format!("{} linears of one input", ws.len()),
             msg: e.to_string(),
@@ -90,20 +106,43 @@ pub fn linear_many_laid_out(
     })
 }
 
-/// RMSNorm over the last axis, row by row: `w ⊙ x / sqrt(mean(x²) + eps)`.
+/// RMSNorm over the last axis, row by row: `w ⊙ x / sqrt(mean(x²) + eps)`, into a new tensor (the input's values
+/// read where they lie, each output value written once).
 pub fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
     let (t, n) = x.dims2()?;
-    let mut v = values(x)?;
-    // Rows apart on every thread for a long prompt (each row's arithmetic is the same either way).
-    if t > 1 {
-        v.par_chunks_exact_mut(n.max(1))
-            .for_each(|row| rms_norm_row(row, w, eps));
-    } else {
-        for row in v.chunks_exact_mut(n.max(1)) {
-            rms_norm_row(row, w, eps);
-        }
+    if w.len() != n {
+        return Err(ModelError::BadWeight {
+            name: "RMSNorm weight".to_string(),
+            msg: format!("{} values for rows of {n}", w.len()),
+        });
     }
-    tensor(v, t, n)
+    let n = n.max(1);
+    let out = with_values(x, |v| {
+        let mut out: Vec<f32> = Vec::with_capacity(v.len());
+        let dst = &mut out.spare_capacity_mut()[..v.len()];
+        // Rows apart on every thread for a long prompt (each row's arithmetic is the same either way).
+        if t > 1 {
+            dst.par_chunks_exact_mut(n)
+                .zip(v.par_chunks_exact(n))
+                .for_each(|(o, row)| rms_norm_into(row, w, eps, o));
+        } else {
+            for (o, row) in dst.chunks_exact_mut(n).zip(v.chunks_exact(n)) {
+                rms_norm_into(row, w, eps, o);
+            }
+        }
+        // SAFETY: `[T, n]` holds whole rows, so the loops above wrote each of the `v.len()` values.
+        unsafe { out.set_len(v.len()) };
+        out
+    })?;
+    tensor(out, t, n)
+}
+
+/// RMSNorm of the row `x` with weight `w` into `dst` (the bits of [`rms_norm_row`]).
+fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, dst: &mut [std::mem::MaybeUninit<f32>]) {
+    let inv = inv_rms(x, eps);
+    for ((o, &v), &g) in dst.iter_mut().zip(x).zip(w) {
+        o.write(v * inv * g);
+    }
 }
 
 /// RMSNorm of one row in place, with weight `w`.
@@ -220,6 +259,44 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             );
         }
+    }
+
+    /// `with_values` gives a tensor's row-major values whether it borrows them (a contiguous tensor) or copies them
+    /// (a transposed view).
+    #[test]
+    fn with_values_borrows_or_copies_the_row_major_values() -> Result<()> {
+        let data: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 2.0).collect();
+        let x = tensor(data.clone(), 3, 4)?;
+        assert_eq!(with_values(&x, |v| v.to_vec())?, data);
+        // A row-range view starts past the storage's first value.
+        let rows = x.narrow(0, 1, 2)?;
+        assert_eq!(with_values(&rows, |v| v.to_vec())?, data[4..]);
+        let xt = x.t()?;
+        let want: Vec<f32> = (0..4)
+            .flat_map(|c| (0..3).map(move |r| r * 4 + c))
+            .map(|i| data[i])
+            .collect();
+        assert_eq!(with_values(&xt, |v| v.to_vec())?, want);
+        Ok(())
+    }
+
+    /// `rms_norm` of a prompt's rows and of one row give [`rms_norm_row`]'s bits; a weight of another width is an
+    /// error.
+    #[test]
+    fn rms_norm_rows_give_the_row_bits() -> Result<()> {
+        let n = 40;
+        let w: Vec<f32> = (0..n).map(|i| 0.5 + (i as f32 * 0.3).cos()).collect();
+        for t in [1, 5] {
+            let data: Vec<f32> = (0..t * n).map(|i| (i as f32 * 0.17).sin() * 3.0).collect();
+            let got = values(&rms_norm(&tensor(data.clone(), t, n)?, &w, 1e-6)?)?;
+            let mut want = data;
+            want.chunks_exact_mut(n)
+                .for_each(|row| rms_norm_row(row, &w, 1e-6));
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{t} rows");
+        }
+        assert!(rms_norm(&tensor(vec![1.0; 8], 2, 4)?, &w, 1e-6).is_err());
+        Ok(())
     }
 
     #[test]
