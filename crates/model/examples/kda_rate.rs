@@ -1,15 +1,22 @@
-//! The KDA recurrence of a whole layer at K3's width (96 heads of 128 channels) against the f32 FMA peak measured in
-//! the same process: every head's recurrence over a pass of T tokens, heads in parallel as a layer runs them, from a
-//! non-zero state (a prompt's later pass), median of five passes after a warm-up.
+//! One KDA layer's heads at K3's width (96 heads of 128 channels, 4 conv taps, the bounded gate) against the f32 FMA
+//! peak measured in the same process, heads in parallel as a layer runs them, from a non-zero state (a prompt's
+//! later pass), median of five passes after a warm-up. Two parts a token count:
+//! - `recurrence`: every head's delta-rule recurrence over the pass, its inputs made beforehand;
+//! - `heads`: the layer's whole work between its projections ([`HeadParams::attend`]: conv and SiLU, norms, gates,
+//!   the recurrence and the gated norm into the output rows), from projections laid out as the layer makes them
+//!   (larger than the caches at a prompt's length, so read from memory as in the engine).
 //!
 //! `cargo run --release -p deltafin-model --example kda_rate [-- --tokens 1,64,512] [--heads 96]`
 //!
-//! FLOP per token and head: 7·D² (the decay's multiply, then a multiply and an add each for `u = Sᵀk`, the update
-//! `S += k δᵀ` and `o = Sᵀq`, an FMA counting two), the recurrence's own arithmetic; the FMA peak is
-//! `deltafin_quant::flops::fma_peak` on every thread of rayon's pool, read before and after, the faster used.
+//! FLOP per token and head, both parts: 7·D² (the decay's multiply, then a multiply and an add each for `u = Sᵀk`,
+//! the update `S += k δᵀ` and `o = Sᵀq`, an FMA counting two), the recurrence's own arithmetic and the count
+//! `deltafin bench-prefill` holds KDA's attention time against; the FMA peak is `deltafin_quant::flops::fma_peak` on
+//! every thread of rayon's pool, read before and after, the faster used.
 
 use std::time::Instant;
 
+use deltafin_model::config::KdaConfig;
+use deltafin_model::kda_heads::{HeadParams, Projected};
 use deltafin_model::kda_recurrence::{HeadInputs, recurrence_flops, recurrence_head};
 use rayon::prelude::*;
 
@@ -17,6 +24,8 @@ mod common;
 
 /// Channels per head (K3).
 const D: usize = 128;
+/// Conv taps (K3).
+const TAPS: usize = 4;
 
 fn main() {
     let mut rate = common::Rate::from_args("kda_rate", &[1, 64, 512]);
@@ -24,10 +33,19 @@ fn main() {
     let prev: Vec<f32> = (0..heads * D * D)
         .map(|i| ((i as f32) * 0.013).sin() * 0.05)
         .collect();
+    let params = match layer_params(heads) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("kda_rate: {e}");
+            std::process::exit(1);
+        }
+    };
+    let windows: [Vec<f32>; 3] =
+        std::array::from_fn(|i| wave((TAPS - 1) * heads * D, 0.019, i as f32));
     for t_len in rate.tokens.clone() {
         let inputs: Vec<HeadInputs> = (0..heads).map(|h| inputs(t_len, h)).collect();
         let mut state = vec![0.0f32; heads * D * D];
-        rate.time(t_len, || {
+        rate.time("recurrence", t_len, || {
             let started = Instant::now();
             let sink: f32 = state
                 .par_chunks_mut(D * D)
@@ -38,8 +56,61 @@ fn main() {
             std::hint::black_box(sink);
             started.elapsed().as_secs_f64()
         });
+        drop(inputs);
+        let n = heads * t_len * D;
+        let projected = Projected::new(
+            std::array::from_fn(|i| wave(n, 0.031 + 0.01 * i as f32, 0.3)),
+            wave(n, 0.017, 1.1),
+            wave(heads * t_len, 0.29, 0.7),
+            wave(n, 0.023, 0.4),
+            (heads, t_len, D),
+        );
+        let projected = match projected {
+            Ok(p) => p,
+            Err(e) => {
+                eprintln!("kda_rate: {e}");
+                std::process::exit(1);
+            }
+        };
+        rate.time("heads", t_len, || {
+            let started = Instant::now();
+            let out = params.attend(&windows, &projected, Some(&prev), &mut state);
+            let secs = started.elapsed().as_secs_f64();
+            std::hint::black_box(out.map(|o| o[0]).unwrap_or(f32::NAN));
+            secs
+        });
     }
     rate.report(|t_len| recurrence_flops(t_len, D) as f64 * heads as f64);
+}
+
+/// `n` values of a smooth wave of frequency `f` and phase `phase`, in `[-1, 1]`.
+fn wave(n: usize, f: f32, phase: f32) -> Vec<f32> {
+    (0..n).map(|i| (i as f32 * f + phase).sin()).collect()
+}
+
+/// A layer of K3's shape with smooth parameters: conv taps that keep the rows' scale, the bounded gate.
+fn layer_params(heads: usize) -> deltafin_model::Result<HeadParams> {
+    let cfg = KdaConfig {
+        n_heads: heads,
+        head_dim: D,
+        conv_kernel: TAPS,
+        gate_lower_bound: Some(-5.0),
+        full_rank_gate: true,
+    };
+    let c = heads * D;
+    HeadParams::new(
+        &cfg,
+        std::array::from_fn(|i| {
+            wave(c * TAPS, 0.07, i as f32)
+                .iter()
+                .map(|w| 0.4 * w)
+                .collect()
+        }),
+        (0..heads).map(|h| 1.0 + 0.01 * h as f32).collect(),
+        wave(c, 0.05, 0.2),
+        wave(D, 0.03, 1.0).iter().map(|w| 1.0 + 0.1 * w).collect(),
+        1e-5,
+    )
 }
 
 /// Smooth inputs of one head: unit-norm keys and queries as the layer makes them, gates in K3's bounded range.

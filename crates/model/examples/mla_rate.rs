@@ -51,7 +51,7 @@ fn main() {
         let rows: Vec<&[f32]> = cache.rows().collect();
         let q: Vec<f32> = wave(t_len * heads * (nope + rope), 0.007, 0.3);
         let mut by_head = vec![0.0f32; heads * t_len * vd];
-        rate.time(t_len, || {
+        rate.time("attention", t_len, || {
             let started = Instant::now();
             by_head
                 .par_chunks_mut(t_len * vd)

@@ -13,6 +13,7 @@ pub mod error;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kda;
+pub mod kda_heads;
 pub mod kda_recurrence;
 pub mod layer;
 pub mod mla;

@@ -1,6 +1,6 @@
 //! What the attention rate examples (`kda_rate`, `mla_rate`) share: their arguments, the engine's allocator
 //! settings, the FMA peak read before and after (the faster used), the median of five timed passes after a warm-up,
-//! and one JSON line per token count.
+//! and one JSON line per part timed and token count.
 
 /// Timed passes per token count.
 const PASSES: usize = 5;
@@ -10,7 +10,8 @@ pub struct Rate {
     pub tokens: Vec<usize>,
     pub heads: usize,
     peak_before: f64,
-    results: Vec<(usize, f64)>,
+    /// (part, tokens, median seconds).
+    results: Vec<(&'static str, usize, f64)>,
 }
 
 impl Rate {
@@ -48,17 +49,17 @@ impl Rate {
         rate
     }
 
-    /// Times `pass` (returning its seconds) once to warm up, then [`PASSES`] times, and keeps the median for
-    /// `t_len` tokens.
-    pub fn time(&mut self, t_len: usize, mut pass: impl FnMut() -> f64) {
+    /// Times `pass` (returning its seconds) once to warm up, then [`PASSES`] times, and keeps the median as `part`'s
+    /// for `t_len` tokens.
+    pub fn time(&mut self, part: &'static str, t_len: usize, mut pass: impl FnMut() -> f64) {
         pass();
         let mut secs: Vec<f64> = (0..PASSES).map(|_| pass()).collect();
         secs.sort_by(f64::total_cmp);
-        self.results.push((t_len, secs[PASSES / 2]));
+        self.results.push((part, t_len, secs[PASSES / 2]));
     }
 
-    /// Reads the FMA peak again and prints it, then one JSON line per token count with `flops(t_len)` (the whole
-    /// layer's) against the faster of the two peak readings.
+    /// Reads the FMA peak again and prints it, then one JSON line per part and token count with `flops(t_len)` (the
+    /// whole layer's) against the faster of the two peak readings.
     pub fn report(self, flops: impl Fn(usize) -> f64) {
         let peak_after = deltafin_quant::flops::fma_peak(20_000_000);
         let peak = self.peak_before.max(peak_after);
@@ -68,10 +69,10 @@ impl Rate {
             self.peak_before / 1e9,
             peak_after / 1e9
         );
-        for (t_len, s) in self.results {
+        for (part, t_len, s) in self.results {
             let f = flops(t_len);
             println!(
-                "{{\"tokens\":{t_len},\"heads\":{},\"ms\":{:.3},\"gflop_s\":{:.1},\"of_peak\":{:.3}}}",
+                "{{\"part\":\"{part}\",\"tokens\":{t_len},\"heads\":{},\"ms\":{:.3},\"gflop_s\":{:.1},\"of_peak\":{:.3}}}",
                 self.heads,
                 s * 1e3,
                 f / s / 1e9,
