@@ -13,8 +13,15 @@ use rayon::prelude::*;
 use crate::activation;
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
-use crate::kda_recurrence::{HeadInputs, recurrence_head};
+use crate::kda_recurrence::{HeadInputs, Start, recurrence_into};
 use crate::ops::{inv_rms, sigmoid, softplus};
+
+/// Tokens a head takes at a time through its inputs, recurrence and norm. A head's buffers then hold a piece (six rows
+/// of `D` values a token: 768 KiB at K3's width, within a core's L2 on the machines measured) instead of a whole
+/// pass (6 MiB a head at 2,048 tokens, every thread at once), so a long prompt's scratch does not grow with its
+/// length and a piece's inputs are still in cache when the recurrence reads them. Pieces give the bits of one pass
+/// (the recurrence goes on in place); shorter pieces cost their own start (a sweep a column block).
+const PIECE: usize = 256;
 
 /// Eps inside the sqrt of the q/k L2 norm (fla's `l2norm`).
 const L2_NORM_EPS: f32 = 1e-6;
@@ -203,31 +210,67 @@ impl HeadParams {
         p: &Projected,
         head: usize,
         (s, s_prev): (&mut [f32], Option<&[f32]>),
-        dst: HeadSlots<'_>,
+        mut dst: HeadSlots<'_>,
     ) {
-        let inp = self.head_inputs(windows, p, head);
-        let out = recurrence_head(s, s_prev, &inp, p.t_len, self.cfg.head_dim);
-        self.gated_norm_head(&out, p, head, dst);
+        let d = self.cfg.head_dim;
+        let piece = PIECE.min(p.t_len).max(1);
+        let mut inp = HeadInputs {
+            q: vec![0.0; piece * d],
+            k: vec![0.0; piece * d],
+            v: vec![0.0; piece * d],
+            g: vec![0.0; piece * d],
+            beta: vec![0.0; piece],
+        };
+        let mut out = vec![0.0f32; piece * d];
+        let by_tap = self.taps_by_tap(head);
+        // One step when there are no tokens: the state still becomes the old one.
+        for t0 in (0..p.t_len.max(1)).step_by(piece) {
+            let n = piece.min(p.t_len - t0);
+            self.head_inputs(windows, p, (head, &by_tap), t0..t0 + n, &mut inp);
+            let start = match (t0, s_prev) {
+                (0, Some(prev)) => Start::From(prev),
+                (0, None) => Start::Zeros,
+                _ => Start::InPlace,
+            };
+            recurrence_into(s, start, &inp, (n, d), &mut out);
+            self.gated_norm_rows(&out[..n * d], p, head, t0, &mut dst);
+        }
     }
 
-    /// One head's inputs to the recurrence, each `[T, D]` (β `[T]`): its channels of q, k and v through the short
-    /// conv and SiLU (q and k L2-normalised, q scaled by `D^-1/2`), and its decay gate.
+    /// Head `head`'s conv taps for q, k and v by tap, `[K][D]` each, so each tap's products run along the head's
+    /// channels.
+    fn taps_by_tap(&self, head: usize) -> [Vec<f32>; 3] {
+        let (d, kern) = (self.cfg.head_dim, self.cfg.conv_kernel);
+        let ch0 = head * d;
+        std::array::from_fn(|i| {
+            let taps = &self.conv[i];
+            (0..kern)
+                .flat_map(|k| (0..d).map(move |j| taps[(ch0 + j) * kern + k]))
+                .collect()
+        })
+    }
+
+    /// One head's inputs to the recurrence for the tokens `tokens`, into the first rows of `inp` (`[n, D]` each, β
+    /// `[n]`): its channels of q, k and v through the short conv and SiLU (q and k L2-normalised, q scaled by
+    /// `D^-1/2`), and its decay gate. `head` carries the head's taps ([`Self::taps_by_tap`]).
     #[inline(always)]
-    fn head_inputs(&self, windows: &[Vec<f32>; 3], p: &Projected, head: usize) -> HeadInputs {
+    fn head_inputs(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        (head, by_tap): (usize, &[Vec<f32>; 3]),
+        tokens: std::ops::Range<usize>,
+        inp: &mut HeadInputs,
+    ) {
         let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
         let c = h * d;
-        let t_len = p.t_len;
         let hist = kern - 1;
         let ch0 = head * d;
-        let mut qkv: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0.0f32; t_len * d]);
-        for (i, dst) in qkv.iter_mut().enumerate() {
-            let (window, raw, taps) = (&windows[i], &p.raw[i], &self.conv[i]);
-            // This head's taps by tap, `[K][D]`, so each tap's products run along the head's channels.
-            let by_tap: Vec<f32> = (0..kern)
-                .flat_map(|k| (0..d).map(move |j| taps[(ch0 + j) * kern + k]))
-                .collect();
+        let (t0, n) = (tokens.start, tokens.len());
+        for (i, dst) in [&mut inp.q, &mut inp.k, &mut inp.v].into_iter().enumerate() {
+            let window = &windows[i];
             // The head's channels of row `r` of (window ++ raw): the window by token, the raw rows by heads.
-            let raw = p.head(raw, head);
+            let raw = p.head(&p.raw[i], head);
             let ext = |r: usize| -> &[f32] {
                 if r < hist {
                     &window[r * c + ch0..r * c + ch0 + d]
@@ -235,31 +278,26 @@ impl HeadParams {
                     &raw[(r - hist) * d..(r - hist + 1) * d]
                 }
             };
-            for (t, out) in dst.chunks_exact_mut(d).enumerate() {
+            for (t, out) in (t0..).zip(dst[..n * d].chunks_exact_mut(d)) {
                 prefetch_row(raw, t + ROWS_AHEAD, d);
-                conv_silu_row(out, &by_tap, |k| ext(t + k));
+                conv_silu_row(out, &by_tap[i], |k| ext(t + k));
             }
         }
-        let [mut q, mut k, v] = qkv;
         let q_scale = (d as f32).powf(-0.5);
-        for row in q.chunks_exact_mut(d) {
+        for row in inp.q[..n * d].chunks_exact_mut(d) {
             l2_normalize(row);
             row.iter_mut().for_each(|x| *x *= q_scale);
         }
-        for row in k.chunks_exact_mut(d) {
+        for row in inp.k[..n * d].chunks_exact_mut(d) {
             l2_normalize(row);
         }
         // The decay gate: this head's channels of `f_b · f_a · x` (projected with the others), its bias, then the
         // bounded (K3) or softplus (Kimi Linear) form.
         let a = self.a_exp[head];
-        let mut g = vec![0.0f32; t_len * d];
         let bias = &self.dt_bias[ch0..ch0 + d];
         let f_b_rows = p.head(&p.f_b, head);
-        for (t, (g_t, f_b)) in g
-            .chunks_exact_mut(d)
-            .zip(f_b_rows.chunks_exact(d))
-            .enumerate()
-        {
+        let g_rows = inp.g[..n * d].chunks_exact_mut(d);
+        for (t, (g_t, f_b)) in (t0..).zip(g_rows.zip(f_b_rows[t0 * d..].chunks_exact(d))) {
             prefetch_row(f_b_rows, t + ROWS_AHEAD, d);
             let z = f_b.iter().zip(bias);
             // The form chosen outside the loop, so the loop is one straight line of arithmetic (vectorised).
@@ -276,17 +314,25 @@ impl HeadParams {
                 }
             }
         }
-        let beta = (0..t_len).map(|t| sigmoid(p.b[t * h + head])).collect();
-        HeadInputs { q, k, v, g, beta }
+        for (beta, t) in inp.beta[..n].iter_mut().zip(tokens) {
+            *beta = sigmoid(p.b[t * h + head]);
+        }
     }
 
-    /// The gated per-head RMSNorm of one head's recurrence output `out [T, D]`, with its rows of the output gate,
-    /// into `dst`.
+    /// The gated per-head RMSNorm of one head's recurrence output `out [n, D]` for the tokens from `t0`, with their
+    /// rows of the output gate, into their rows of `dst`.
     #[inline(always)]
-    fn gated_norm_head(&self, out: &[f32], p: &Projected, head: usize, mut dst: HeadSlots<'_>) {
+    fn gated_norm_rows(
+        &self,
+        out: &[f32],
+        p: &Projected,
+        head: usize,
+        t0: usize,
+        dst: &mut HeadSlots<'_>,
+    ) {
         let d = self.cfg.head_dim;
         let og = p.head(&p.og, head);
-        for (t, (o_h, g_h)) in out.chunks_exact(d).zip(og.chunks_exact(d)).enumerate() {
+        for (t, (o_h, g_h)) in (t0..).zip(out.chunks_exact(d).zip(og[t0 * d..].chunks_exact(d))) {
             prefetch_row(og, t + ROWS_AHEAD, d);
             self.gated_norm_row(o_h, g_h, dst.row(t));
         }
@@ -518,6 +564,87 @@ mod tests {
             gate_lower_bound: Some(-5.0),
             full_rank_gate: true,
         }
+    }
+
+    /// A pass longer than a piece (and not a multiple of one) gives the bits of the same tokens one at a time, each
+    /// from the state and conv window the one before left: output rows and final state.
+    #[test]
+    fn a_long_pass_gives_the_bits_of_its_tokens_one_by_one() -> Result<()> {
+        let (h, d, t_len) = (2, 16, PIECE + 45);
+        let (c, k) = (h * d, 4);
+        let wave = |n: usize, f: f32, ph: f32| -> Vec<f32> {
+            (0..n).map(|i| (i as f32 * f + ph).sin()).collect()
+        };
+        let params = HeadParams::new(
+            &shape(h, d),
+            std::array::from_fn(|i| {
+                wave(c * k, 0.07, i as f32)
+                    .iter()
+                    .map(|w| 0.4 * w)
+                    .collect()
+            }),
+            vec![1.0, 1.3],
+            wave(c, 0.05, 0.2),
+            wave(d, 0.03, 1.0).iter().map(|w| 1.0 + 0.1 * w).collect(),
+            1e-5,
+        )?;
+        let n = h * t_len * d;
+        let raw: [Vec<f32>; 3] = std::array::from_fn(|i| wave(n, 0.031 + 0.01 * i as f32, 0.3));
+        let (f_b, b, og) = (
+            wave(n, 0.017, 1.1),
+            wave(h * t_len, 0.29, 0.7),
+            wave(n, 0.023, 0.4),
+        );
+        let window0: [Vec<f32>; 3] = std::array::from_fn(|i| wave((k - 1) * c, 0.019, i as f32));
+        let prev = wave(h * d * d, 0.013, 0.5)
+            .iter()
+            .map(|x| 0.05 * x)
+            .collect::<Vec<_>>();
+        let whole = Projected::new(
+            raw.clone(),
+            f_b.clone(),
+            b.clone(),
+            og.clone(),
+            (h, t_len, d),
+        )?;
+        let mut s_whole = vec![0.0; h * d * d];
+        let out_whole = params.attend(&window0, &whole, Some(&prev), &mut s_whole)?;
+
+        // Token `t`'s rows of a `[H, T, D]` projection, as a one-token `[H, 1, D]` one.
+        let token = |v: &[f32], t: usize| -> Vec<f32> {
+            (0..h)
+                .flat_map(|hd| v[(hd * t_len + t) * d..(hd * t_len + t + 1) * d].to_vec())
+                .collect()
+        };
+        // Row `r` of (window ++ raw) by token.
+        let ext_row = |i: usize, r: usize| -> Vec<f32> {
+            if r < k - 1 {
+                window0[i][r * c..(r + 1) * c].to_vec()
+            } else {
+                token(&raw[i], r - (k - 1))
+            }
+        };
+        let mut s = prev;
+        let mut out = Vec::new();
+        for t in 0..t_len {
+            let windows: [Vec<f32>; 3] =
+                std::array::from_fn(|i| (t..t + k - 1).flat_map(|r| ext_row(i, r)).collect());
+            let one = Projected::new(
+                std::array::from_fn(|i| token(&raw[i], t)),
+                token(&f_b, t),
+                b[t * h..(t + 1) * h].to_vec(),
+                token(&og, t),
+                (h, 1, d),
+            )?;
+            let mut s_next = vec![f32::NAN; h * d * d];
+            out.extend(params.attend(&windows, &one, Some(&s), &mut s_next)?);
+            s = s_next;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out_whole), bits(&out));
+        assert_eq!(bits(&s_whole), bits(&s));
+        assert!(out.iter().chain(&s).all(|x| x.is_finite()) && out.iter().any(|&x| x != 0.0));
+        Ok(())
     }
 
     /// Parameters, projections, states and windows of another length than the layer's are errors, not panics.

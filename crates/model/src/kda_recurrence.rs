@@ -20,8 +20,41 @@ pub fn recurrence_flops(t_len: usize, d: usize) -> u64 {
     7 * (t_len * d * d) as u64
 }
 
+/// Where a pass's state starts.
+#[derive(Clone, Copy, Debug)]
+pub enum Start<'a> {
+    /// Zeros (a new conversation's state, not read).
+    Zeros,
+    /// These matrices (`[D_k, D_v]`), read while the new state is written elsewhere.
+    From(&'a [f32]),
+    /// The state buffer's own values: a pass that goes on from the one before it (a long pass cut into pieces).
+    InPlace,
+}
+
 /// One head's delta-rule recurrence over `t_len` tokens: `s` (`[D_k, D_v]`, row `i` a key channel) starts as
-/// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`.
+/// `s_prev` (`None`: zeros) and ends as the head's new state; returns the output rows `[T, D]`
+/// ([`recurrence_into`] into a new buffer).
+pub fn recurrence_head(
+    s: &mut [f32],
+    s_prev: Option<&[f32]>,
+    inp: &HeadInputs,
+    t_len: usize,
+    d: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; t_len * d];
+    recurrence_into(
+        s,
+        s_prev.map_or(Start::Zeros, Start::From),
+        inp,
+        (t_len, d),
+        &mut out,
+    );
+    out
+}
+
+/// One head's delta-rule recurrence over `t_len` tokens (`dims` = (T, D)): `s` (`[D_k, D_v]`, row `i` a key channel)
+/// starts as `start` says and ends as the head's new state; writes every value of the output rows `out[..T·D]`.
+/// `inp`'s rows past the first `T` are not read, so a buffer sized for a longer pass can carry a shorter one.
 ///
 /// Per token and state element the operations are, in this order: the decay `s ← s · exp(g_i)` (the model's
 /// branch-free `exp`, [`crate::activation::exp`]); `u_j ← fma(s, k_i, u_j)` over the rows `i` in order from zero;
@@ -31,25 +64,25 @@ pub fn recurrence_flops(t_len: usize, d: usize) -> u64 {
 ///
 /// [`recurrence_blocks`] built for the widest vectors the CPU has: AVX-512, AVX2 with FMA, or the baseline (4 wide;
 /// on an x86-64 CPU without FMA, `mul_add` is libm's exactly rounded `fmaf`, slow but the same bits).
-pub fn recurrence_head(
+pub fn recurrence_into(
     s: &mut [f32],
-    s_prev: Option<&[f32]>,
+    start: Start<'_>,
     inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
+    dims: (usize, usize),
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if deltafin_quant::simd::has_avx512() {
             // SAFETY: AVX-512F is present.
-            return unsafe { recurrence_avx512(s, s_prev, inp, t_len, d) };
+            return unsafe { recurrence_avx512(s, start, inp, dims, out) };
         }
         if deltafin_quant::simd::has_avx2_fma() {
             // SAFETY: AVX2 and FMA are present.
-            return unsafe { recurrence_avx2(s, s_prev, inp, t_len, d) };
+            return unsafe { recurrence_avx2(s, start, inp, dims, out) };
         }
     }
-    recurrence_blocks::<16, PlainSweep>(s, s_prev, inp, t_len, d)
+    recurrence_blocks::<16, PlainSweep>(s, start, inp, dims, out)
 }
 
 /// [`recurrence_blocks`] built for AVX-512: blocks of 32 columns, two vectors a row, swept by [`PairSweep`] so the
@@ -62,12 +95,12 @@ pub fn recurrence_head(
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 unsafe fn recurrence_avx512(
     s: &mut [f32],
-    s_prev: Option<&[f32]>,
+    start: Start<'_>,
     inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    recurrence_blocks::<32, PairSweep>(s, s_prev, inp, t_len, d)
+    dims: (usize, usize),
+    out: &mut [f32],
+) {
+    recurrence_blocks::<32, PairSweep>(s, start, inp, dims, out)
 }
 
 /// [`recurrence_blocks`] built for AVX2 and FMA: blocks of 16 columns (AVX2's sixteen registers hold a block's
@@ -79,12 +112,12 @@ unsafe fn recurrence_avx512(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn recurrence_avx2(
     s: &mut [f32],
-    s_prev: Option<&[f32]>,
+    start: Start<'_>,
     inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    recurrence_blocks::<16, PlainSweep>(s, s_prev, inp, t_len, d)
+    dims: (usize, usize),
+    out: &mut [f32],
+) {
+    recurrence_blocks::<16, PlainSweep>(s, start, inp, dims, out)
 }
 
 /// The recurrence by blocks of `W` state columns. A column's operations involve only that column of the state, of
@@ -95,18 +128,18 @@ unsafe fn recurrence_avx2(
 #[inline(always)]
 fn recurrence_blocks<const W: usize, S: Sweep<W>>(
     s: &mut [f32],
-    s_prev: Option<&[f32]>,
+    start: Start<'_>,
     inp: &HeadInputs,
-    t_len: usize,
-    d: usize,
-) -> Vec<f32> {
-    let mut out = vec![0.0f32; t_len * d];
+    (t_len, d): (usize, usize),
+    out: &mut [f32],
+) {
     if t_len == 0 {
-        match s_prev {
-            Some(prev) => s.copy_from_slice(prev),
-            None => s.fill(0.0),
+        match start {
+            Start::From(prev) => s.copy_from_slice(prev),
+            Start::Zeros => s.fill(0.0),
+            Start::InPlace => {}
         }
-        return out;
+        return;
     }
     // The decays once, not once per block.
     let decay: Vec<f32> = inp.g[..t_len * d]
@@ -117,14 +150,13 @@ fn recurrence_blocks<const W: usize, S: Sweep<W>>(
     while j0 < d {
         let rest = d - j0;
         j0 += if rest >= W {
-            column_block::<W, S>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<W, S>(s, start, inp, &decay, out, (t_len, d, j0))
         } else if rest >= 8 {
-            column_block::<8, PlainSweep>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<8, PlainSweep>(s, start, inp, &decay, out, (t_len, d, j0))
         } else {
-            column_block::<1, PlainSweep>(s, s_prev, inp, &decay, &mut out, (t_len, d, j0))
+            column_block::<1, PlainSweep>(s, start, inp, &decay, out, (t_len, d, j0))
         };
     }
-    out
 }
 
 /// Columns `j0 .. j0 + W` of the state through every token (`dims` = (T, D, j0)); writes those columns of `out` and
@@ -134,7 +166,7 @@ fn recurrence_blocks<const W: usize, S: Sweep<W>>(
 #[inline(always)]
 fn column_block<const W: usize, S: Sweep<W>>(
     s: &mut [f32],
-    s_prev: Option<&[f32]>,
+    start: Start<'_>,
     inp: &HeadInputs,
     decay: &[f32],
     out: &mut [f32],
@@ -151,9 +183,14 @@ fn column_block<const W: usize, S: Sweep<W>>(
         .zip(&decay[..d])
         .enumerate()
     {
-        match s_prev {
+        let prev = match start {
+            Start::From(prev) => Some(&prev[i * d + j0..i * d + j0 + W]),
+            // The block's columns of the state are written back only after its last token.
+            Start::InPlace => Some(&s[i * d + j0..i * d + j0 + W]),
+            Start::Zeros => None,
+        };
+        match prev {
             Some(prev) => {
-                let prev = &prev[i * d + j0..i * d + j0 + W];
                 for j in 0..W {
                     row[j] = prev[j] * dec;
                 }
@@ -348,16 +385,16 @@ mod tests {
         }
     }
 
-    /// A build of the recurrence, as [`recurrence_head`] is called.
-    type Recurrence = fn(&mut [f32], Option<&[f32]>, &HeadInputs, usize, usize) -> Vec<f32>;
+    /// A build of the recurrence, as [`recurrence_into`] is called.
+    type Recurrence = fn(&mut [f32], Start<'_>, &HeadInputs, (usize, usize), &mut [f32]);
 
     /// The AVX-512 pairs build on its own, where the CPU has AVX-512 (the dispatched build runs it there too).
     fn pair_build() -> Option<(&'static str, Recurrence)> {
         #[cfg(target_arch = "x86_64")]
         if deltafin_quant::simd::has_avx512() {
             // SAFETY: AVX-512F is present.
-            return Some(("32 in AVX-512 pairs", |s, p, i, t, d| unsafe {
-                recurrence_avx512(s, p, i, t, d)
+            return Some(("32 in AVX-512 pairs", |s, start, inp, dims, out| unsafe {
+                recurrence_avx512(s, start, inp, dims, out)
             }));
         }
         None
@@ -414,14 +451,15 @@ mod tests {
             let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
             let (s_ref, out_ref) = per_token_form(&prev, &inp, t_len, d);
             let builds: [(&str, Recurrence); 4] = [
-                ("dispatched", recurrence_head),
+                ("dispatched", recurrence_into),
                 ("8", recurrence_blocks::<8, PlainSweep>),
                 ("16", recurrence_blocks::<16, PlainSweep>),
                 ("32", recurrence_blocks::<32, PlainSweep>),
             ];
             for (name, f) in builds.into_iter().chain(pair_build()) {
                 let mut s = vec![f32::NAN; d * d];
-                let out = f(&mut s, Some(&prev), &inp, t_len, d);
+                let mut out = vec![f32::NAN; t_len * d];
+                f(&mut s, Start::From(&prev), &inp, (t_len, d), &mut out);
                 assert_eq!(bits(&out), bits(&out_ref), "{name}, D {d}, T {t_len}");
                 assert_eq!(bits(&s), bits(&s_ref), "{name}, D {d}, T {t_len}");
             }
@@ -458,6 +496,41 @@ mod tests {
             ));
             assert_eq!(bits(&out), bits(&whole), "cut at {cut}");
             assert_eq!(bits(&s2), bits(&whole_s), "cut at {cut}");
+        }
+    }
+
+    /// A pass cut into pieces that go on in place (`Start::InPlace`, as a layer's heads run a long prompt a piece at
+    /// a time) gives the bits of the whole pass, into an output buffer longer than a piece.
+    #[test]
+    fn pieces_going_on_in_place_give_the_whole_pass_bits() {
+        let (d, t_len) = (40, 11);
+        let inp = test_inputs(t_len, d, [0.23, 0.19, 0.31, 0.09], 0.12);
+        let prev: Vec<f32> = (0..d * d).map(|i| (i as f32 * 0.017).cos() * 0.3).collect();
+        let mut whole_s = vec![0.0f32; d * d];
+        let whole = recurrence_head(&mut whole_s, Some(&prev), &inp, t_len, d);
+        for piece in [1, 3, 4, 11] {
+            let mut s = vec![f32::NAN; d * d];
+            let mut out = Vec::new();
+            let mut buf = vec![f32::NAN; piece * d];
+            for t0 in (0..t_len).step_by(piece) {
+                let n = piece.min(t_len - t0);
+                let part = HeadInputs {
+                    q: inp.q[t0 * d..(t0 + piece).min(t_len) * d].to_vec(),
+                    k: inp.k[t0 * d..(t0 + piece).min(t_len) * d].to_vec(),
+                    v: inp.v[t0 * d..(t0 + piece).min(t_len) * d].to_vec(),
+                    g: inp.g[t0 * d..(t0 + piece).min(t_len) * d].to_vec(),
+                    beta: inp.beta[t0..t0 + n].to_vec(),
+                };
+                let start = if t0 == 0 {
+                    Start::From(&prev)
+                } else {
+                    Start::InPlace
+                };
+                recurrence_into(&mut s, start, &part, (n, d), &mut buf);
+                out.extend_from_slice(&buf[..n * d]);
+            }
+            assert_eq!(bits(&out), bits(&whole), "pieces of {piece}");
+            assert_eq!(bits(&s), bits(&whole_s), "pieces of {piece}");
         }
     }
 
