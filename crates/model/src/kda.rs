@@ -4,7 +4,7 @@
 //! decay gate g (bounded K3 form or Kimi Linear softplus form); β = σ(b·x); L2-normalised q, k with q scaled by
 //! D^-½; the recurrence S ← (I − β k kᵀ) diag(eᵍ) S + β k vᵀ, o = Sᵀ q; per-head gated RMSNorm; output projection.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::Tensor;
 use deltafin_quant::{DenseMatrix, OutputLayout};
@@ -12,10 +12,32 @@ use deltafin_quant::{DenseMatrix, OutputLayout};
 use crate::config::KdaConfig;
 use crate::error::{ModelError, Result};
 use crate::kda_heads::{HeadParams, Projected};
-use crate::ops::{linear, linear_many_laid_out, tensor};
+use crate::ops::{linear_many_laid_out, linear_values, tensor};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
 use crate::weights::Loader;
+
+/// The output rows of the last KDA layer's pass, kept for the next layer's (`[T, C]`: 25 MB at K3's width for 512
+/// tokens). A fresh buffer's pages are faulted in by the heads' first writes, every thread at once, which cost the
+/// first layers of a prompt a fifth of their heads' time; the heap gives the freed rows back only once it has room.
+static IDLE_ROWS: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+
+/// An empty buffer with room for `len` values: the idle rows when they hold `len` to twice as many (a prompt's next
+/// layer), else a new one (the idle rows are dropped, so a decode step after a long prompt does not keep its rows).
+fn take_rows(len: usize) -> Vec<f32> {
+    let mut idle = IDLE_ROWS.lock().unwrap_or_else(|e| e.into_inner());
+    let rows = std::mem::take(&mut *idle);
+    if (len..=len.saturating_mul(2)).contains(&rows.capacity()) {
+        rows
+    } else {
+        Vec::with_capacity(len)
+    }
+}
+
+/// Keeps `rows` for the next layer's [`take_rows`].
+fn keep_rows(rows: Vec<f32>) {
+    *IDLE_ROWS.lock().unwrap_or_else(|e| e.into_inner()) = rows;
+}
 
 /// The output gate: full rank (K3) or low rank (Kimi Linear).
 #[derive(Debug)]
@@ -203,10 +225,13 @@ impl Kda {
         // to the kernel's zero page by the reads, making the first writes into them copy-on-write faults later).
         let old_s = if old.is_zero() { None } else { Some(old.s()?) };
         let mut s_new = crate::state::state_buffer(h * d * d);
-        let out = self.heads.attend(windows, &p, old_s, &mut s_new)?;
+        let mut out = take_rows(t_len * c);
+        self.heads
+            .attend_into(windows, &p, (old_s, &mut s_new), &mut out)?;
         *state = Arc::new(KdaState::new(conv, s_new));
-        let out = tensor(out, t_len, c)?;
-        profile.time(Phase::KdaProj, || linear(&out, &self.o_proj))
+        let y = profile.time(Phase::KdaProj, || linear_values(&out, t_len, &self.o_proj));
+        keep_rows(out);
+        y
     }
 }
 
@@ -321,6 +346,19 @@ fn advance_window(window: &[f32], raw: &[f32], t_len: usize, d: usize) -> Vec<f3
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The idle rows serve a layer of up to twice fewer values (the next layer of a prompt, its last shorter pass),
+    /// not a much shorter one (a decode step), which gets a buffer of its own and lets them go.
+    #[test]
+    fn idle_rows_serve_the_next_layer_not_a_decode_step() {
+        keep_rows(Vec::with_capacity(1000));
+        assert_eq!(take_rows(600).capacity(), 1000);
+        keep_rows(Vec::with_capacity(1000));
+        let small = take_rows(10);
+        assert!((10..1000).contains(&small.capacity()));
+        assert!(take_rows(600).capacity() < 1000);
+        assert!(take_rows(2000).capacity() >= 2000);
+    }
 
     /// The window is the tail of `window ++ raw` for new row counts below, at and above its length.
     #[test]

@@ -105,6 +105,20 @@ impl HeadParams {
         old_s: Option<&[f32]>,
         s_new: &mut [f32],
     ) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.attend_into(windows, p, (old_s, s_new), &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Self::attend`] into `out` (cleared first; its capacity reused, so a buffer whose pages the process already
+    /// has is not faulted in again).
+    pub fn attend_into(
+        &self,
+        windows: &[Vec<f32>; 3],
+        p: &Projected,
+        (old_s, s_new): (Option<&[f32]>, &mut [f32]),
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         let (h, d, k) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
         let (c, t_len) = (h * d, p.t_len);
         let s_len = h * d * d;
@@ -126,7 +140,8 @@ impl HeadParams {
         // Each head writes its gated output straight into its columns of the rows `[T, C]` the output projection
         // reads (a separate pass from `[H, T, D]` read every head's rows back from memory). The heads' columns
         // cover the rows (C = H·D), so the rows are not zeroed first (25 MB at K3's width for 512 tokens).
-        let mut out: Vec<f32> = Vec::with_capacity(t_len * c);
+        out.clear();
+        out.reserve(t_len * c);
         let columns = HeadColumns::new(&mut out.spare_capacity_mut()[..t_len * c], c, d);
         s_new
             .par_chunks_mut(d * d)
@@ -140,7 +155,7 @@ impl HeadParams {
         // SAFETY: every head's task wrote each of its `D` columns of every row (`gated_norm_head`), and the heads'
         // columns are the whole rows.
         unsafe { out.set_len(t_len * c) };
-        Ok(out)
+        Ok(())
     }
 
     /// One head's part of a call: its inputs, its recurrence from `state.1` (`None`: zeros) into `state.0`, and its
@@ -609,6 +624,13 @@ mod tests {
         )?;
         let mut s_whole = vec![0.0; h * d * d];
         let out_whole = params.attend(&window0, &whole, Some(&prev), &mut s_whole)?;
+        // Into a reused buffer holding other values (and room for more): the same rows.
+        let mut reused = vec![f32::NAN; 2 * n];
+        let mut s_reused = vec![f32::NAN; h * d * d];
+        params.attend_into(&window0, &whole, (Some(&prev), &mut s_reused), &mut reused)?;
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&reused), bits(&out_whole));
+        assert_eq!(bits(&s_reused), bits(&s_whole));
 
         // Token `t`'s rows of a `[H, T, D]` projection, as a one-token `[H, 1, D]` one.
         let token = |v: &[f32], t: usize| -> Vec<f32> {
@@ -640,7 +662,6 @@ mod tests {
             out.extend(params.attend(&windows, &one, Some(&s), &mut s_next)?);
             s = s_next;
         }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&out_whole), bits(&out));
         assert_eq!(bits(&s_whole), bits(&s));
         assert!(out.iter().chain(&s).all(|x| x.is_finite()) && out.iter().any(|&x| x != 0.0));

@@ -42,14 +42,19 @@ pub fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
 /// product in the fixed order of `deltafin_quant::dot`, so rows do not depend on T.
 pub fn linear(x: &Tensor, w: &DenseMatrix) -> Result<Tensor> {
     let t = x.dim(0)?;
+    with_values(x, |v| linear_values(v, t, w))?
+}
+
+/// [`linear`] of the `t` rows `x` (`[t, in]` row-major), for callers that hold the values rather than a tensor.
+pub fn linear_values(x: &[f32], t: usize, w: &DenseMatrix) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(dm) = w.cuda() {
         let y = dm
-            .gemm(&values(x)?, t)
+            .gemm(x, t)
             .map_err(|e| ModelError::Device(format!("linear {}x{}: {e}", w.rows(), w.cols())))?;
         return tensor(y, t, w.rows());
     }
-    let y = with_values(x, |v| w.gemm(v, t))?.map_err(|e| ModelError::BadWeight {
+    let y = w.gemm(x, t).map_err(|e| ModelError::BadWeight {
         name: format!("linear {}x{}", w.rows(), w.cols()),
         msg: e.to_string(),
     })?;
