@@ -23,6 +23,18 @@ use crate::ops::{inv_rms, sigmoid, softplus};
 /// (the recurrence goes on in place); shorter pieces cost their own start (a sweep a column block).
 const PIECE: usize = 256;
 
+/// A thread's buffers for the heads it runs: a piece's inputs to the recurrence and its output rows.
+#[derive(Default)]
+struct HeadScratch {
+    inp: HeadInputs,
+    out: Vec<f32>,
+}
+
+thread_local! {
+    /// The buffers of the last head this thread ran ([`HeadParams::attend`]'s tasks take and put them back).
+    static HEAD_SCRATCH: std::cell::Cell<HeadScratch> = std::cell::Cell::new(HeadScratch::default());
+}
+
 /// Eps inside the sqrt of the q/k L2 norm (fla's `l2norm`).
 const L2_NORM_EPS: f32 = 1e-6;
 
@@ -229,27 +241,32 @@ impl HeadParams {
     ) {
         let d = self.cfg.head_dim;
         let piece = PIECE.min(p.t_len).max(1);
-        let mut inp = HeadInputs {
-            q: vec![0.0; piece * d],
-            k: vec![0.0; piece * d],
-            v: vec![0.0; piece * d],
-            g: vec![0.0; piece * d],
-            beta: vec![0.0; piece],
-        };
-        let mut out = vec![0.0f32; piece * d];
+        // This thread's buffers from its last head, grown if this pass needs more (every value a piece reads is
+        // written first, so they are neither cleared nor allocated again: five 128 KiB buffers a head otherwise).
+        let mut scratch = HEAD_SCRATCH.take();
+        let HeadScratch { inp, out } = &mut scratch;
+        for v in [&mut inp.q, &mut inp.k, &mut inp.v, &mut inp.g, out] {
+            if v.len() < piece * d {
+                v.resize(piece * d, 0.0);
+            }
+        }
+        if inp.beta.len() < piece {
+            inp.beta.resize(piece, 0.0);
+        }
         let by_tap = self.taps_by_tap(head);
         // One step when there are no tokens: the state still becomes the old one.
         for t0 in (0..p.t_len.max(1)).step_by(piece) {
             let n = piece.min(p.t_len - t0);
-            self.head_inputs(windows, p, (head, &by_tap), t0..t0 + n, &mut inp);
+            self.head_inputs(windows, p, (head, &by_tap), t0..t0 + n, inp);
             let start = match (t0, s_prev) {
                 (0, Some(prev)) => Start::From(prev),
                 (0, None) => Start::Zeros,
                 _ => Start::InPlace,
             };
-            recurrence_into(s, start, &inp, (n, d), &mut out);
+            recurrence_into(s, start, inp, (n, d), out);
             self.gated_norm_rows(&out[..n * d], p, head, t0, &mut dst);
         }
+        HEAD_SCRATCH.set(scratch);
     }
 
     /// Head `head`'s conv taps for q, k and v by tap, `[K][D]` each, so each tap's products run along the head's

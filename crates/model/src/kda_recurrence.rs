@@ -1,6 +1,7 @@
 //! The delta-rule recurrence of one KDA head over a pass's tokens, on the CPU in f32.
 
 /// One head's inputs to the recurrence.
+#[derive(Clone, Debug, Default)]
 pub struct HeadInputs {
     /// Queries `[T, D]`, L2-normalised and scaled.
     pub q: Vec<f32>,
