@@ -29,6 +29,47 @@ pub fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     Ok(f(&values(x)?))
 }
 
+/// `f` of the values of several tensors at once, each as [`with_values`] gives them (borrowed where it can be, else
+/// copied first; no storage is read while a copy is made).
+pub fn with_values_of<R>(xs: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
+    let in_place = |x: &Tensor| {
+        let (storage, layout) = x.storage_and_layout();
+        matches!(&*storage, candle_core::Storage::Cpu(cpu)
+            if cpu.as_slice::<f32>().is_ok() && layout.contiguous_offsets().is_some())
+    };
+    let copies: Vec<Option<Vec<f32>>> = xs
+        .iter()
+        .map(|x| {
+            if in_place(x) {
+                Ok(None)
+            } else {
+                values(x).map(Some)
+            }
+        })
+        .collect::<Result<_>>()?;
+    let guards: Vec<_> = xs.iter().map(|x| x.storage_and_layout()).collect();
+    let mut slices: Vec<&[f32]> = Vec::with_capacity(xs.len());
+    for ((storage, layout), copy) in guards.iter().zip(&copies) {
+        let borrowed = match (&**storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(cpu), Some((start, end))) => cpu
+                .as_slice::<f32>()
+                .ok()
+                .and_then(|all| all.get(start..end)),
+            _ => None,
+        };
+        match (copy, borrowed) {
+            (Some(v), _) => slices.push(v),
+            (None, Some(v)) => slices.push(v),
+            (None, None) => {
+                return Err(ModelError::Device(
+                    "a tensor's storage changed while its values were read".to_string(),
+                ));
+            }
+        }
+    }
+    Ok(f(&slices))
+}
+
 /// A `[rows, cols]` tensor from row-major values.
 pub fn tensor(data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
     Ok(Tensor::from_vec(
