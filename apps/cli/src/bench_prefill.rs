@@ -174,13 +174,7 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
         })
         .collect::<anyhow::Result<_>>()?;
     let flop = prompt_flop(&engine, prompt.len());
-    // The best of three probes: on a shared VM one probe can read a third low while the prompt itself runs at full
-    // speed, which would make the compute bound, and the goal, look easier than they are.
-    let peak = || {
-        (0..3)
-            .map(|_| deltafin_runtime::flops::fma_peak(20_000_000))
-            .fold(0.0, f64::max)
-    };
+    let peak = || deltafin_runtime::flops::best_fma_peak(3, 20_000_000);
     let (fma_before, disk_before) = (peak(), disk_rate(&engine, 0, args.disk_spans)?);
     let streamed: u64 = engine
         .layer_spine_bytes()

@@ -10,8 +10,8 @@
 //!
 //! FLOP per token and head, both parts: 7·D² (the decay's multiply, then a multiply and an add each for `u = Sᵀk`,
 //! the update `S += k δᵀ` and `o = Sᵀq`, an FMA counting two), the recurrence's own arithmetic and the count
-//! `deltafin bench-prefill` holds KDA's attention time against; the FMA peak is `deltafin_quant::flops::fma_peak` on
-//! every thread of rayon's pool, read before and after, the faster used.
+//! `deltafin bench-prefill` holds KDA's attention time against; the FMA peak is `deltafin_quant::flops::best_fma_peak`
+//! (three probes on every thread of rayon's pool) read before and after, the faster used.
 
 use std::time::Instant;
 

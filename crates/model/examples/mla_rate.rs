@@ -7,7 +7,7 @@
 //!
 //! FLOP: `deltafin_model::mla_attend::prompt_flops` (the absorbed products once a token, the scores and the context
 //! once a row a query sees), the count `deltafin bench-prefill` reports; the FMA peak is
-//! `deltafin_quant::flops::fma_peak` on every thread of rayon's pool, read before and after, the faster used.
+//! `deltafin_quant::flops::best_fma_peak` (three probes on every thread of rayon's pool) before and after, the faster.
 
 use std::time::Instant;
 

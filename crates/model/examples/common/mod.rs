@@ -1,6 +1,6 @@
 //! What the attention rate examples (`kda_rate`, `mla_rate`) share: their arguments, the engine's allocator
-//! settings, the FMA peak read before and after (the faster used), the median of five timed passes after a warm-up,
-//! and one JSON line per part timed and token count.
+//! settings, the FMA peak read before and after (the best of three probes each time, the faster used), the median of
+//! five timed passes after a warm-up, and one JSON line per part timed and token count.
 
 /// Timed passes per token count.
 const PASSES: usize = 5;
@@ -45,7 +45,7 @@ impl Rate {
             }
         }
         deltafin_quant::allocator::keep_freed_memory();
-        rate.peak_before = deltafin_quant::flops::fma_peak(20_000_000);
+        rate.peak_before = deltafin_quant::flops::best_fma_peak(3, 20_000_000);
         rate
     }
 
@@ -61,7 +61,7 @@ impl Rate {
     /// Reads the FMA peak again and prints it, then one JSON line per part and token count with `flops(t_len)` (the
     /// whole layer's) against the faster of the two peak readings.
     pub fn report(self, flops: impl Fn(usize) -> f64) {
-        let peak_after = deltafin_quant::flops::fma_peak(20_000_000);
+        let peak_after = deltafin_quant::flops::best_fma_peak(3, 20_000_000);
         let peak = self.peak_before.max(peak_after);
         println!(
             "threads {}, FMA peak {:.0} / {:.0} GFLOP/s (before / after)",
