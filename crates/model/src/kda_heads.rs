@@ -494,11 +494,6 @@ impl Projected {
         })
     }
 
-    /// The tokens.
-    pub fn t_len(&self) -> usize {
-        self.t_len
-    }
-
     /// The pre-conv q, k and v rows, `[H, T, D]` each (the layer's next conv window comes from their last rows).
     pub fn raw(&self) -> &[Vec<f32>; 3] {
         &self.raw
