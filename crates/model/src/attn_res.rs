@@ -35,7 +35,6 @@ impl ResMix {
     /// lie, rows on every thread for a prompt (a row's arithmetic is its own, so the bits do not depend on how many
     /// rows a pass has). At K3's depth a prompt's layer mixes up to nine candidates of tens of megabytes, twice.
     pub fn mix(&self, cur: &Tensor, blocks: &[Tensor]) -> Result<Tensor> {
-        let hidden = self.score.len().max(1);
         let (t, width) = cur.dims2()?;
         if width != self.score.len() || blocks.iter().any(|b| b.dims() != cur.dims()) {
             return Err(crate::error::ModelError::Device(format!(
@@ -45,6 +44,7 @@ impl ResMix {
                 blocks.iter().map(|b| b.dims().to_vec()).collect::<Vec<_>>()
             )));
         }
+        let hidden = width.max(1);
         let all: Vec<&Tensor> = blocks.iter().chain(std::iter::once(cur)).collect();
         let out = with_values_of(&all, |cands| {
             let mut out: Vec<f32> = Vec::with_capacity(t * width);

@@ -13,16 +13,26 @@ pub fn values(x: &Tensor) -> Result<Vec<f32>> {
     Ok(x.flatten_all()?.to_vec1::<f32>()?)
 }
 
+/// A contiguous f32 CPU tensor's values, borrowed from its storage (`None` for any other tensor).
+fn borrowed<'g>(
+    storage: &'g candle_core::Storage,
+    layout: &candle_core::Layout,
+) -> Option<&'g [f32]> {
+    match (storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(cpu), Some((start, end))) => cpu
+            .as_slice::<f32>()
+            .ok()
+            .and_then(|all| all.get(start..end)),
+        _ => None,
+    }
+}
+
 /// `f` of the values of a `[T, n]` tensor, row-major: borrowed from the tensor's storage where it is a contiguous f32
 /// tensor on the CPU (every tensor the blocks make), else copied as [`values`] does. A long prompt's activations are
 /// tens of megabytes, and a copy is one thread's memory traffic while every other core waits for it.
 pub fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     let (storage, layout) = x.storage_and_layout();
-    if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
-        (&*storage, layout.contiguous_offsets())
-        && let Ok(all) = cpu.as_slice::<f32>()
-        && let Some(v) = all.get(start..end)
-    {
+    if let Some(v) = borrowed(&storage, layout) {
         return Ok(f(v));
     }
     drop(storage);
@@ -34,8 +44,7 @@ pub fn with_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 pub fn with_values_of<R>(xs: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> R) -> Result<R> {
     let in_place = |x: &Tensor| {
         let (storage, layout) = x.storage_and_layout();
-        matches!(&*storage, candle_core::Storage::Cpu(cpu)
-            if cpu.as_slice::<f32>().is_ok() && layout.contiguous_offsets().is_some())
+        borrowed(&storage, layout).is_some()
     };
     let copies: Vec<Option<Vec<f32>>> = xs
         .iter()
@@ -50,17 +59,9 @@ pub fn with_values_of<R>(xs: &[&Tensor], f: impl FnOnce(&[&[f32]]) -> R) -> Resu
     let guards: Vec<_> = xs.iter().map(|x| x.storage_and_layout()).collect();
     let mut slices: Vec<&[f32]> = Vec::with_capacity(xs.len());
     for ((storage, layout), copy) in guards.iter().zip(&copies) {
-        let borrowed = match (&**storage, layout.contiguous_offsets()) {
-            (candle_core::Storage::Cpu(cpu), Some((start, end))) => cpu
-                .as_slice::<f32>()
-                .ok()
-                .and_then(|all| all.get(start..end)),
-            _ => None,
-        };
-        match (copy, borrowed) {
-            (Some(v), _) => slices.push(v),
-            (None, Some(v)) => slices.push(v),
-            (None, None) => {
+        match copy.as_deref().or_else(|| borrowed(storage, layout)) {
+            Some(v) => slices.push(v),
+            None => {
                 return Err(ModelError::Device(
                     "a tensor's storage changed while its values were read".to_string(),
                 ));
