@@ -4,7 +4,9 @@
 //! - `recurrence`: every head's delta-rule recurrence over the pass, its inputs made beforehand;
 //! - `heads`: the layer's whole work between its projections ([`HeadParams::attend`]: conv and SiLU, norms, gates,
 //!   the recurrence and the gated norm into the output rows), from projections laid out as the layer makes them
-//!   (larger than the caches at a prompt's length, so read from memory as in the engine).
+//!   (larger than the caches at a prompt's length, so read from memory as in the engine), into output rows kept
+//!   from one pass to the next as the engine keeps them from layer to layer (a new buffer's pages, 100 MB at 2,048
+//!   tokens, would be faulted in by every pass).
 //!
 //! `cargo run --release -p deltafin-model --example kda_rate [-- --tokens 1,64,512] [--heads 96]`
 //!
@@ -72,11 +74,13 @@ fn main() {
                 std::process::exit(1);
             }
         };
+        let mut out = Vec::new();
         rate.time("heads", t_len, || {
             let started = Instant::now();
-            let out = params.attend(&windows, &projected, Some(&prev), &mut state);
+            let done =
+                params.attend_into(&windows, &projected, (Some(&prev), &mut state), &mut out);
             let secs = started.elapsed().as_secs_f64();
-            std::hint::black_box(out.map(|o| o[0]).unwrap_or(f32::NAN));
+            std::hint::black_box(done.map(|()| out[0]).unwrap_or(f32::NAN));
             secs
         });
     }
