@@ -177,32 +177,13 @@ fn column_block<const W: usize, S: Sweep<W>>(
     let mut lines = deltafin_quant::aligned::Lines::zeroed(d * W);
     let (block, _) = lines.as_chunks_mut::<W>();
     // Token 0's decay (from the old state, or from zeros) and its u.
-    let mut u = [0.0f32; W];
-    for (i, ((row, &k), &dec)) in block
-        .iter_mut()
-        .zip(&inp.k[..d])
-        .zip(&decay[..d])
-        .enumerate()
-    {
-        let prev = match start {
-            Start::From(prev) => Some(&prev[i * d + j0..i * d + j0 + W]),
-            // The block's columns of the state are written back only after its last token.
-            Start::InPlace => Some(&s[i * d + j0..i * d + j0 + W]),
-            Start::Zeros => None,
-        };
-        match prev {
-            Some(prev) => {
-                for j in 0..W {
-                    row[j] = prev[j] * dec;
-                }
-            }
-            // `0 · decay`: the bits of decaying a zero state read from memory.
-            None => row.iter_mut().for_each(|x| *x = 0.0 * dec),
-        }
-        for j in 0..W {
-            u[j] = row[j].mul_add(k, u[j]);
-        }
-    }
+    let prev = match start {
+        Start::From(prev) => Some(prev),
+        // The block's columns of the state are written back only after its last token.
+        Start::InPlace => Some(&*s),
+        Start::Zeros => None,
+    };
+    let mut u = start_rows(block, prev.map(|p| (p, d, j0)), &inp.k[..d], &decay[..d]);
     for t in 0..t_len {
         let mut delta = [0.0f32; W];
         let v = &inp.v[t * d + j0..t * d + j0 + W];
@@ -228,6 +209,41 @@ fn column_block<const W: usize, S: Sweep<W>>(
         dst[j0..j0 + W].copy_from_slice(row);
     }
     W
+}
+
+/// Token 0's rows of a column block: `block[i] = prev[i][j0..j0 + W] · decay_i` (`prev` the old state with its row
+/// length and the block's first column; `None`: a zero state, whose rows become `0 · decay_i`, the bits of decaying
+/// zeros read from memory), and returns `u = Σ_i block[i] · k_i` in row order. Each case is its own loop, and a row
+/// is copied, then scaled in place: so written, the compiler keeps a row in vectors (with the case chosen inside the
+/// loop, or the product written from one slice into another, it built each row a value at a time and read it back
+/// as vectors, a stall on every row).
+#[inline(always)]
+fn start_rows<const W: usize>(
+    block: &mut [[f32; W]],
+    prev: Option<(&[f32], usize, usize)>,
+    k: &[f32],
+    decay: &[f32],
+) -> [f32; W] {
+    match prev {
+        Some((prev, d, j0)) => {
+            for ((row, src), &dec) in block.iter_mut().zip(prev.chunks_exact(d)).zip(decay) {
+                row.copy_from_slice(&src[j0..j0 + W]);
+                row.iter_mut().for_each(|x| *x *= dec);
+            }
+        }
+        None => {
+            for (row, &dec) in block.iter_mut().zip(decay) {
+                *row = [0.0 * dec; W];
+            }
+        }
+    }
+    let mut u = [0.0f32; W];
+    for (row, &ki) in block.iter().zip(k) {
+        for j in 0..W {
+            u[j] = row[j].mul_add(ki, u[j]);
+        }
+    }
+    u
 }
 
 /// One sweep over a column block's rows (`block[i]` the row of key channel `i`) for one token, in the contract's
