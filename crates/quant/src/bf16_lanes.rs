@@ -17,33 +17,40 @@ use crate::bf16_contract::CHUNK;
 /// Inputs per vector (one group).
 pub const GROUP: usize = 16;
 
+/// Elements of a chunk that one parallel item of [`token_lanes`] lays out (for one group of inputs).
+const ITEM_ELEMENTS: usize = 8;
+
 /// `t_rows` inputs of `cols` values (`x`, row-major; `cols` a multiple of 32) in the inputs' layout (see the module
 /// header), zero past the last input.
 ///
-/// One group of 16 inputs per parallel item, chunk by chunk: a chunk's 16 × 32 values are read as 16 rows of 128
-/// bytes and written as 32 whole lines of 16, so both sides stay in L1. Built on one thread, a long prompt's block
-/// kept every other thread waiting for the product to start (docs/performance-log.md).
+/// One parallel item per group of 16 inputs and run of [`ITEM_ELEMENTS`] elements (whose part of the layout is one
+/// contiguous run), chunk by chunk: a chunk's 16 × 8 values are read as 16 pieces of 32 bytes and written as 8 whole
+/// lines of 16, so both sides stay in L1. Built on one thread, a long prompt's block kept every other thread waiting
+/// for the product to start (docs/performance-log.md); with an item a group, a 64-input block kept 12 of 16 threads
+/// waiting.
 pub fn token_lanes(x: &[f32], cols: usize, t_rows: usize) -> Lines {
     use rayon::prelude::*;
     let n = cols / CHUNK;
     let mut xt = Lines::zeroed(token_lanes_len(cols, t_rows));
     let t_rows = t_rows.min(x.len() / cols.max(1));
-    let fill = |(g, out): (usize, &mut [f32])| {
+    let items_per_group = CHUNK / ITEM_ELEMENTS;
+    let fill = |(i, out): (usize, &mut [f32])| {
+        let (g, e0) = (i / items_per_group, i % items_per_group * ITEM_ELEMENTS);
         let tokens = g * GROUP..((g + 1) * GROUP).min(t_rows);
         for c in 0..n {
             for (lane, t) in tokens.clone().enumerate() {
-                let src = &x[t * cols + c * CHUNK..t * cols + (c + 1) * CHUNK];
-                for (e, &v) in src.iter().enumerate() {
-                    out[(e * n + c) * GROUP + lane] = v;
+                let at = t * cols + c * CHUNK + e0;
+                for (de, &v) in x[at..at + ITEM_ELEMENTS].iter().enumerate() {
+                    out[(de * n + c) * GROUP + lane] = v;
                 }
             }
         }
     };
-    let per_group = (CHUNK * n * GROUP).max(1);
+    let per_item = (ITEM_ELEMENTS * n * GROUP).max(1);
     if t_rows * cols < 1 << 16 {
-        xt.chunks_mut(per_group).enumerate().for_each(fill);
+        xt.chunks_mut(per_item).enumerate().for_each(fill);
     } else {
-        xt.par_chunks_mut(per_group).enumerate().for_each(fill);
+        xt.par_chunks_mut(per_item).enumerate().for_each(fill);
     }
     xt
 }
