@@ -47,8 +47,9 @@ const ROWS_AHEAD: usize = 8;
 #[derive(Debug)]
 pub struct HeadParams {
     cfg: KdaConfig,
-    /// Conv taps `[C, K]` for q, k, v, oldest tap first.
-    conv: [Vec<f32>; 3],
+    /// Conv taps for q, k, v by head and tap, `[H][K][D]` (a head's taps `[K][D]` one run, so each tap's products
+    /// run along the head's channels), oldest tap first; laid out once here rather than by every head of every pass.
+    conv_by_tap: [Vec<f32>; 3],
     /// `exp(A_log)` per head.
     a_exp: Vec<f32>,
     /// The decay gate's bias `[C]`.
@@ -87,9 +88,16 @@ impl HeadParams {
                 ),
             });
         }
+        let conv_by_tap = conv.map(|taps| {
+            (0..h)
+                .flat_map(|head| (0..k).map(move |tap| (head, tap)))
+                .flat_map(|(head, tap)| (0..d).map(move |j| (head * d + j) * k + tap))
+                .map(|at| taps[at])
+                .collect()
+        });
         Ok(Self {
             cfg: cfg.clone(),
-            conv,
+            conv_by_tap,
             a_exp,
             dt_bias,
             o_norm,
@@ -269,17 +277,10 @@ impl HeadParams {
         HEAD_SCRATCH.set(scratch);
     }
 
-    /// Head `head`'s conv taps for q, k and v by tap, `[K][D]` each, so each tap's products run along the head's
-    /// channels.
-    fn taps_by_tap(&self, head: usize) -> [Vec<f32>; 3] {
-        let (d, kern) = (self.cfg.head_dim, self.cfg.conv_kernel);
-        let ch0 = head * d;
-        std::array::from_fn(|i| {
-            let taps = &self.conv[i];
-            (0..kern)
-                .flat_map(|k| (0..d).map(move |j| taps[(ch0 + j) * kern + k]))
-                .collect()
-        })
+    /// Head `head`'s conv taps for q, k and v by tap, `[K][D]` each.
+    fn taps_by_tap(&self, head: usize) -> [&[f32]; 3] {
+        let n = self.cfg.conv_kernel * self.cfg.head_dim;
+        std::array::from_fn(|i| &self.conv_by_tap[i][head * n..(head + 1) * n])
     }
 
     /// One head's inputs to the recurrence for the tokens `tokens`, into the first rows of `inp` (`[n, D]` each, β
@@ -290,7 +291,7 @@ impl HeadParams {
         &self,
         windows: &[Vec<f32>; 3],
         p: &Projected,
-        (head, by_tap): (usize, &[Vec<f32>; 3]),
+        (head, by_tap): (usize, &[&[f32]; 3]),
         tokens: std::ops::Range<usize>,
         inp: &mut HeadInputs,
     ) {
@@ -312,7 +313,7 @@ impl HeadParams {
             };
             for (t, out) in (t0..).zip(dst[..n * d].chunks_exact_mut(d)) {
                 prefetch_row(raw, t + ROWS_AHEAD, d);
-                conv_silu_row(out, &by_tap[i], |k| ext(t + k));
+                conv_silu_row(out, by_tap[i], |k| ext(t + k));
             }
         }
         let q_scale = (d as f32).powf(-0.5);
