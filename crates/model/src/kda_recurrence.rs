@@ -147,15 +147,18 @@ fn recurrence_blocks<const W: usize, S: Sweep<W>>(
         .iter()
         .map(|&g| crate::activation::exp(g))
         .collect();
+    // One buffer for every block's copy (each block writes all of its rows before reading them), as wide as the
+    // widest block.
+    let mut lines = deltafin_quant::aligned::Lines::zeroed(d * W.max(8));
     let mut j0 = 0;
     while j0 < d {
         let rest = d - j0;
         j0 += if rest >= W {
-            column_block::<W, S>(s, start, inp, &decay, out, (t_len, d, j0))
+            column_block::<W, S>(s, start, inp, (&decay, &mut lines), out, (t_len, d, j0))
         } else if rest >= 8 {
-            column_block::<8, PlainSweep>(s, start, inp, &decay, out, (t_len, d, j0))
+            column_block::<8, PlainSweep>(s, start, inp, (&decay, &mut lines), out, (t_len, d, j0))
         } else {
-            column_block::<1, PlainSweep>(s, start, inp, &decay, out, (t_len, d, j0))
+            column_block::<1, PlainSweep>(s, start, inp, (&decay, &mut lines), out, (t_len, d, j0))
         };
     }
 }
@@ -169,13 +172,12 @@ fn column_block<const W: usize, S: Sweep<W>>(
     s: &mut [f32],
     start: Start<'_>,
     inp: &HeadInputs,
-    decay: &[f32],
+    (decay, lines): (&[f32], &mut [f32]),
     out: &mut [f32],
     dims: (usize, usize, usize),
 ) -> usize {
     let (t_len, d, j0) = dims;
-    let mut lines = deltafin_quant::aligned::Lines::zeroed(d * W);
-    let (block, _) = lines.as_chunks_mut::<W>();
+    let (block, _) = lines[..d * W].as_chunks_mut::<W>();
     // Token 0's decay (from the old state, or from zeros) and its u.
     let prev = match start {
         Start::From(prev) => Some(prev),
