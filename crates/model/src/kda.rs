@@ -23,14 +23,15 @@ use crate::weights::Loader;
 static IDLE_ROWS: Mutex<Vec<f32>> = Mutex::new(Vec::new());
 
 /// An empty buffer with room for `len` values: the idle rows when they hold `len` to twice as many (a prompt's next
-/// layer), else a new one (the idle rows are dropped, so a decode step after a long prompt does not keep its rows).
+/// layer), else a new one on transparent huge pages where the system gives them (the idle rows are dropped, so a
+/// decode step after a long prompt does not keep its rows).
 fn take_rows(len: usize) -> Vec<f32> {
     let mut idle = IDLE_ROWS.lock().unwrap_or_else(|e| e.into_inner());
     let rows = std::mem::take(&mut *idle);
     if (len..=len.saturating_mul(2)).contains(&rows.capacity()) {
         rows
     } else {
-        Vec::with_capacity(len)
+        deltafin_quant::huge_page_vec(len)
     }
 }
 

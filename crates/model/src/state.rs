@@ -18,12 +18,13 @@ const MAX_IDLE_STATE_BUFFERS: usize = 160;
 static IDLE_STATE_BUFFERS: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
 /// A buffer of `len` values whose contents are unspecified (the caller overwrites every value): an idle one of that
-/// length, or a new one.
+/// length, or a new one zeroed on every thread and on huge pages (`deltafin_quant::zeroed`), so a prompt's heads do
+/// not fault its pages in one by one.
 pub(crate) fn state_buffer(len: usize) -> Vec<f32> {
     let mut idle = IDLE_STATE_BUFFERS.lock().unwrap_or_else(|e| e.into_inner());
     match idle.iter().position(|b| b.len() == len) {
         Some(i) => idle.swap_remove(i),
-        None => vec![0.0; len],
+        None => deltafin_quant::zeroed::zeroed(len),
     }
 }
 
