@@ -47,7 +47,8 @@ impl ResMix {
         let hidden = width.max(1);
         let all: Vec<&Tensor> = blocks.iter().chain(std::iter::once(cur)).collect();
         let out = with_values_of(&all, |cands| {
-            let mut out: Vec<f32> = Vec::with_capacity(t * width);
+            // On huge pages: a long prompt's rows (59 MB at 2,048 tokens) are a new mapping, written by every thread.
+            let mut out: Vec<f32> = deltafin_quant::huge_page_vec(t * width);
             let dst = &mut out.spare_capacity_mut()[..t * width];
             let row = |(r, dst): (usize, &mut [MaybeUninit<f32>])| {
                 let span = r * hidden..(r + 1) * hidden;

@@ -165,7 +165,8 @@ pub fn rms_norm(x: &Tensor, w: &[f32], eps: f32) -> Result<Tensor> {
     }
     let n = n.max(1);
     let out = with_values(x, |v| {
-        let mut out: Vec<f32> = Vec::with_capacity(v.len());
+        // On huge pages, as the residual mix's rows (`crate::attn_res`).
+        let mut out: Vec<f32> = deltafin_quant::huge_page_vec(v.len());
         let dst = &mut out.spare_capacity_mut()[..v.len()];
         // Rows apart on every thread for a long prompt (each row's arithmetic is the same either way).
         if t > 1 {
