@@ -9,7 +9,8 @@
 //! MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
 //! each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
-//! passes after a warm-up. First, which bf16 kernel this machine runs (`bf16_contract::lanes_chosen`).
+//! passes after a warm-up. First, which bf16 kernel this machine runs (`bf16_contract::lanes_chosen`,
+//! `lanes_kernel`).
 
 use std::time::Instant;
 
@@ -126,9 +127,16 @@ fn run(tokens: usize) {
     };
     #[cfg(target_arch = "x86_64")]
     println!(
-        "bf16 products of many inputs: {} (DELTAFIN_BF16_LANES=on|off chooses)",
+        "bf16 products of many inputs: {} (DELTAFIN_BF16_LANES=on|off and DELTAFIN_BF16_WIDEN=ahead|in-loop choose)",
         if deltafin_quant::bf16_contract::lanes_chosen() {
-            "inputs across the lanes"
+            match deltafin_quant::bf16_contract::lanes_kernel() {
+                deltafin_quant::bf16_contract::LanesKernel::Ahead => {
+                    "inputs across the lanes, weights widened ahead"
+                }
+                deltafin_quant::bf16_contract::LanesKernel::InLoop => {
+                    "inputs across the lanes, weights widened in the loop"
+                }
+            }
         } else {
             "tiles of rows by inputs"
         }

@@ -257,16 +257,57 @@ thread_local! {
     static LANES_PAIRS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// The AVX-512 form of [`dot_lanes`]: the weights widened inside the tiles' loop
+/// (`crate::simd::avx512_bf16_lanes`) or ahead, a block at a time (`crate::simd::avx512_bf16_wide`). Same bits.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LanesKernel {
+    /// Widened inside the loop: one more vector operation per four FMAs.
+    InLoop,
+    /// Widened ahead, element by element.
+    Ahead,
+}
+
+/// The AVX-512 form [`dot_lanes`] runs: `DELTAFIN_BF16_WIDEN` `ahead` or `in-loop`, else ahead on Intel's cores and
+/// inside the loop on others. Measured on an Intel Xeon (Emerald Rapids, 16 threads), the widening ahead ran the
+/// bf16 products faster, where the in-loop widening and the fetching of each element's inputs for every six rows
+/// again sit on the FMA ports and in L2; on AMD's Zen 5, whose other vector pipes take the widening, slower
+/// (docs/performance-log.md, "Session 13").
+#[cfg(target_arch = "x86_64")]
+pub fn lanes_kernel() -> LanesKernel {
+    use std::sync::OnceLock;
+    static CHOSEN: OnceLock<LanesKernel> = OnceLock::new();
+    *CHOSEN.get_or_init(|| match std::env::var("DELTAFIN_BF16_WIDEN").as_deref() {
+        Ok("ahead") => LanesKernel::Ahead,
+        Ok("in-loop") => LanesKernel::InLoop,
+        _ if crate::simd::is_intel() => LanesKernel::Ahead,
+        _ => LanesKernel::InLoop,
+    })
+}
+
+/// [`dot_lanes_by`] with this CPU's [`lanes_kernel`].
+#[cfg(target_arch = "x86_64")]
+pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
+    dot_lanes_by(lanes_kernel(), rows, xt, t_rows, out)
+}
+
 /// `out[r · t_rows + t]` = `rows[r] · x_t` for every row and input, the inputs laid out across the lanes
-/// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_ref`]. On AVX-512, for each
-/// block of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
-/// (`crate::simd::avx512_bf16_lanes::tile`); on AVX2, for each block, each element and each four groups, every row
+/// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_ref`]. On AVX-512 with
+/// `kernel` [`LanesKernel::InLoop`], for each block of chunks, each six rows, each element of a chunk and each four
+/// groups of 16 inputs, one tile (`crate::simd::avx512_bf16_lanes::tile`), with [`LanesKernel::Ahead`]
+/// `crate::simd::avx512_bf16_wide::accumulate`; on AVX2 (whatever `kernel` says), for each block, each element and each four groups, every row
 /// in turn (`crate::simd::avx2_bf16_lanes::tiles`). Rows must all have the same length, a multiple of [`CHUNK`], and
 /// the CPU AVX-512 or AVX2 ([`crate::simd::has_avx2_fma`]); anything else fills `out` with NaN.
 #[cfg(target_arch = "x86_64")]
-pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
+pub fn dot_lanes_by(
+    kernel: LanesKernel,
+    rows: &[&[u16]],
+    xt: &[f32],
+    t_rows: usize,
+    out: &mut [f32],
+) {
     use crate::bf16_lanes::{GROUP, accumulators_len, token_lanes_len};
-    use crate::simd::avx512_bf16_lanes::{finish, tile};
+    use crate::simd::avx512_bf16_lanes::finish;
     let cols = rows.first().map_or(0, |w| w.len());
     let n = cols / CHUNK;
     let groups = t_rows.div_ceil(GROUP);
@@ -293,47 +334,61 @@ pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
         if !crate::simd::has_avx512() {
             return dot_lanes_avx2(rows, xt, t_rows, n, acc, out);
         }
-        for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
-            let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
-            for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
-                let here = LANES_TILE_ROWS.min(rows.len() - r0);
-                for e in 0..CHUNK {
-                    let mut g = 0;
-                    while g < groups {
-                        let v = (groups - g).min(4);
-                        // SAFETY (every arm): AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
-                        // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
-                        macro_rules! tiles {
-                            ($($r:literal)+) => {{
-                                let mut r = r0;
-                                while r < r0 + here {
-                                    let left = r0 + here - r;
-                                    $(
-                                        if left >= $r {
-                                            match v {
-                                                4 => unsafe { tile::<$r, 4>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                                3 => unsafe { tile::<$r, 3>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                                2 => unsafe { tile::<$r, 2>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                                _ => unsafe { tile::<$r, 1>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                            }
-                                            r += $r;
-                                            continue;
-                                        }
-                                    )+
-                                }
-                            }};
-                        }
-                        tiles!(6 4 2 1);
-                        g += v;
-                    }
-                }
-            }
+        if kernel == LanesKernel::Ahead {
+            // SAFETY: AVX-512F and FMA present; rows of `32 · n` weights (n ≥ 1), the inputs laid out for `n` chunks
+            // and `groups` groups, `acc` holding every pair (checked above).
+            unsafe { crate::simd::avx512_bf16_wide::accumulate(rows, xt, n, groups, acc) };
+        } else {
+            in_loop_accumulate(rows, xt, n, groups, acc);
         }
         let acc = &*acc;
         // SAFETY: AVX-512F present; `acc` holds every pair.
         let sums = |r, g| unsafe { finish(acc, r, g, groups) };
         crate::simd::copy_group_sums(&mut out[..rows.len() * t_rows], t_rows, sums);
     });
+}
+
+/// [`dot_lanes_by`]'s [`LanesKernel::InLoop`] accumulation, its checks made (AVX-512F and FMA present, rows of `32 ·
+/// n` weights, the inputs laid out for `n` chunks and `groups` groups, `acc` holding every pair).
+#[cfg(target_arch = "x86_64")]
+fn in_loop_accumulate(rows: &[&[u16]], xt: &[f32], n: usize, groups: usize, acc: &mut [f32]) {
+    use crate::simd::avx512_bf16_lanes::tile;
+    for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
+        let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
+        for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
+            let here = LANES_TILE_ROWS.min(rows.len() - r0);
+            for e in 0..CHUNK {
+                let mut g = 0;
+                while g < groups {
+                    let v = (groups - g).min(4);
+                    // SAFETY (every arm): AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
+                    // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
+                    macro_rules! tiles {
+                        ($($r:literal)+) => {{
+                            let mut r = r0;
+                            while r < r0 + here {
+                                let left = r0 + here - r;
+                                $(
+                                    if left >= $r {
+                                        match v {
+                                            4 => unsafe { tile::<$r, 4>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                            3 => unsafe { tile::<$r, 3>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                            2 => unsafe { tile::<$r, 2>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                            _ => unsafe { tile::<$r, 1>(rows, xt, (r, g, e), span, n, acc, groups) },
+                                        }
+                                        r += $r;
+                                        continue;
+                                    }
+                                )+
+                            }
+                        }};
+                    }
+                    tiles!(6 4 2 1);
+                    g += v;
+                }
+            }
+        }
+    }
 }
 
 /// [`dot_lanes`] on AVX2 (checked by the caller), with `acc` sized for the rows and groups: for each block of

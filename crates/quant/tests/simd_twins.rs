@@ -1394,14 +1394,17 @@ fn bf16_tiles_match_their_twin_for_every_row_and_input() {
     }
 }
 
-/// The bf16 products with the inputs across the lanes (`bf16_contract::dot_lanes`: AVX-512, or AVX2 where AVX-512 is
-/// missing or turned off), called directly whatever this machine's `lanes_chosen` says, against the contract's
-/// reference for every pair: rows that fill six-row tiles and every smaller shape, 16 to 70 inputs (one to five
-/// groups, partial ones included), one chunk, a block and a partial one, and rows whose neighbours hold infinities
-/// and NaN-free extremes, so that a kernel reading past its row or its element would show.
+/// The bf16 products with the inputs across the lanes (`bf16_contract::dot_lanes_by`: AVX-512 with the weights
+/// widened in the loop and ahead, or AVX2 where AVX-512 is missing or turned off), called directly whatever this
+/// machine's `lanes_chosen` and `lanes_kernel` say, against the contract's reference for every pair: rows that fill
+/// six-row tiles and every smaller shape, more rows than one block of the widening ahead, 16 to 70 inputs (one to
+/// five groups, partial ones included), one chunk, fewer chunks than a transposed run, a block and a partial one, and
+/// rows whose neighbours hold infinities and NaN-free extremes, so that a kernel reading past its row or its element
+/// would show.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn bf16_lanes_match_their_twin_for_every_row_and_input() {
+    use deltafin_quant::bf16_contract::LanesKernel;
     eprintln!(
         "bf16 lanes on {}",
         if deltafin_quant::simd::has_avx512() {
@@ -1431,6 +1434,8 @@ fn bf16_lanes_match_their_twin_for_every_row_and_input() {
         (7, 70, 2080),
         (1, 17, 64),
         (12, 48, 7168),
+        (53, 33, 96),
+        (100, 64, 1056),
     ] {
         // Every third row holds an infinity and the largest negative finite value (one each, so its sums are ±inf
         // or NaN); the others are finite, so their sums are finite and any weight taken from the wrong element,
@@ -1445,21 +1450,23 @@ fn bf16_lanes_match_their_twin_for_every_row_and_input() {
         let x = randn(&mut r, tokens * n);
         let rows_ref: Vec<&[u16]> = w.chunks_exact(n).collect();
         let xt = deltafin_quant::bf16_lanes::token_lanes(&x, n, tokens);
-        let mut out = vec![f32::NAN; rows * tokens];
-        bf16_contract::dot_lanes(&rows_ref, &xt, tokens, &mut out);
-        for (i, row) in rows_ref.iter().enumerate() {
-            for t in 0..tokens {
-                let xp = bf16_contract::permute_input(&x[t * n..(t + 1) * n]);
-                let want = bf16_contract::dot_ref(row, &xp);
-                let got = out[i * tokens + t];
-                assert!(
-                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                    "lanes rows={rows} tokens={tokens} n={n} ({i}, {t}): {got} vs {want}"
-                );
-                assert!(
-                    i % 3 == 0 || want.is_finite(),
-                    "a finite row's sum is finite"
-                );
+        for kernel in [LanesKernel::InLoop, LanesKernel::Ahead] {
+            let mut out = vec![f32::NAN; rows * tokens];
+            bf16_contract::dot_lanes_by(kernel, &rows_ref, &xt, tokens, &mut out);
+            for (i, row) in rows_ref.iter().enumerate() {
+                for t in 0..tokens {
+                    let xp = bf16_contract::permute_input(&x[t * n..(t + 1) * n]);
+                    let want = bf16_contract::dot_ref(row, &xp);
+                    let got = out[i * tokens + t];
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "lanes {kernel:?} rows={rows} tokens={tokens} n={n} ({i}, {t}): {got} vs {want}"
+                    );
+                    assert!(
+                        i % 3 == 0 || want.is_finite(),
+                        "a finite row's sum is finite"
+                    );
+                }
             }
         }
     }

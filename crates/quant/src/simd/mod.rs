@@ -16,6 +16,8 @@ pub mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_bf16_lanes;
 #[cfg(target_arch = "x86_64")]
+pub mod avx512_bf16_wide;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512_tokens;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;

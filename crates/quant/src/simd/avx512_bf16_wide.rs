@@ -1,0 +1,381 @@
+//! AVX-512 bf16 products of many inputs with the inputs across the vector lanes, the weights widened ahead: the
+//! form [`crate::bf16_contract::dot_lanes`] runs on Intel's cores (`crate::bf16_contract::LanesKernel`).
+//!
+//! Same contract and inputs' layout as [`super::avx512_bf16_lanes`] (sixteen inputs at one element `e` in a
+//! vector's lanes, six rows by four groups in registers), but the weights of a block of rows and chunks are first
+//! widened to f32 and laid out element by element ([`widen_block`]): an element's weights over the block are then
+//! consecutive values, a broadcast is a load alone, and one element's inputs stay in L1 while every row of the block
+//! passes over them. Widened inside the loop, each broadcast takes one more vector operation per four FMAs, which on
+//! Intel's cores runs on the FMA ports, and each element's inputs come from L2 again for every six rows. On AMD's
+//! Zen 5 neither cost shows and the widening ahead (a transpose) costs more than it saves. Per lane the operations
+//! and their order are the contract's (the widening is exact), so every result is bit-identical to
+//! [`crate::bf16_contract::dot_ref`].
+
+use std::arch::x86_64::*;
+
+use crate::aligned::Lines;
+use crate::bf16_contract::CHUNK;
+use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
+
+/// Chunks per block: one element's inputs for four groups over a block (16 KiB) stay in L1 while every row of the
+/// block passes over them, and each tile's accumulators are loaded and stored once per 64 chunks.
+const BLOCK_CHUNKS: usize = 64;
+
+/// Rows per block: their widened weights over a block of chunks (384 KiB) stay in L2 beside the inputs (a dense
+/// product's tasks have this many rows).
+const BLOCK_ROWS: usize = 48;
+
+thread_local! {
+    /// Per-thread widened weights of a block ([`widen_block`]), kept between calls.
+    static WIDE: std::cell::RefCell<Lines> = std::cell::RefCell::new(Lines::zeroed(0));
+}
+
+/// The accumulators of every (row, group) pair of `rows` (each `32 · n` weights) against the `groups` groups of
+/// inputs in `xt` (laid out for `n` chunks), into `acc` ([`crate::bf16_lanes::accumulators_len`]): for each block of
+/// rows and chunks, its weights widened ([`widen_block`], the next block's fetched into L2 meanwhile), then for each
+/// element of a chunk, each four groups and each six rows, one [`tile`].
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; every row holds `32 · n` weights (`n >= 1`); `xt` holds `groups` groups of
+/// the layout for `n` chunks; `acc` holds every pair.
+#[target_feature(enable = "avx512f,fma")]
+pub unsafe fn accumulate(rows: &[&[u16]], xt: &[f32], n: usize, groups: usize, acc: &mut [f32]) {
+    WIDE.with_borrow_mut(|wide| {
+        let len = widened_len(BLOCK_ROWS.min(rows.len()), BLOCK_CHUNKS.min(n));
+        if wide.len() < len {
+            *wide = Lines::zeroed(len);
+        }
+        for first in (0..rows.len()).step_by(BLOCK_ROWS) {
+            let block_rows = &rows[first..(first + BLOCK_ROWS).min(rows.len())];
+            let end = first + block_rows.len();
+            for c0 in (0..n).step_by(BLOCK_CHUNKS) {
+                let nb = BLOCK_CHUNKS.min(n - c0);
+                // SAFETY: AVX-512F present; every row holds the block's chunks, `wide` sized for them.
+                unsafe { widen_block(block_rows, c0, nb, wide) };
+                let block = (&wide[..], first, block_rows.len());
+                // The next block's weights: the same rows' next chunks, or the next rows' first.
+                let next = if c0 + nb < n {
+                    Some((block_rows, c0 + nb))
+                } else {
+                    let rest = &rows[end..];
+                    (!rest.is_empty()).then(|| (&rest[..BLOCK_ROWS.min(rest.len())], 0))
+                };
+                for e in 0..CHUNK {
+                    if let Some((next_rows, next_c0)) = next {
+                        let next_nb = BLOCK_CHUNKS.min(n - next_c0);
+                        prefetch_block(next_rows, next_c0, next_nb, (e, CHUNK));
+                    }
+                    let mut g = 0;
+                    while g < groups {
+                        let v = (groups - g).min(4);
+                        // SAFETY (every arm): as the caller guarantees, with the block widened.
+                        macro_rules! tiles {
+                            ($($r:literal)+) => {{
+                                let mut r = first;
+                                while r < end {
+                                    let left = end - r;
+                                    $(
+                                        if left >= $r {
+                                            let at = (r, g, e);
+                                            match v {
+                                                4 => unsafe { tile::<$r, 4>(block, xt, at, (c0, nb), n, acc, groups) },
+                                                3 => unsafe { tile::<$r, 3>(block, xt, at, (c0, nb), n, acc, groups) },
+                                                2 => unsafe { tile::<$r, 2>(block, xt, at, (c0, nb), n, acc, groups) },
+                                                _ => unsafe { tile::<$r, 1>(block, xt, at, (c0, nb), n, acc, groups) },
+                                            }
+                                            r += $r;
+                                            continue;
+                                        }
+                                    )+
+                                }
+                            }};
+                        }
+                        tiles!(6 4 2 1);
+                        g += v;
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Values of [`widen_block`]'s output for `rows` rows and `nb` chunks.
+pub fn widened_len(rows: usize, nb: usize) -> usize {
+    CHUNK * element_stride(rows, nb)
+}
+
+/// Values between two elements' weights in [`widen_block`]'s output: the rows' values and one cache line more, so
+/// that the 32 elements' lines of one row and chunk, stored one after another, do not all fall into one set of L1
+/// (whole multiples of 4 KiB apart, they did, and the widening ran at a third of its speed).
+pub fn element_stride(rows: usize, nb: usize) -> usize {
+    rows * nb + GROUP
+}
+
+/// The weights of chunks `c0 .. c0 + nb` of `rows`, widened to f32, element by element: element `e` of chunk `c0 +
+/// j` of row `r` at `e · s + r · nb + j` of `out`, `s` the [`element_stride`]. Sixteen chunks at a time, a row's sixteen 64-byte
+/// chunks are transposed as words (pairs of bf16) in registers, each word vector then widened twice (its even and
+/// its odd elements) and stored whole; the block's last chunks, fewer than sixteen, one value at a time.
+///
+/// # Safety
+/// The CPU must support AVX-512F; every row holds chunks `c0 .. c0 + nb`; `out` holds [`widened_len`]`(rows.len(),
+/// nb)` values.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn widen_block(rows: &[&[u16]], c0: usize, nb: usize, out: &mut [f32]) {
+    debug_assert!(out.len() >= widened_len(rows.len(), nb));
+    debug_assert!(rows.iter().all(|w| w.len() >= (c0 + nb) * CHUNK));
+    let s = element_stride(rows.len(), nb);
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let dst = out.as_mut_ptr();
+    for (r, w) in rows.iter().enumerate() {
+        let src = w[c0 * CHUNK..].as_ptr();
+        let whole = nb / 16 * 16;
+        for j0 in (0..whole).step_by(16) {
+            // SAFETY: chunks j0 .. j0 + 16 of the block lie in the row (16 words each).
+            let mut v: [__m512i; 16] = std::array::from_fn(|j| unsafe {
+                _mm512_loadu_si512(src.add((j0 + j) * CHUNK) as *const _)
+            });
+            transpose16(&mut v);
+            for (p, words) in v.iter().enumerate() {
+                let even = _mm512_slli_epi32::<16>(*words);
+                let odd = _mm512_and_si512(*words, high);
+                // SAFETY: elements 2p and 2p + 1 of row r at chunks j0 .. j0 + 16 lie in `out`.
+                unsafe {
+                    _mm512_storeu_si512(dst.add(2 * p * s + r * nb + j0) as *mut _, even);
+                    _mm512_storeu_si512(dst.add((2 * p + 1) * s + r * nb + j0) as *mut _, odd);
+                }
+            }
+        }
+        for j in whole..nb {
+            for e in 0..CHUNK {
+                // SAFETY: as above, one value at a time.
+                unsafe {
+                    *dst.add(e * s + r * nb + j) =
+                        f32::from_bits(u32::from(*src.add(j * CHUNK + e)) << 16)
+                };
+            }
+        }
+    }
+}
+
+/// Part `part` of `parts` of the cache lines of chunks `c0 .. c0 + nb` of `rows`, fetched into L2 ahead of
+/// [`widen_block`] (each row's chunks are a few KiB, too short for the hardware's prefetchers to run ahead of the
+/// widening, whose loads then waited on memory).
+pub fn prefetch_block(rows: &[&[u16]], c0: usize, nb: usize, (part, parts): (usize, usize)) {
+    // Lines of one row's chunks (64 bytes a chunk).
+    let per_row = nb;
+    let total = rows.len() * per_row;
+    let (from, to) = (total * part / parts, total * (part + 1) / parts);
+    for i in from..to {
+        let (r, j) = (i / per_row, i % per_row);
+        if let Some(line) = rows[r].get((c0 + j) * CHUNK) {
+            // SAFETY: a prefetch of an address inside the row; it never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>((line as *const u16).cast()) };
+        }
+    }
+}
+
+/// Transposes sixteen vectors of sixteen 32-bit words: word `k` of `v[j]` becomes word `j` of `v[k]`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(v: &mut [__m512i; 16]) {
+    // Words within 128-bit lanes, then 64-bit pairs, then 128-bit lanes twice.
+    let t: [__m512i; 16] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_epi32(a, b)
+        } else {
+            _mm512_unpackhi_epi32(a, b)
+        }
+    });
+    // u[4h + m]: words m of rows 4h .. 4h + 4 in each 128-bit lane.
+    let u: [__m512i; 16] = std::array::from_fn(|i| {
+        let (h, m) = (i / 4, i % 4);
+        let (a, b) = (t[4 * h + m / 2], t[4 * h + 2 + m / 2]);
+        if m % 2 == 0 {
+            _mm512_unpacklo_epi64(a, b)
+        } else {
+            _mm512_unpackhi_epi64(a, b)
+        }
+    });
+    // Lane l of output k = 4l + m gathers lane l of u[m], u[4 + m], u[8 + m], u[12 + m]: first lanes 0 and 2 (1
+    // and 3) of two of them into one vector, then the same of two such vectors.
+    let lo = |a, b| _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b);
+    let hi = |a, b| _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b);
+    let x: [[__m512i; 2]; 4] = std::array::from_fn(|m| [lo(u[m], u[4 + m]), hi(u[m], u[4 + m])]);
+    let y: [[__m512i; 2]; 4] =
+        std::array::from_fn(|m| [lo(u[8 + m], u[12 + m]), hi(u[8 + m], u[12 + m])]);
+    *v = std::array::from_fn(|k| {
+        let (l, m) = (k / 4, k % 4);
+        let (a, b) = (x[m][l % 2], y[m][l % 2]);
+        if l < 2 { lo(a, b) } else { hi(a, b) }
+    });
+}
+
+/// One tile: rows `r0 .. r0 + R` of the task from a block's widened weights (`wide`, [`widen_block`]'s layout of the
+/// task's rows `first .. first + n_rows` over `nb` chunks) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for `n` chunks), element `e`, the
+/// block's chunks `c0 .. c0 + nb`, into the pairs' accumulators in `acc`. The first block (`c0 == 0`) starts its
+/// accumulators at zero, whatever `acc` holds. Six rows by four groups run in [`rows6`]; other shapes (a task's
+/// last rows and groups) through intrinsics, with the same operations per lane.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; `wide` holds the block as [`widen_block`] laid it out; `xt` groups `g0 ..
+/// g0 + V` of the layout for `n` chunks; `c0 + nb <= n`; `acc` holds the pairs (`groups` groups per row).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,fma")]
+pub unsafe fn tile<const R: usize, const V: usize>(
+    (wide, first, n_rows): (&[f32], usize, usize),
+    xt: &[f32],
+    (r0, g0, e): (usize, usize, usize),
+    (c0, nb): (usize, usize),
+    n: usize,
+    acc: &mut [f32],
+    groups: usize,
+) {
+    debug_assert!(c0 + nb <= n && e < CHUNK && r0 >= first && r0 + R <= first + n_rows);
+    debug_assert!(wide.len() >= widened_len(n_rows, nb));
+    debug_assert!(xt.len() >= token_lanes_len(n * CHUNK, (g0 + V) * GROUP));
+    debug_assert!(acc.len() >= acc_at(r0 + R - 1, g0 + V - 1, groups, e) + GROUP);
+    if nb == 0 {
+        return;
+    }
+    // Row r's weights of element e over the block: `nb` consecutive values, rows `nb` values apart.
+    let w = wide[e * element_stride(n_rows, nb) + (r0 - first) * nb..].as_ptr();
+    let xg: [*const f32; V] =
+        std::array::from_fn(|v| xt[((g0 + v) * CHUNK + e) * n * GROUP + c0 * GROUP..].as_ptr());
+    let p = acc.as_mut_ptr();
+    let at: [[usize; V]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, e)));
+    let mut regs: [[__m512; V]; R] = std::array::from_fn(|r| {
+        std::array::from_fn(|v| {
+            if c0 == 0 {
+                _mm512_setzero_ps()
+            } else {
+                // SAFETY: the caller's `acc` holds every pair.
+                unsafe { _mm512_loadu_ps(p.add(at[r][v])) }
+            }
+        })
+    });
+    if R == 6 && V == 4 {
+        let mut a: [__m512; 24] = std::array::from_fn(|i| regs[i / 4][i % 4]);
+        // SAFETY: as the caller guarantees; the six rows lie `nb` values apart, the groups evenly apart.
+        unsafe {
+            rows6(
+                &mut a,
+                (xg[0], (xg[1] as usize).wrapping_sub(xg[0] as usize)),
+                (w, 4 * nb),
+                nb,
+            )
+        };
+        regs = std::array::from_fn(|r| std::array::from_fn(|v| a[r * 4 + v]));
+    } else {
+        for j in 0..nb {
+            // SAFETY (every access below): the caller's block and inputs hold chunk c0 + j.
+            let xs: [__m512; V] =
+                std::array::from_fn(|v| unsafe { _mm512_loadu_ps(xg[v].add(j * GROUP)) });
+            for (r, row) in regs.iter_mut().enumerate() {
+                let b = _mm512_set1_ps(unsafe { *w.add(r * nb + j) });
+                for (acc, x) in row.iter_mut().zip(&xs) {
+                    *acc = _mm512_fmadd_ps(b, *x, *acc);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for v in 0..V {
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_ps(p.add(at[r][v]), regs[r][v]) };
+        }
+    }
+}
+
+/// One row's part of a step of a six-row tile in `asm!` text: its weight broadcast into zmm28 (from `$w`), then one
+/// FMA with each group's inputs (zmm24..27) into the row's accumulators `zmm$a0 .. zmm$a3`.
+#[rustfmt::skip]
+macro_rules! row_fmas {
+    ($w:literal, $a0:literal $a1:literal $a2:literal $a3:literal) => {
+        concat!(
+            "vbroadcastss zmm28, dword ptr [", $w, "]\n",
+            "vfmadd231ps zmm", $a0, ", zmm28, zmm24\n",
+            "vfmadd231ps zmm", $a1, ", zmm28, zmm25\n",
+            "vfmadd231ps zmm", $a2, ", zmm28, zmm26\n",
+            "vfmadd231ps zmm", $a3, ", zmm28, zmm27\n",
+        )
+    };
+}
+
+/// Six rows against four groups over `n >= 1` chunks, in `asm!` so that every vector has a fixed register: 24
+/// accumulators (zmm0.., row-major), the four groups' inputs and one broadcast weight, 29 registers. Per lane the
+/// operations are the contract's: `acc = fma(w, x, acc)` chunk by chunk.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `x` is group 0's input vector at the first chunk, group `v` at `x + v · xs` bytes,
+/// each later chunk 64 bytes on; `w` is row 0's widened weight at the first chunk, row `r` at `w + r · ws` bytes, each
+/// later chunk 4 bytes on; for `n` chunks.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows6(
+    acc: &mut [__m512; 24],
+    (x, xs): (*const f32, usize),
+    (w, ws): (*const f32, usize),
+    n: usize,
+) {
+    let [
+        mut a0,
+        mut a1,
+        mut a2,
+        mut a3,
+        mut a4,
+        mut a5,
+        mut a6,
+        mut a7,
+        mut a8,
+        mut a9,
+        mut a10,
+        mut a11,
+        mut a12,
+        mut a13,
+        mut a14,
+        mut a15,
+        mut a16,
+        mut a17,
+        mut a18,
+        mut a19,
+        mut a20,
+        mut a21,
+        mut a22,
+        mut a23,
+    ] = *acc;
+    // SAFETY: the caller guarantees every address the loop reads.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            "vmovups zmm24, zmmword ptr [{xa}]",
+            "vmovups zmm25, zmmword ptr [{xa} + {xs}]",
+            "vmovups zmm26, zmmword ptr [{xb}]",
+            "vmovups zmm27, zmmword ptr [{xb} + {xs}]",
+            row_fmas!("{wa}", "0" "1" "2" "3"),
+            row_fmas!("{wa} + {ws}", "4" "5" "6" "7"),
+            row_fmas!("{wa} + {ws}*2", "8" "9" "10" "11"),
+            row_fmas!("{wb}", "12" "13" "14" "15"),
+            row_fmas!("{wb} + {ws}", "16" "17" "18" "19"),
+            row_fmas!("{wb} + {ws}*2", "20" "21" "22" "23"),
+            "add {xa}, 64", "add {xb}, 64", "add {wa}, 4", "add {wb}, 4",
+            "dec {n}", "jnz 2b",
+            xa = inout(reg) x => _, xb = inout(reg) x.wrapping_byte_add(2 * xs) => _, xs = in(reg) xs,
+            wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(3 * ws) => _, ws = in(reg) ws,
+            n = inout(reg) n => _,
+            inout("zmm0") a0, inout("zmm1") a1, inout("zmm2") a2, inout("zmm3") a3,
+            inout("zmm4") a4, inout("zmm5") a5, inout("zmm6") a6, inout("zmm7") a7,
+            inout("zmm8") a8, inout("zmm9") a9, inout("zmm10") a10, inout("zmm11") a11,
+            inout("zmm12") a12, inout("zmm13") a13, inout("zmm14") a14, inout("zmm15") a15,
+            inout("zmm16") a16, inout("zmm17") a17, inout("zmm18") a18, inout("zmm19") a19,
+            inout("zmm20") a20, inout("zmm21") a21, inout("zmm22") a22, inout("zmm23") a23,
+            out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _, out("zmm28") _,
+            options(nostack, readonly),
+        )
+    }
+    *acc = [
+        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
+        a20, a21, a22, a23,
+    ];
+}
