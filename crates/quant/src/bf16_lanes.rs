@@ -9,7 +9,7 @@
 //!
 //! Inputs ([`token_lanes`]): group `g` of 16 inputs, element `e`, chunk `c`, input `t` at
 //! `((g · 32 + e) · n + c) · 16 + t` (`n` chunks): for one `e` a group's chunks are contiguous. Accumulators
-//! ([`accumulators_len`]): one vector of 16 per (row, group, element).
+//! ([`accumulators_len`]): one vector of 16 per (row, group, element), and one of padding per (row, group).
 
 use crate::aligned::Lines;
 use crate::bf16_contract::CHUNK;
@@ -61,13 +61,18 @@ pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
 }
 
 /// Values of the accumulators of every (row, group) pair of a task, one vector per element `e`:
-/// `[rows][groups][32]` vectors of 16.
+/// `[rows][groups][33]` vectors of 16 (the last of a pair unused).
 pub fn accumulators_len(rows: usize, groups: usize) -> usize {
-    rows * groups * CHUNK * GROUP
+    rows * groups * PAIR_VECTORS * GROUP
 }
+
+/// Vectors per (row, group) pair of the accumulators: one per element and one of padding, so that the pairs of rows
+/// six apart (a tile's next call, when the elements run outermost) are not a whole multiple of 4 KiB apart, where
+/// Intel's cores take a load for the store before it to the same low address bits and wait.
+const PAIR_VECTORS: usize = CHUNK + 1;
 
 /// Where pair (`r`, `g`)'s element-`e` accumulator starts ([`accumulators_len`]`(_, groups)`).
 #[inline]
 pub fn acc_at(r: usize, g: usize, groups: usize, e: usize) -> usize {
-    ((r * groups + g) * CHUNK + e) * GROUP
+    ((r * groups + g) * PAIR_VECTORS + e) * GROUP
 }
