@@ -16,7 +16,8 @@
 //! - decoded weights, one lane of a few rows over a block of at most [`BLOCK_CHUNKS_MAX`] chunks at a time: weight
 //!   `s` of chunk `j` of the block of row `r` at `(r · 8 + s) · 16 + j` ([`lane_weights`]);
 //! - multipliers, group by group for the whole row ([`row_scales`]): lane `k` of chunk `c` uses group `4c + k / 4`;
-//! - accumulators ([`accumulators_len`]): the even and odd ones of every lane `k` of every (row, group) pair.
+//! - accumulators ([`accumulators_len`]): the even and odd ones of every lane `k` of every (row, group) pair, and one
+//!   vector of padding a pair.
 
 use crate::aligned::Lines;
 use crate::mxfp4::MXFP4_GROUP;
@@ -78,14 +79,19 @@ pub fn row_scales_per_row(n_pad: usize) -> usize {
 }
 
 /// Values of the even and odd accumulators of every lane `k` of every (row, group) pair of a task:
-/// `[rows][groups][16][2]` vectors of 16.
+/// `[rows][groups][16 · 2 + 1]` vectors of 16 (the last of a pair unused).
 pub fn accumulators_len(rows: usize, groups: usize) -> usize {
-    rows * groups * CHUNK_LANES * 2 * GROUP
+    rows * groups * PAIR_VECTORS * GROUP
 }
+
+/// Vectors per (row, group) pair of the accumulators: two per lane and one of padding, so that the pairs a tile's
+/// next call reaches (two groups or four rows on) are not a whole multiple of 4 KiB from the ones it just stored,
+/// where a core takes a load for the store before it to the same low address bits and waits.
+const PAIR_VECTORS: usize = 2 * CHUNK_LANES + 1;
 
 /// Where pair (`r`, `g`)'s lane-`k` accumulators start ([`accumulators_len`]`(_, groups)`): the even one, then the
 /// odd one, 16 values each.
 #[inline]
 pub fn acc_at(r: usize, g: usize, groups: usize, k: usize) -> usize {
-    ((r * groups + g) * CHUNK_LANES + k) * 2 * GROUP
+    ((r * groups + g) * PAIR_VECTORS + 2 * k) * GROUP
 }
