@@ -86,9 +86,12 @@ pub fn recurrence_into(
     recurrence_blocks::<16, PlainSweep>(s, start, inp, dims, out)
 }
 
-/// [`recurrence_blocks`] built for AVX-512: blocks of 32 columns, two vectors a row, swept by [`PairSweep`] so the
-/// four running sums (`o` and the next `u`, two vectors each) stay in registers. With one vector a row a sweep waits
-/// on the FMA latency of two running sums; the plain sweep at 32 columns kept its sums on the stack.
+/// [`recurrence_blocks`] built for AVX-512: blocks of 64 columns, four vectors a row ([`QuadSweep`]), where the
+/// width is a multiple of 64 (K3's 128), else of 32, two vectors a row ([`PairSweep`]); the running sums (`o` and
+/// the next `u`) stay in registers. With two vectors a row each sum takes one FMA a row, so a row waits on the FMA
+/// latency as long as its arithmetic takes at two FMAs a cycle; with four the sweep has twice the arithmetic per
+/// wait. With one vector a row a sweep waits on the latency of two running sums; the plain sweep at 32 columns kept
+/// its sums on the stack.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
@@ -101,7 +104,11 @@ unsafe fn recurrence_avx512(
     dims: (usize, usize),
     out: &mut [f32],
 ) {
-    recurrence_blocks::<32, PairSweep>(s, start, inp, dims, out)
+    if dims.1.is_multiple_of(64) {
+        recurrence_blocks::<64, QuadSweep>(s, start, inp, dims, out)
+    } else {
+        recurrence_blocks::<32, PairSweep>(s, start, inp, dims, out)
+    }
 }
 
 /// [`recurrence_blocks`] built for AVX2 and FMA: blocks of 16 columns (AVX2's sixteen registers hold a block's
@@ -305,86 +312,87 @@ impl<const W: usize> Sweep<W> for PlainSweep {
     }
 }
 
-/// The sweep of 32 columns as two AVX-512 vectors a row, its running sums named registers. Only
-/// [`recurrence_avx512`] uses it: its methods must be inlined into code built with AVX-512F.
-#[cfg(target_arch = "x86_64")]
-struct PairSweep;
+/// A sweep of `$w` columns as `$n` AVX-512 vectors a row, its running sums in registers. Only [`recurrence_avx512`]
+/// uses these: their methods must be inlined into code built with AVX-512F.
+macro_rules! vector_sweep {
+    ($name:ident, $w:literal, $n:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        struct $name;
 
-#[cfg(target_arch = "x86_64")]
-impl Sweep<32> for PairSweep {
-    #[inline(always)]
-    fn update_and_next(
-        block: &mut [[f32; 32]],
-        (k, q): (&[f32], &[f32]),
-        (k_next, dec_next): (&[f32], &[f32]),
-        delta: &[f32; 32],
-    ) -> ([f32; 32], [f32; 32]) {
-        use std::arch::x86_64::*;
-        let (mut o, mut u_next) = ([0.0f32; 32], [0.0f32; 32]);
-        // SAFETY: only `recurrence_avx512` (built with AVX-512F, called when the CPU has it) reaches this; every
-        // pointer is to a 32-value row or array, two 16-value halves.
-        unsafe {
-            let (d0, d1) = (
-                _mm512_loadu_ps(delta.as_ptr()),
-                _mm512_loadu_ps(delta.as_ptr().add(16)),
-            );
-            let (mut o0, mut o1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            let (mut u0, mut u1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for ((((row, &ki), &qi), &kn), &dn) in
-                block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
-            {
-                let p = row.as_mut_ptr();
-                let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
-                let (kn, dn) = (_mm512_set1_ps(kn), _mm512_set1_ps(dn));
-                let x0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(p));
-                let x1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(p.add(16)));
-                o0 = _mm512_fmadd_ps(x0, qi, o0);
-                o1 = _mm512_fmadd_ps(x1, qi, o1);
-                let (y0, y1) = (_mm512_mul_ps(x0, dn), _mm512_mul_ps(x1, dn));
-                u0 = _mm512_fmadd_ps(y0, kn, u0);
-                u1 = _mm512_fmadd_ps(y1, kn, u1);
-                _mm512_storeu_ps(p, y0);
-                _mm512_storeu_ps(p.add(16), y1);
+        #[cfg(target_arch = "x86_64")]
+        impl Sweep<$w> for $name {
+            #[inline(always)]
+            fn update_and_next(
+                block: &mut [[f32; $w]],
+                (k, q): (&[f32], &[f32]),
+                (k_next, dec_next): (&[f32], &[f32]),
+                delta: &[f32; $w],
+            ) -> ([f32; $w], [f32; $w]) {
+                use std::arch::x86_64::*;
+                let (mut o, mut u_next) = ([0.0f32; $w], [0.0f32; $w]);
+                // SAFETY: only `recurrence_avx512` (built with AVX-512F, called when the CPU has it) reaches this;
+                // every pointer is to a row or array of `$n` 16-value vectors.
+                unsafe {
+                    let d: [__m512; $n] =
+                        std::array::from_fn(|v| _mm512_loadu_ps(delta.as_ptr().add(16 * v)));
+                    let mut os = [_mm512_setzero_ps(); $n];
+                    let mut us = [_mm512_setzero_ps(); $n];
+                    for ((((row, &ki), &qi), &kn), &dn) in
+                        block.iter_mut().zip(k).zip(q).zip(k_next).zip(dec_next)
+                    {
+                        let p = row.as_mut_ptr();
+                        let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
+                        let (kn, dn) = (_mm512_set1_ps(kn), _mm512_set1_ps(dn));
+                        for v in 0..$n {
+                            let x = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(p.add(16 * v)));
+                            os[v] = _mm512_fmadd_ps(x, qi, os[v]);
+                            let y = _mm512_mul_ps(x, dn);
+                            us[v] = _mm512_fmadd_ps(y, kn, us[v]);
+                            _mm512_storeu_ps(p.add(16 * v), y);
+                        }
+                    }
+                    for v in 0..$n {
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16 * v), os[v]);
+                        _mm512_storeu_ps(u_next.as_mut_ptr().add(16 * v), us[v]);
+                    }
+                }
+                (o, u_next)
             }
-            _mm512_storeu_ps(o.as_mut_ptr(), o0);
-            _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
-            _mm512_storeu_ps(u_next.as_mut_ptr(), u0);
-            _mm512_storeu_ps(u_next.as_mut_ptr().add(16), u1);
-        }
-        (o, u_next)
-    }
 
-    #[inline(always)]
-    fn update_last(
-        block: &mut [[f32; 32]],
-        (k, q): (&[f32], &[f32]),
-        delta: &[f32; 32],
-    ) -> [f32; 32] {
-        use std::arch::x86_64::*;
-        let mut o = [0.0f32; 32];
-        // SAFETY: as in `update_and_next`.
-        unsafe {
-            let (d0, d1) = (
-                _mm512_loadu_ps(delta.as_ptr()),
-                _mm512_loadu_ps(delta.as_ptr().add(16)),
-            );
-            let (mut o0, mut o1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-            for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
-                let p = row.as_mut_ptr();
-                let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
-                let x0 = _mm512_fmadd_ps(ki, d0, _mm512_loadu_ps(p));
-                let x1 = _mm512_fmadd_ps(ki, d1, _mm512_loadu_ps(p.add(16)));
-                o0 = _mm512_fmadd_ps(x0, qi, o0);
-                o1 = _mm512_fmadd_ps(x1, qi, o1);
-                _mm512_storeu_ps(p, x0);
-                _mm512_storeu_ps(p.add(16), x1);
+            #[inline(always)]
+            fn update_last(
+                block: &mut [[f32; $w]],
+                (k, q): (&[f32], &[f32]),
+                delta: &[f32; $w],
+            ) -> [f32; $w] {
+                use std::arch::x86_64::*;
+                let mut o = [0.0f32; $w];
+                // SAFETY: as in `update_and_next`.
+                unsafe {
+                    let d: [__m512; $n] =
+                        std::array::from_fn(|v| _mm512_loadu_ps(delta.as_ptr().add(16 * v)));
+                    let mut os = [_mm512_setzero_ps(); $n];
+                    for ((row, &ki), &qi) in block.iter_mut().zip(k).zip(q) {
+                        let p = row.as_mut_ptr();
+                        let (ki, qi) = (_mm512_set1_ps(ki), _mm512_set1_ps(qi));
+                        for v in 0..$n {
+                            let x = _mm512_fmadd_ps(ki, d[v], _mm512_loadu_ps(p.add(16 * v)));
+                            os[v] = _mm512_fmadd_ps(x, qi, os[v]);
+                            _mm512_storeu_ps(p.add(16 * v), x);
+                        }
+                    }
+                    for v in 0..$n {
+                        _mm512_storeu_ps(o.as_mut_ptr().add(16 * v), os[v]);
+                    }
+                }
+                o
             }
-            _mm512_storeu_ps(o.as_mut_ptr(), o0);
-            _mm512_storeu_ps(o.as_mut_ptr().add(16), o1);
         }
-        o
-    }
+    };
 }
+
+vector_sweep!(PairSweep, 32, 2);
+vector_sweep!(QuadSweep, 64, 4);
 
 #[cfg(test)]
 mod tests {
@@ -407,16 +415,46 @@ mod tests {
     /// A build of the recurrence, as [`recurrence_into`] is called.
     type Recurrence = fn(&mut [f32], Start<'_>, &HeadInputs, (usize, usize), &mut [f32]);
 
-    /// The AVX-512 pairs build on its own, where the CPU has AVX-512 (the dispatched build runs it there too).
-    fn pair_build() -> Option<(&'static str, Recurrence)> {
+    /// The AVX-512 builds on their own (pairs and quads of vectors a row), where the CPU has AVX-512 (the dispatched
+    /// build runs one of them there too, by the width).
+    fn vector_builds() -> Vec<(&'static str, Recurrence)> {
         #[cfg(target_arch = "x86_64")]
         if deltafin_quant::simd::has_avx512() {
-            // SAFETY: AVX-512F is present.
-            return Some(("32 in AVX-512 pairs", |s, start, inp, dims, out| unsafe {
-                recurrence_avx512(s, start, inp, dims, out)
-            }));
+            /// # Safety
+            /// The CPU must support AVX-512F.
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn pairs(
+                s: &mut [f32],
+                start: Start<'_>,
+                inp: &HeadInputs,
+                dims: (usize, usize),
+                out: &mut [f32],
+            ) {
+                recurrence_blocks::<32, PairSweep>(s, start, inp, dims, out)
+            }
+            /// # Safety
+            /// The CPU must support AVX-512F.
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn quads(
+                s: &mut [f32],
+                start: Start<'_>,
+                inp: &HeadInputs,
+                dims: (usize, usize),
+                out: &mut [f32],
+            ) {
+                recurrence_blocks::<64, QuadSweep>(s, start, inp, dims, out)
+            }
+            // SAFETY (both): AVX-512F is present.
+            return vec![
+                ("32 in AVX-512 pairs", |s, start, inp, dims, out| unsafe {
+                    pairs(s, start, inp, dims, out)
+                }),
+                ("64 in AVX-512 quads", |s, start, inp, dims, out| unsafe {
+                    quads(s, start, inp, dims, out)
+                }),
+            ];
         }
-        None
+        Vec::new()
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {
@@ -461,11 +499,11 @@ mod tests {
     }
 
     /// Every build and block width gives the bits of the plain per-token form, at widths that leave tails of 8 and 1
-    /// columns.
+    /// columns (and, for the quads, of 8 after one block of 64).
     #[test]
     fn every_build_gives_the_per_token_bits() {
         let val = |i: usize, k: f32| (i as f32 * k).sin() * 0.9;
-        for (d, t_len) in [(24, 7), (40, 5), (19, 3), (128, 4)] {
+        for (d, t_len) in [(24, 7), (40, 5), (19, 3), (128, 4), (72, 3)] {
             let inp = test_inputs(t_len, d, [0.31, 0.17, 0.23, 0.07], 0.1);
             let prev: Vec<f32> = (0..d * d).map(|i| val(i, 0.013)).collect();
             let (s_ref, out_ref) = per_token_form(&prev, &inp, t_len, d);
@@ -475,7 +513,7 @@ mod tests {
                 ("16", recurrence_blocks::<16, PlainSweep>),
                 ("32", recurrence_blocks::<32, PlainSweep>),
             ];
-            for (name, f) in builds.into_iter().chain(pair_build()) {
+            for (name, f) in builds.into_iter().chain(vector_builds()) {
                 let mut s = vec![f32::NAN; d * d];
                 let mut out = vec![f32::NAN; t_len * d];
                 f(&mut s, Start::From(&prev), &inp, (t_len, d), &mut out);
