@@ -13,6 +13,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx512_tokens::transpose16;
 use crate::aligned::Lines;
 use crate::bf16_contract::CHUNK;
 use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
@@ -172,43 +173,6 @@ pub fn prefetch_block(rows: &[&[u16]], c0: usize, nb: usize, (part, parts): (usi
             unsafe { _mm_prefetch::<_MM_HINT_T1>((line as *const u16).cast()) };
         }
     }
-}
-
-/// Transposes sixteen vectors of sixteen 32-bit words: word `k` of `v[j]` becomes word `j` of `v[k]`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn transpose16(v: &mut [__m512i; 16]) {
-    // Words within 128-bit lanes, then 64-bit pairs, then 128-bit lanes twice.
-    let t: [__m512i; 16] = std::array::from_fn(|i| {
-        let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
-        if i % 2 == 0 {
-            _mm512_unpacklo_epi32(a, b)
-        } else {
-            _mm512_unpackhi_epi32(a, b)
-        }
-    });
-    // u[4h + m]: words m of rows 4h .. 4h + 4 in each 128-bit lane.
-    let u: [__m512i; 16] = std::array::from_fn(|i| {
-        let (h, m) = (i / 4, i % 4);
-        let (a, b) = (t[4 * h + m / 2], t[4 * h + 2 + m / 2]);
-        if m % 2 == 0 {
-            _mm512_unpacklo_epi64(a, b)
-        } else {
-            _mm512_unpackhi_epi64(a, b)
-        }
-    });
-    // Lane l of output k = 4l + m gathers lane l of u[m], u[4 + m], u[8 + m], u[12 + m]: first lanes 0 and 2 (1
-    // and 3) of two of them into one vector, then the same of two such vectors.
-    let lo = |a, b| _mm512_shuffle_i32x4::<0b10_00_10_00>(a, b);
-    let hi = |a, b| _mm512_shuffle_i32x4::<0b11_01_11_01>(a, b);
-    let x: [[__m512i; 2]; 4] = std::array::from_fn(|m| [lo(u[m], u[4 + m]), hi(u[m], u[4 + m])]);
-    let y: [[__m512i; 2]; 4] =
-        std::array::from_fn(|m| [lo(u[8 + m], u[12 + m]), hi(u[8 + m], u[12 + m])]);
-    *v = std::array::from_fn(|k| {
-        let (l, m) = (k / 4, k % 4);
-        let (a, b) = (x[m][l % 2], y[m][l % 2]);
-        if l < 2 { lo(a, b) } else { hi(a, b) }
-    });
 }
 
 /// One tile: rows `r0 .. r0 + R` of the task from a block's widened weights (`wide`, [`widen_block`]'s layout of the

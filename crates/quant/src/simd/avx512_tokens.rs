@@ -53,7 +53,7 @@ pub unsafe fn transpose_block(rows: &[(&[u8], &[u8])], c0: usize, nb: usize, wor
 /// then of pairs, within each 128-bit lane; then 128-bit lanes across four vectors in two steps.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn transpose16(v: &mut [__m512i; 16]) {
+pub(crate) fn transpose16(v: &mut [__m512i; 16]) {
     // After these two steps, lane `l` (128 bits) of `u[4q + m]` holds word `4l + m` of `v[4q .. 4q + 4]`.
     let mut u = [_mm512_setzero_si512(); 16];
     for q in 0..4 {
