@@ -295,9 +295,10 @@ pub fn dot_lanes(rows: &[&[u16]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
 /// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_ref`]. On AVX-512 with
 /// `kernel` [`LanesKernel::InLoop`], for each block of chunks, each six rows, each element of a chunk and each four
 /// groups of 16 inputs, one tile (`crate::simd::avx512_bf16_lanes::tile`), with [`LanesKernel::Ahead`]
-/// `crate::simd::avx512_bf16_wide::accumulate`; on AVX2 (whatever `kernel` says), for each block, each element and each four groups, every row
-/// in turn (`crate::simd::avx2_bf16_lanes::tiles`). Rows must all have the same length, a multiple of [`CHUNK`], and
-/// the CPU AVX-512 or AVX2 ([`crate::simd::has_avx2_fma`]); anything else fills `out` with NaN.
+/// `crate::simd::avx512_bf16_wide::accumulate`; on AVX2 (whatever `kernel` says), for each block, each element and each
+/// four groups, every row in turn (`crate::simd::avx2_bf16_lanes::tiles`). Rows must all have the same length, a
+/// multiple of [`CHUNK`], and the CPU AVX-512 or AVX2 ([`crate::simd::has_avx2_fma`]); anything else fills `out` with
+/// NaN.
 #[cfg(target_arch = "x86_64")]
 pub fn dot_lanes_by(
     kernel: LanesKernel,

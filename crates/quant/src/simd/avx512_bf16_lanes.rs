@@ -49,19 +49,8 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     let wr: [*const u16; R] = std::array::from_fn(|r| rows[r0 + r][word..].as_ptr());
     let xg: [*const f32; V] =
         std::array::from_fn(|v| xt[((g0 + v) * CHUNK + e) * n * GROUP..].as_ptr());
-    let p = acc.as_mut_ptr();
-    let at: [[usize; V]; R] =
-        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, e)));
-    let mut regs: [[__m512; V]; R] = std::array::from_fn(|r| {
-        std::array::from_fn(|v| {
-            if c0 == 0 {
-                _mm512_setzero_ps()
-            } else {
-                // SAFETY: the caller's `acc` holds every pair.
-                unsafe { _mm512_loadu_ps(p.add(at[r][v])) }
-            }
-        })
-    });
+    // SAFETY: the caller's `acc` holds every pair.
+    let (at, mut regs) = unsafe { load_tile::<R, V>(acc, (r0, g0, e), groups, c0 == 0) };
     // Bytes between neighbouring rows, where they are evenly spaced (rows of one matrix).
     let stride = (wr[R - 1] as usize).wrapping_sub(wr[0] as usize) / R.saturating_sub(1).max(1);
     let even = (0..R).all(|r| wr[r] as usize == (wr[0] as usize).wrapping_add(r * stride));
@@ -75,9 +64,13 @@ pub unsafe fn tile<const R: usize, const V: usize>(
                     xg[0].add(c0 * GROUP),
                     (xg[1] as usize).wrapping_sub(xg[0] as usize),
                 ),
-                (wr[0].add(c0 * CHUNK), stride),
+                (wr[0].add(c0 * CHUNK).cast(), stride),
                 c1 - c0,
-                e % 2 == 1,
+                if e % 2 == 1 {
+                    Weights::OddPair
+                } else {
+                    Weights::EvenPair
+                },
             )
         };
         regs = std::array::from_fn(|r| std::array::from_fn(|v| a[r * 4 + v]));
@@ -101,16 +94,59 @@ pub unsafe fn tile<const R: usize, const V: usize>(
             }
         }
     }
+    // SAFETY: as above.
+    unsafe { store_tile(acc, &at, &regs) };
+}
+
+/// A tile's accumulators (rows `r0 ..`, groups `g0 ..`, element `e`) and where they lie in `acc`: zeros for a row's
+/// first block (`fresh`), else the values `acc` holds.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `acc` holds the pairs (`groups` groups per row).
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn load_tile<const R: usize, const V: usize>(
+    acc: &[f32],
+    (r0, g0, e): (usize, usize, usize),
+    groups: usize,
+    fresh: bool,
+) -> ([[usize; V]; R], [[__m512; V]; R]) {
+    let at: [[usize; V]; R] =
+        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, e)));
+    let regs = std::array::from_fn(|r| {
+        std::array::from_fn(|v| {
+            if fresh {
+                _mm512_setzero_ps()
+            } else {
+                // SAFETY: the caller's `acc` holds every pair.
+                unsafe { _mm512_loadu_ps(acc.as_ptr().add(at[r][v])) }
+            }
+        })
+    });
+    (at, regs)
+}
+
+/// Stores a tile's accumulators where [`load_tile`] found them.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `acc` holds every `at`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn store_tile<const R: usize, const V: usize>(
+    acc: &mut [f32],
+    at: &[[usize; V]; R],
+    regs: &[[__m512; V]; R],
+) {
     for r in 0..R {
         for v in 0..V {
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(p.add(at[r][v]), regs[r][v]) };
+            // SAFETY: the caller's `acc` holds every pair.
+            unsafe { _mm512_storeu_ps(acc.as_mut_ptr().add(at[r][v]), regs[r][v]) };
         }
     }
 }
 
-/// One row's part of a step of a six-row tile in `asm!` text: the 32-bit word holding its weight broadcast into
-/// zmm28 (from `$w`), widened to f32 by `$widen` (a shift for an even element, the mask in zmm29 for an odd one),
+/// One row's part of a step of a six-row tile in `asm!` text: its weight broadcast into zmm28 (from `$w`), made f32
+/// by `$widen` (a shift for an even element, the mask in zmm29 for an odd one, nothing for a weight widened ahead),
 /// then one FMA with each group's inputs (zmm24..27) into the row's accumulators `zmm$a0 .. zmm$a3`.
 #[rustfmt::skip]
 macro_rules! row_fmas {
@@ -126,10 +162,11 @@ macro_rules! row_fmas {
     };
 }
 
-/// The loop of a six-row tile in `asm!` text, with `$widen` the widening of the element's parity.
+/// The loop of a six-row tile in `asm!` text, with `$widen` the weights' widening and `$step` the bytes from one
+/// chunk's weight of a row to the next chunk's.
 #[rustfmt::skip]
 macro_rules! rows6_loop {
-    ($widen:literal) => {
+    ($widen:literal, $step:literal) => {
         concat!(
             "2:\n",
             "vmovups zmm24, zmmword ptr [{xa}]\n",
@@ -142,10 +179,21 @@ macro_rules! rows6_loop {
             row_fmas!("{wb}", $widen, "12" "13" "14" "15"),
             row_fmas!("{wb} + {ws}", $widen, "16" "17" "18" "19"),
             row_fmas!("{wb} + {ws}*2", $widen, "20" "21" "22" "23"),
-            "add {xa}, 64\n", "add {xb}, 64\n", "add {wa}, 64\n", "add {wb}, 64\n",
+            "add {xa}, 64\n", "add {xb}, 64\n", "add {wa}, ", $step, "\n", "add {wb}, ", $step, "\n",
             "dec {n}\n", "jnz 2b\n",
         )
     };
+}
+
+/// How [`rows6`] reads a row's weight of a chunk.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Weights {
+    /// The 32-bit word of a bf16 pair in the row itself (chunks 64 bytes apart), its even element: widened by a shift.
+    EvenPair,
+    /// The same word's odd element: widened by a mask.
+    OddPair,
+    /// An f32 value widened ahead (`super::avx512_bf16_wide`), chunks 4 bytes apart.
+    Widened,
 }
 
 /// Six rows against four groups over `n >= 1` chunks, in `asm!` so that every vector has a fixed register: 24
@@ -154,16 +202,16 @@ macro_rules! rows6_loop {
 ///
 /// # Safety
 /// The CPU must support AVX-512F; `x` is group 0's input vector at the first chunk, group `v` at `x + v · xs` bytes;
-/// `w` is row 0's weight word at the first chunk, row `r` at `w + r · ws` bytes; each later chunk 64 bytes on, for
-/// `n` chunks.
+/// `w` is row 0's weight at the first chunk (as `weights` says), row `r` at `w + r · ws` bytes; each later chunk 64
+/// bytes on for the inputs and as `weights` says for the weights, for `n` chunks.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn rows6(
+pub(crate) unsafe fn rows6(
     acc: &mut [__m512; 24],
     (x, xs): (*const f32, usize),
-    (w, ws): (*const u16, usize),
+    (w, ws): (*const u8, usize),
     n: usize,
-    odd: bool,
+    weights: Weights,
 ) {
     let [
         mut a0,
@@ -193,11 +241,11 @@ unsafe fn rows6(
     ] = *acc;
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
     macro_rules! run {
-        ($widen:literal) => {
+        ($widen:literal, $step:literal) => {
             // SAFETY: the caller guarantees every address the loop reads.
             unsafe {
                 std::arch::asm!(
-                    rows6_loop!($widen),
+                    rows6_loop!($widen, $step),
                     xa = inout(reg) x => _, xb = inout(reg) x.wrapping_byte_add(2 * xs) => _, xs = in(reg) xs,
                     wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(3 * ws) => _, ws = in(reg) ws,
                     n = inout(reg) n => _,
@@ -214,10 +262,10 @@ unsafe fn rows6(
             }
         };
     }
-    if odd {
-        run!("vpandd zmm28, zmm28, zmm29");
-    } else {
-        run!("vpslld zmm28, zmm28, 16");
+    match weights {
+        Weights::OddPair => run!("vpandd zmm28, zmm28, zmm29", "64"),
+        Weights::EvenPair => run!("vpslld zmm28, zmm28, 16", "64"),
+        Weights::Widened => run!("", "4"),
     }
     *acc = [
         a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,

@@ -13,6 +13,7 @@
 
 use std::arch::x86_64::*;
 
+use super::avx512_bf16_lanes::{Weights, load_tile, rows6, store_tile};
 use super::avx512_tokens::transpose16;
 use crate::aligned::Lines;
 use crate::bf16_contract::CHUNK;
@@ -112,10 +113,10 @@ pub fn element_stride(rows: usize, nb: usize) -> usize {
     rows * nb + GROUP
 }
 
-/// The weights of chunks `c0 .. c0 + nb` of `rows`, widened to f32, element by element: element `e` of chunk `c0 +
-/// j` of row `r` at `e · s + r · nb + j` of `out`, `s` the [`element_stride`]. Sixteen chunks at a time, a row's sixteen 64-byte
-/// chunks are transposed as words (pairs of bf16) in registers, each word vector then widened twice (its even and
-/// its odd elements) and stored whole; the block's last chunks, fewer than sixteen, one value at a time.
+/// The weights of chunks `c0 .. c0 + nb` of `rows`, widened to f32, element by element: element `e` of chunk `c0 + j`
+/// of row `r` at `e · s + r · nb + j` of `out`, `s` the [`element_stride`]. Sixteen chunks at a time, a row's sixteen
+/// 64-byte chunks are transposed as words (pairs of bf16) in registers, each word vector then widened twice (its even
+/// and its odd elements) and stored whole; the block's last chunks, fewer than sixteen, one value at a time.
 ///
 /// # Safety
 /// The CPU must support AVX-512F; every row holds chunks `c0 .. c0 + nb`; `out` holds [`widened_len`]`(rows.len(),
@@ -175,11 +176,12 @@ pub fn prefetch_block(rows: &[&[u16]], c0: usize, nb: usize, (part, parts): (usi
     }
 }
 
-/// One tile: rows `r0 .. r0 + R` of the task from a block's widened weights (`wide`, [`widen_block`]'s layout of the
-/// task's rows `first .. first + n_rows` over `nb` chunks) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for `n` chunks), element `e`, the
-/// block's chunks `c0 .. c0 + nb`, into the pairs' accumulators in `acc`. The first block (`c0 == 0`) starts its
-/// accumulators at zero, whatever `acc` holds. Six rows by four groups run in [`rows6`]; other shapes (a task's
-/// last rows and groups) through intrinsics, with the same operations per lane.
+/// One tile: rows `r0 .. r0 + R` of the task from a block's widened weights (`wide`, [`widen_block`]'s layout of
+/// the task's rows `first .. first + n_rows` over `nb` chunks) against groups `g0 .. g0 + V` of the inputs (`xt`,
+/// laid out for `n` chunks), element `e`, the block's chunks `c0 .. c0 + nb`, into the pairs' accumulators in `acc`.
+/// The first block (`c0 == 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in
+/// the in-loop kernel's `asm!` tile (`rows6`, the weights as [`Weights::Widened`]); other shapes (a task's last rows
+/// and groups) through intrinsics, with the same operations per lane.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and FMA; `wide` holds the block as [`widen_block`] laid it out; `xt` groups `g0 ..
@@ -206,19 +208,8 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     let w = wide[e * element_stride(n_rows, nb) + (r0 - first) * nb..].as_ptr();
     let xg: [*const f32; V] =
         std::array::from_fn(|v| xt[((g0 + v) * CHUNK + e) * n * GROUP + c0 * GROUP..].as_ptr());
-    let p = acc.as_mut_ptr();
-    let at: [[usize; V]; R] =
-        std::array::from_fn(|r| std::array::from_fn(|v| acc_at(r0 + r, g0 + v, groups, e)));
-    let mut regs: [[__m512; V]; R] = std::array::from_fn(|r| {
-        std::array::from_fn(|v| {
-            if c0 == 0 {
-                _mm512_setzero_ps()
-            } else {
-                // SAFETY: the caller's `acc` holds every pair.
-                unsafe { _mm512_loadu_ps(p.add(at[r][v])) }
-            }
-        })
-    });
+    // SAFETY: the caller's `acc` holds every pair.
+    let (at, mut regs) = unsafe { load_tile::<R, V>(acc, (r0, g0, e), groups, c0 == 0) };
     if R == 6 && V == 4 {
         let mut a: [__m512; 24] = std::array::from_fn(|i| regs[i / 4][i % 4]);
         // SAFETY: as the caller guarantees; the six rows lie `nb` values apart, the groups evenly apart.
@@ -226,8 +217,9 @@ pub unsafe fn tile<const R: usize, const V: usize>(
             rows6(
                 &mut a,
                 (xg[0], (xg[1] as usize).wrapping_sub(xg[0] as usize)),
-                (w, 4 * nb),
+                (w.cast(), 4 * nb),
                 nb,
+                Weights::Widened,
             )
         };
         regs = std::array::from_fn(|r| std::array::from_fn(|v| a[r * 4 + v]));
@@ -244,102 +236,6 @@ pub unsafe fn tile<const R: usize, const V: usize>(
             }
         }
     }
-    for r in 0..R {
-        for v in 0..V {
-            // SAFETY: as above.
-            unsafe { _mm512_storeu_ps(p.add(at[r][v]), regs[r][v]) };
-        }
-    }
-}
-
-/// One row's part of a step of a six-row tile in `asm!` text: its weight broadcast into zmm28 (from `$w`), then one
-/// FMA with each group's inputs (zmm24..27) into the row's accumulators `zmm$a0 .. zmm$a3`.
-#[rustfmt::skip]
-macro_rules! row_fmas {
-    ($w:literal, $a0:literal $a1:literal $a2:literal $a3:literal) => {
-        concat!(
-            "vbroadcastss zmm28, dword ptr [", $w, "]\n",
-            "vfmadd231ps zmm", $a0, ", zmm28, zmm24\n",
-            "vfmadd231ps zmm", $a1, ", zmm28, zmm25\n",
-            "vfmadd231ps zmm", $a2, ", zmm28, zmm26\n",
-            "vfmadd231ps zmm", $a3, ", zmm28, zmm27\n",
-        )
-    };
-}
-
-/// Six rows against four groups over `n >= 1` chunks, in `asm!` so that every vector has a fixed register: 24
-/// accumulators (zmm0.., row-major), the four groups' inputs and one broadcast weight, 29 registers. Per lane the
-/// operations are the contract's: `acc = fma(w, x, acc)` chunk by chunk.
-///
-/// # Safety
-/// The CPU must support AVX-512F; `x` is group 0's input vector at the first chunk, group `v` at `x + v · xs` bytes,
-/// each later chunk 64 bytes on; `w` is row 0's widened weight at the first chunk, row `r` at `w + r · ws` bytes, each
-/// later chunk 4 bytes on; for `n` chunks.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn rows6(
-    acc: &mut [__m512; 24],
-    (x, xs): (*const f32, usize),
-    (w, ws): (*const f32, usize),
-    n: usize,
-) {
-    let [
-        mut a0,
-        mut a1,
-        mut a2,
-        mut a3,
-        mut a4,
-        mut a5,
-        mut a6,
-        mut a7,
-        mut a8,
-        mut a9,
-        mut a10,
-        mut a11,
-        mut a12,
-        mut a13,
-        mut a14,
-        mut a15,
-        mut a16,
-        mut a17,
-        mut a18,
-        mut a19,
-        mut a20,
-        mut a21,
-        mut a22,
-        mut a23,
-    ] = *acc;
-    // SAFETY: the caller guarantees every address the loop reads.
-    unsafe {
-        std::arch::asm!(
-            "2:",
-            "vmovups zmm24, zmmword ptr [{xa}]",
-            "vmovups zmm25, zmmword ptr [{xa} + {xs}]",
-            "vmovups zmm26, zmmword ptr [{xb}]",
-            "vmovups zmm27, zmmword ptr [{xb} + {xs}]",
-            row_fmas!("{wa}", "0" "1" "2" "3"),
-            row_fmas!("{wa} + {ws}", "4" "5" "6" "7"),
-            row_fmas!("{wa} + {ws}*2", "8" "9" "10" "11"),
-            row_fmas!("{wb}", "12" "13" "14" "15"),
-            row_fmas!("{wb} + {ws}", "16" "17" "18" "19"),
-            row_fmas!("{wb} + {ws}*2", "20" "21" "22" "23"),
-            "add {xa}, 64", "add {xb}, 64", "add {wa}, 4", "add {wb}, 4",
-            "dec {n}", "jnz 2b",
-            xa = inout(reg) x => _, xb = inout(reg) x.wrapping_byte_add(2 * xs) => _, xs = in(reg) xs,
-            wa = inout(reg) w => _, wb = inout(reg) w.wrapping_byte_add(3 * ws) => _, ws = in(reg) ws,
-            n = inout(reg) n => _,
-            inout("zmm0") a0, inout("zmm1") a1, inout("zmm2") a2, inout("zmm3") a3,
-            inout("zmm4") a4, inout("zmm5") a5, inout("zmm6") a6, inout("zmm7") a7,
-            inout("zmm8") a8, inout("zmm9") a9, inout("zmm10") a10, inout("zmm11") a11,
-            inout("zmm12") a12, inout("zmm13") a13, inout("zmm14") a14, inout("zmm15") a15,
-            inout("zmm16") a16, inout("zmm17") a17, inout("zmm18") a18, inout("zmm19") a19,
-            inout("zmm20") a20, inout("zmm21") a21, inout("zmm22") a22, inout("zmm23") a23,
-            out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _, out("zmm28") _,
-            options(nostack, readonly),
-        )
-    }
-    *acc = [
-        a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,
-        a20, a21, a22, a23,
-    ];
+    // SAFETY: as above.
+    unsafe { store_tile(acc, &at, &regs) };
 }
