@@ -271,7 +271,7 @@ pub enum LanesKernel {
 /// The AVX-512 form [`dot_lanes`] runs: `DELTAFIN_BF16_WIDEN` `ahead` or `in-loop`, else ahead on Intel's cores and
 /// inside the loop on others. Measured on an Intel Xeon (Emerald Rapids, 16 threads), the widening ahead ran the
 /// bf16 products faster, where the in-loop widening and the fetching of each element's inputs for every six rows
-/// again sit on the FMA ports and in L2; on AMD's Zen 5, whose other vector pipes take the widening, slower
+/// again sit on the FMA ports and in L2; on AMD's Zen 5, whose other vector pipes take the widening, alike or slower
 /// (docs/performance-log.md, "Session 13").
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_kernel() -> LanesKernel {

@@ -10,7 +10,8 @@
 //! operations and their order are the contract's, so every result is bit-identical to
 //! [`crate::bf16_contract::dot_ref`].
 //!
-//! The layouts are [`crate::bf16_lanes`]'s.
+//! The layouts are [`crate::bf16_lanes`]'s. The form that widens a block's weights ahead
+//! ([`super::avx512_bf16_wide`], on Intel's cores) runs the same `asm!` tile and accumulator helpers.
 
 use std::arch::x86_64::*;
 

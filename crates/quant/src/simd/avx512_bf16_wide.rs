@@ -7,9 +7,9 @@
 //! consecutive values, a broadcast is a load alone, and one element's inputs stay in L1 while every row of the block
 //! passes over them. Widened inside the loop, each broadcast takes one more vector operation per four FMAs, which on
 //! Intel's cores runs on the FMA ports, and each element's inputs come from L2 again for every six rows. On AMD's
-//! Zen 5 neither cost shows and the widening ahead (a transpose) costs more than it saves. Per lane the operations
-//! and their order are the contract's (the widening is exact), so every result is bit-identical to
-//! [`crate::bf16_contract::dot_ref`].
+//! Zen 5, whose other vector pipes take the widening, the two forms run alike (the transpose costs about what the
+//! loop saves). Per lane the operations and their order are the contract's (the widening is exact), so every result
+//! is bit-identical to [`crate::bf16_contract::dot_ref`].
 
 use std::arch::x86_64::*;
 
@@ -108,7 +108,7 @@ pub fn widened_len(rows: usize, nb: usize) -> usize {
 
 /// Values between two elements' weights in [`widen_block`]'s output: the rows' values and one cache line more, so
 /// that the 32 elements' lines of one row and chunk, stored one after another, do not all fall into one set of L1
-/// (whole multiples of 4 KiB apart, they did, and the widening ran at a third of its speed).
+/// (whole multiples of 4 KiB apart, they did, and evicted each other as they were written).
 pub fn element_stride(rows: usize, nb: usize) -> usize {
     rows * nb + GROUP
 }
@@ -180,7 +180,7 @@ pub fn prefetch_block(rows: &[&[u16]], c0: usize, nb: usize, (part, parts): (usi
 /// the task's rows `first .. first + n_rows` over `nb` chunks) against groups `g0 .. g0 + V` of the inputs (`xt`,
 /// laid out for `n` chunks), element `e`, the block's chunks `c0 .. c0 + nb`, into the pairs' accumulators in `acc`.
 /// The first block (`c0 == 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in
-/// the in-loop kernel's `asm!` tile (`rows6`, the weights as [`Weights::Widened`]); other shapes (a task's last rows
+/// the in-loop kernel's `asm!` tile (`rows6`, the weights as `Weights::Widened`); other shapes (a task's last rows
 /// and groups) through intrinsics, with the same operations per lane.
 ///
 /// # Safety
