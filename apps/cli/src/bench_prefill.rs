@@ -3,8 +3,8 @@
 //!
 //! The prompt (ids 1..=N, cycled through a prime stride so tokens differ) is fed once per pass length asked for
 //! (`--chunks auto,64,…`; `auto` is the engine's own), each into a fresh session, with the expert cache emptied
-//! first. For each: the time, the bytes read (the engine's counters and `/proc/self/io`), the distinct experts the
-//! prompt used, and the bounds:
+//! first. For each: the time, the bytes read (the engine's counters, `/proc/self/io` and the model's block device in
+//! `/proc/diskstats`), the distinct experts the prompt used, and the bounds:
 //! - I/O bound = (distinct experts × expert bytes + the streamed spine once) ÷ the storage rate, that rate read
 //!   right before and after the prefills through a fresh read pool (`--disk-spans` expert spans), the faster of the
 //!   two;
@@ -52,6 +52,9 @@ struct Run {
     /// Bytes read by the engine (expert spans from the device, streamed spine) and by the process (`/proc/self/io`).
     engine_read_bytes: u64,
     proc_read_bytes: u64,
+    /// Bytes the model's block device delivered during the pass (`/proc/diskstats`: every process's reads of that
+    /// device; null where the model's filesystem has no device there).
+    device_read_bytes: Option<u64>,
     distinct_experts: u64,
     /// Distinct experts × expert bytes + the streamed spine once.
     needed_bytes: u64,
@@ -80,6 +83,8 @@ struct Run {
 #[derive(Serialize)]
 struct Report {
     prompt_len: usize,
+    /// The model's block device in `/proc/diskstats` (null: none, and `device_read_bytes` is null too).
+    device: Option<String>,
     flop: f64,
     /// Of `flop`, KDA's recurrence and MLA's attention over the latent cache (to hold `kda_s - kda_proj_s` and
     /// `mla_s - mla_proj_s` against).
@@ -184,17 +189,20 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
         .map(|(b, _)| b)
         .sum();
     let expert_bytes = engine.expert_bytes();
+    let device = crate::diskstats::DiskCounter::for_path(&args.model);
+    let device_bytes = || device.as_ref().and_then(|d| d.read_bytes());
     let mut runs = Vec::new();
     for chunk in chunks {
         engine.clear_expert_cache();
         engine.reset_expert_reads();
         let mut session = engine.session();
         session.limit_prefill_chunk(chunk);
-        let (p0, io0, eng0, bufs0) = (
+        let (p0, io0, eng0, bufs0, dev0) = (
             engine.profile(),
             crate::bench::proc_read_bytes(),
             engine.read_bytes(),
             engine.expert_stats().reader.disk.buffers_allocated,
+            device_bytes(),
         );
         let from = Instant::now();
         session.prefill_last(&prompt)?;
@@ -212,6 +220,9 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
             ttft_s,
             engine_read_bytes: engine.read_bytes() - eng0,
             proc_read_bytes: crate::bench::proc_read_bytes() - io0,
+            device_read_bytes: device_bytes()
+                .zip(dev0)
+                .map(|(now, then)| now.saturating_sub(then)),
             distinct_experts: distinct,
             needed_bytes: distinct * expert_bytes + streamed,
             io_bound_s: 0.0,
@@ -249,6 +260,7 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
     }
     let report = Report {
         prompt_len: prompt.len(),
+        device: device.map(|d| d.name().to_string()),
         flop: flop.total,
         kda_attention_flop: flop.kda_attention,
         mla_attention_flop: flop.mla_attention,

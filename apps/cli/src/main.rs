@@ -6,6 +6,7 @@
 mod bench;
 mod bench_prefill;
 mod demo;
+mod diskstats;
 mod engine_args;
 mod ids;
 mod nll;

@@ -423,3 +423,56 @@ fn expert_input_flag_reaches_the_engine() {
     assert!(stderr.contains("f32, bf16 or i16"), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "stderr: {stderr}");
 }
+
+/// `bench-prefill` on a fixture: one report per pass length asked for (token by token is one pass a token), the
+/// engine's read bytes and the bounds in it, and the model's block device with its bytes read where
+/// `/proc/diskstats` lists that device (null together otherwise).
+#[test]
+fn bench_prefill_reports_each_pass_length_and_the_device_reads() {
+    let dir = fixture("k3/k3-tiny-a");
+    let model = dir.to_str().expect("utf-8 path");
+    let r = deltafin_json(&[
+        "bench-prefill",
+        "--model",
+        model,
+        "--prompt-len",
+        "19",
+        "--chunks",
+        "auto,1",
+        "--disk-spans",
+        "4",
+    ]);
+    assert_eq!(r["prompt_len"], 19);
+    assert!(r["flop"].as_f64().is_some_and(|f| f > 0.0), "{r}");
+    let runs = r["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "{r}");
+    assert_eq!(runs[0]["passes"], 1, "{r}");
+    assert_eq!(runs[1]["chunk"], 1, "{r}");
+    assert_eq!(runs[1]["passes"], 19, "{r}");
+    for run in runs {
+        assert!(run["ttft_s"].as_f64().is_some_and(|t| t > 0.0), "{run}");
+        assert!(
+            run["distinct_experts"].as_u64().is_some_and(|n| n > 0),
+            "{run}"
+        );
+        assert!(
+            run["goal_ratio"].as_f64().is_some_and(f64::is_finite),
+            "{run}"
+        );
+        assert_eq!(
+            r["device"].is_null(),
+            run["device_read_bytes"].is_null(),
+            "{r}"
+        );
+    }
+    // Each pass length read at least the experts it used (the cache is emptied before each).
+    let expert_bytes = |run: &Value| {
+        run["engine_read_bytes"]
+            .as_u64()
+            .expect("engine_read_bytes")
+    };
+    assert!(
+        expert_bytes(&runs[0]) > 0 && expert_bytes(&runs[1]) >= expert_bytes(&runs[0]),
+        "{r}"
+    );
+}
