@@ -74,6 +74,12 @@ struct Run {
     mla_s: f64,
     mla_proj_s: f64,
     spine_compute_s: f64,
+    /// Of `spine_compute_s`: shared experts, dense FFN layers, the MoE trunk (router, latent projections, norm and
+    /// combine) and the rest (embedding, mixes, head).
+    shared_experts_s: f64,
+    dense_ffn_s: f64,
+    moe_trunk_s: f64,
+    head_s: f64,
     /// Expert read buffers mapped afresh during the pass (each a page-fault and zeroing of its pages; the rest of
     /// the reads reused a buffer), and the expert cache's budget at the end of the pass.
     expert_buffers_allocated: u64,
@@ -237,6 +243,10 @@ pub fn run(args: BenchPrefillArgs, dev: Option<DevicePref>) -> anyhow::Result<()
             mla_s: p.mla.as_secs_f64(),
             mla_proj_s: p.mla_proj.as_secs_f64(),
             spine_compute_s: p.spine_compute().as_secs_f64(),
+            shared_experts_s: p.shared_experts.as_secs_f64(),
+            dense_ffn_s: p.dense_ffn.as_secs_f64(),
+            moe_trunk_s: p.moe_trunk.as_secs_f64(),
+            head_s: p.head.as_secs_f64(),
             expert_buffers_allocated: engine.expert_stats().reader.disk.buffers_allocated - bufs0,
             expert_cache_budget_bytes: engine.expert_stats().cache.budget,
         });
