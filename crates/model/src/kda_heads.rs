@@ -265,7 +265,9 @@ impl HeadParams {
         // One step when there are no tokens: the state still becomes the old one.
         for t0 in (0..p.t_len.max(1)).step_by(piece) {
             let n = piece.min(p.t_len - t0);
-            self.head_inputs(windows, p, (head, &by_tap), t0..t0 + n, inp);
+            // The first piece warms the old state (its recurrence starts from it) while it makes its inputs.
+            let warm = if t0 == 0 { s_prev } else { None };
+            self.head_inputs(windows, p, (head, &by_tap), (t0..t0 + n, warm), inp);
             let start = match (t0, s_prev) {
                 (0, Some(prev)) => Start::From(prev),
                 (0, None) => Start::Zeros,
@@ -285,14 +287,16 @@ impl HeadParams {
 
     /// One head's inputs to the recurrence for the tokens `tokens`, into the first rows of `inp` (`[n, D]` each, β
     /// `[n]`): its channels of q, k and v through the short conv and SiLU (q and k L2-normalised, q scaled by
-    /// `D^-1/2`), and its decay gate. `head` carries the head's taps ([`Self::taps_by_tap`]).
+    /// `D^-1/2`), and its decay gate. `head` carries the head's taps ([`Self::taps_by_tap`]); `warm`, a state `[D, D]`
+    /// the recurrence reads next, is asked for from memory a few rows a token meanwhile (its loads would otherwise
+    /// wait on memory at the recurrence's start, with nothing to overlap them).
     #[inline(always)]
     fn head_inputs(
         &self,
         windows: &[Vec<f32>; 3],
         p: &Projected,
         (head, by_tap): (usize, &[&[f32]; 3]),
-        tokens: std::ops::Range<usize>,
+        (tokens, warm): (std::ops::Range<usize>, Option<&[f32]>),
         inp: &mut HeadInputs,
     ) {
         let (h, d, kern) = (self.cfg.n_heads, self.cfg.head_dim, self.cfg.conv_kernel);
@@ -311,8 +315,19 @@ impl HeadParams {
                     &raw[(r - hist) * d..(r - hist + 1) * d]
                 }
             };
+            // The state's rows spread over the tokens of the first channel group (all at once for a short pass).
+            let warm_rows = match warm {
+                Some(_) if i == 0 => d.div_ceil(n.max(1)),
+                _ => 0,
+            };
             for (t, out) in (t0..).zip(dst[..n * d].chunks_exact_mut(d)) {
                 prefetch_row(raw, t + ROWS_AHEAD, d);
+                if let Some(state) = warm {
+                    for r in ((t - t0) * warm_rows..(t - t0 + 1) * warm_rows).take_while(|&r| r < d)
+                    {
+                        prefetch_row(state, r, d);
+                    }
+                }
                 conv_silu_row(out, by_tap[i], |k| ext(t + k));
             }
         }

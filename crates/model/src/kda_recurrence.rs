@@ -193,7 +193,24 @@ fn column_block<const W: usize, S: Sweep<W>>(
         Start::Zeros => None,
     };
     let mut u = start_rows(block, prev.map(|p| (p, d, j0)), &inp.k[..d], &decay[..d]);
+    // While the block sweeps a pass of several tokens, a few rows a token of what comes from memory next: the next
+    // block's columns of the old state (its start) and this block's columns of the new one (the write-back, its lines
+    // asked for owned). Done at the block's ends, those loads would each wait on memory with nothing to overlap them.
+    let warm_rows = if t_len >= WARM_FROM_TOKENS {
+        d.div_ceil(t_len)
+    } else {
+        0
+    };
+    let next_cols = (j0 + W).min(d)..(j0 + 2 * W).min(d);
     for t in 0..t_len {
+        for i in (t * warm_rows..(t + 1) * warm_rows).take_while(|&i| i < d) {
+            if let Some(prev) = prev {
+                deltafin_quant::simd::prefetch_slice(
+                    &prev[i * d + next_cols.start..i * d + next_cols.end],
+                );
+            }
+            deltafin_quant::simd::prefetch_slice_for_write(&s[i * d + j0..i * d + j0 + W]);
+        }
         let mut delta = [0.0f32; W];
         let v = &inp.v[t * d + j0..t * d + j0 + W];
         for j in 0..W {
@@ -219,6 +236,10 @@ fn column_block<const W: usize, S: Sweep<W>>(
     }
     W
 }
+
+/// Tokens from which a pass warms the memory a column block's neighbours need while it sweeps ([`column_block`]):
+/// shorter passes (a decoded token) would ask for all of it at once.
+const WARM_FROM_TOKENS: usize = 16;
 
 /// Token 0's rows of a column block: `block[i] = prev[i][j0..j0 + W] · decay_i` (`prev` the old state with its row
 /// length and the block's first column; `None`: a zero state, whose rows become `0 · decay_i`, the bits of decaying

@@ -134,6 +134,23 @@ pub fn prefetch_slice<T>(v: &[T]) {
     let _ = v;
 }
 
+/// Asks the CPU to fetch the cache lines of `v` for writing (`prefetchw`: the lines arrive owned, so stores into them
+/// do not wait for a read-for-ownership; a hint; nothing on other architectures). For a buffer about to be
+/// overwritten whose lines are not in cache.
+pub fn prefetch_slice_for_write<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
+        let p = v.as_ptr() as *const i8;
+        for off in (0..std::mem::size_of_val(v)).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults; CPUs without `prefetchw` run it as a no-op.
+            unsafe { _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
 /// Copies the reduced sums of every (row, group of 16 inputs) pair of a product with the inputs across the lanes into
 /// `out` (`[rows][t_rows]`, row-major by weight row): `sums(r, g)` gives inputs `16g ..`, the last group cut at
 /// `t_rows`. Shared by the MXFP4 and bf16 lane kernels of every width.
