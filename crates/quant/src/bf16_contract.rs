@@ -445,8 +445,7 @@ const AVX2_LANES_BLOCK_CHUNKS: usize = 64;
 /// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
 /// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
 /// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
-/// process, on 48 rows of 2,048 bf16 weights against 64 inputs (a few milliseconds), unless `DELTAFIN_BF16_LANES` is
-/// `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
+/// process ([`lanes_measured_faster`], a few milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_chosen() -> bool {
     use std::sync::OnceLock;
@@ -464,12 +463,14 @@ pub fn lanes_chosen() -> bool {
     })
 }
 
-/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product, alternated three times, and says whether the
-/// lanes' best time is the shorter.
+/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product (48 rows of 4,096 weights against 64 inputs),
+/// alternated [`PROBE_ROUNDS`] times, and says whether the lanes' best time is the shorter. The choice holds for the
+/// whole process and the two times can lie close together, so each kernel gets several samples: one sample cut by
+/// an interrupt or by another thread's work on the core must not decide.
 #[cfg(target_arch = "x86_64")]
 fn lanes_measured_faster() -> bool {
     use std::time::Instant;
-    let (rows, cols, tokens) = (48, 2048, 64);
+    let (rows, cols, tokens) = (48, 4096, 64);
     let w: Vec<u16> = (0..rows * cols)
         .map(|i| 0x3c00 + ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u16)
         .collect();
@@ -482,7 +483,7 @@ fn lanes_measured_faster() -> bool {
     let xt = crate::bf16_lanes::token_lanes(&x, cols, tokens);
     let mut out = vec![0.0f32; rows * tokens];
     let (mut tiles, mut lanes) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..3 {
+    for _ in 0..PROBE_ROUNDS {
         let t = Instant::now();
         dot_tiles(&row_refs, &xp_refs, &mut out);
         tiles = tiles.min(t.elapsed().as_secs_f64());
@@ -492,6 +493,10 @@ fn lanes_measured_faster() -> bool {
     }
     lanes < tiles
 }
+
+/// Samples of each kernel [`lanes_measured_faster`] takes, alternated.
+#[cfg(target_arch = "x86_64")]
+const PROBE_ROUNDS: usize = 7;
 
 #[cfg(test)]
 mod tests {
