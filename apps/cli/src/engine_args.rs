@@ -49,7 +49,7 @@ pub struct EngineArgs {
     #[arg(long)]
     pub context: Option<usize>,
     /// Expert reads in flight (reader threads): more for several NVMe drives or a fast array [K3_READ_THREADS;
-    /// default 4, 8 on a GPU].
+    /// default 8].
     #[arg(long)]
     pub read_threads: Option<usize>,
 }

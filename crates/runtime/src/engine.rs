@@ -118,12 +118,11 @@ impl Engine {
         let fixed_bytes = spine
             .served_bytes("")
             .saturating_sub(layer_bytes.iter().sum::<u64>() + embed_bytes);
-        let mut pool = ReadPoolOptions::default();
-        pool.threads = options.read_threads.unwrap_or(if on_gpu {
-            GPU_READ_THREADS
-        } else {
-            pool.threads
-        });
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut pool = ReadPoolOptions {
+            threads: options.read_threads.unwrap_or(EXPERT_READ_THREADS),
+            ..ReadPoolOptions::default()
+        };
         let expert_bytes = (0..n_layers)
             .find(|&l| map.n_experts(l) > 0)
             .and_then(|l| map.span(l, 0).ok())
@@ -561,10 +560,12 @@ pub struct OpenTimes {
     pub after_load_secs: f64,
 }
 
-/// Expert reader threads on a GPU when `K3_READ_THREADS` is not set. Each read lands in a page-locked buffer that
-/// goes up by DMA; with four readers the upload helper waited on reads most of a token, and with 12 or 16 the reads
-/// competed with the DMA for host memory (docs/PERFORMANCE.md, CUDA item 3).
-const GPU_READ_THREADS: usize = 8;
+/// Expert reader threads when `K3_READ_THREADS` is not set. Four keep one NVMe drive busy on their own, but a
+/// decode step waits for its expert reads while the streamed spine's eight readers (one layer ahead, with slack)
+/// share the disk: with four of the twelve reads in flight the experts' came in slower than the spine's. On a GPU
+/// each read lands in a page-locked buffer that goes up by DMA; with four readers the upload helper waited on reads
+/// most of a token, and with 12 or 16 the reads competed with the DMA for host memory (docs/CONFIGURATION.md).
+const EXPERT_READ_THREADS: usize = 8;
 
 /// Whether the model will load onto a GPU: one is asked for (`cuda`, or `auto`) and opens. Where CUDA is unavailable
 /// the model's load says why (`cuda`) or falls back to the CPU (`auto`).

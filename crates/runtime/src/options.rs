@@ -77,8 +77,8 @@ pub struct EngineOptions {
     pub ram_gb: Option<f64>,
     /// Which decoder layers stay in RAM (`K3_PIN_LAYERS`, default `auto`); the others are streamed.
     pub pin_layers: PinLayers,
-    /// Reader threads (reads in flight) for expert spans (`K3_READ_THREADS`); `None` means the read pool's
-    /// default (4: enough for one NVMe drive), or 8 when the model runs on a GPU (the engine's `GPU_READ_THREADS`).
+    /// Reader threads (reads in flight) for expert spans (`K3_READ_THREADS`); `None` means the engine's default, 8
+    /// (its `EXPERT_READ_THREADS`).
     pub read_threads: Option<usize>,
     /// Look-ahead prefetch of the next MoE layer's guessed experts (`K3_PREFETCH`, default off).
     pub prefetch: bool,
