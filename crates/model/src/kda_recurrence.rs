@@ -63,7 +63,7 @@ pub fn recurrence_head(
 /// build below runs exactly these, so the bits do not depend on the CPU, on the vector width, or on how a prompt is
 /// cut into passes (decode, prefill and speculative verification agree).
 ///
-/// [`recurrence_blocks`] built for the widest vectors the CPU has: AVX-512, AVX2 with FMA, or the baseline (4 wide;
+/// `recurrence_blocks` built for the widest vectors the CPU has: AVX-512, AVX2 with FMA, or the baseline (4 wide;
 /// on an x86-64 CPU without FMA, `mul_add` is libm's exactly rounded `fmaf`, slow but the same bits).
 pub fn recurrence_into(
     s: &mut [f32],

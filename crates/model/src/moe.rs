@@ -2,7 +2,7 @@
 //! combine, latent norm and up-projection, plus the shared experts.
 //!
 //! All rows of a call are routed first; then each distinct expert is fetched once from the
-//! [`ExpertSource`](crate::weights::ExpertSource) and applied to every row that chose it, so a prefill chunk reads
+//! [`ExpertSource`] and applied to every row that chose it, so a prefill chunk reads
 //! each expert once per layer.
 
 use std::borrow::Cow;

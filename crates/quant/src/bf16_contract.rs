@@ -445,7 +445,7 @@ const AVX2_LANES_BLOCK_CHUNKS: usize = 64;
 /// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
 /// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
 /// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
-/// process ([`lanes_measured_faster`], a few milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
+/// process (`lanes_measured_faster`, a few milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_chosen() -> bool {
     use std::sync::OnceLock;

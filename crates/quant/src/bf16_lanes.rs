@@ -23,7 +23,7 @@ const ITEM_ELEMENTS: usize = 8;
 /// `t_rows` inputs of `cols` values (`x`, row-major; `cols` a multiple of 32) in the inputs' layout (see the module
 /// header), zero past the last input.
 ///
-/// One parallel item per group of 16 inputs and run of [`ITEM_ELEMENTS`] elements (whose part of the layout is one
+/// One parallel item per group of 16 inputs and run of `ITEM_ELEMENTS` elements (whose part of the layout is one
 /// contiguous run), chunk by chunk: a chunk's 16 × 8 values are read as 16 pieces of 32 bytes and written as 8 whole
 /// lines of 16, so both sides stay in L1. Built on one thread, a long prompt's block kept every other thread waiting
 /// for the product to start (docs/performance-log.md); with an item a group, a 64-input block kept 12 of 16 threads

@@ -164,7 +164,7 @@ macro_rules! finish_tiles {
 /// to [`dot_f32_ref`]. On AVX-512 the products run in tiles of two rows by six inputs that share their loads (24
 /// accumulators, four row and two input vectors: 30 registers), on AVX2 alone in tiles of three rows by four
 /// inputs that run the contract's four accumulators one after the other (twelve registers), both over blocks of
-/// [`TILE_BLOCK`] values (multi-token products); elsewhere one at a time.
+/// `TILE_BLOCK` values (multi-token products); elsewhere one at a time.
 pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     let tokens = xs.len();
     let n = rows.first().map_or(0, |w| w.len());

@@ -180,7 +180,7 @@ pub struct SpineReadStats {
 
 impl SpineSource {
     /// Chooses the spine for `mode`. `budget_bytes` is the memory the spine may use (for `Auto`); `buffer_hook`
-    /// hears of the layer reader's I/O buffers (see [`LayerReader::new`]).
+    /// hears of the layer reader's I/O buffers (see `LayerReader::new`).
     pub fn open(
         files: Arc<ModelFiles>,
         mode: SpineMode,

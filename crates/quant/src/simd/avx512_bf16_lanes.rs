@@ -5,7 +5,7 @@
 //! chunk of 32 (`even[l]` is `e = 2l`, `odd[l]` is `e = 2l + 1`): `acc = fma(w[32c + e], x[32c + e], acc)` over the
 //! chunks `c` in order, then a fixed reduction. Here a vector's lanes are sixteen *inputs* at one `e`, so a weight is
 //! one 32-bit broadcast (the pair of bf16 that holds it, widened by a shift or a mask) shared by every input of the
-//! tile, and each input vector is shared by six rows in registers ([`rows6`], in `asm!`): four vector loads per 24
+//! tile, and each input vector is shared by six rows in registers (`rows6`, in `asm!`): four vector loads per 24
 //! FMAs, where the two-row tiles of [`crate::bf16_contract::dot_tiles`] load seven per twelve. Per lane the
 //! operations and their order are the contract's, so every result is bit-identical to
 //! [`crate::bf16_contract::dot_ref`].
@@ -19,9 +19,9 @@ use crate::bf16_contract::{CHUNK, LANES};
 use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
 
 /// One tile: rows `r0 .. r0 + R` of the task (`rows[r0 + r]`, each `32 · n` bf16 weights, the rows `row_stride`
-/// weights apart in memory when [`rows6`] runs them) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for
+/// weights apart in memory when `rows6` runs them) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for
 /// `n` chunks), element `e`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 ==
-/// 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in [`rows6`]; other shapes
+/// 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in `rows6`; other shapes
 /// (a task's last rows and groups) through intrinsics, with the same operations per lane.
 ///
 /// # Safety

@@ -1,7 +1,7 @@
 //! AVX-512 MXFP4 products of many inputs with the inputs across the vector lanes (prefill, from 12 inputs per
 //! matrix: `crate::mxfp4`'s `LANES_MIN_TOKENS`), in the layouts of [`crate::mxfp4_lanes`]: a vector's lanes are
 //! sixteen inputs at one of the contract's lanes `k`, so each weight is broadcast from memory once and used by every
-//! input, and the inputs' vectors are reused by four rows in registers ([`rows4`], in `asm!`). Per input the
+//! input, and the inputs' vectors are reused by four rows in registers (`rows4`, in `asm!`). Per input the
 //! operations and their order are the contract's, so every result is bit-identical to
 //! [`crate::mxfp4_contract::dot_row_ref`]. A task swaps lanes and chunks of its rows' packed words a block at a time
 //! ([`transpose_block`]), so that a lane of a row's block is one cache line for [`decode_lane`].
@@ -140,7 +140,7 @@ pub unsafe fn decode_scales(rows: &[(&[u8], &[u8])], cols: usize, sc: &mut [f32]
 /// from `c0`, [`decode_lane`]; `sc`: the task's multipliers) against groups `g0 .. g0 + V` of the inputs
 /// (`xt`), lane `k`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 == 0`) starts
 /// the pairs' accumulators at zero whatever `acc` holds, so a task need not clear them first (a memset of 393 KB per
-/// task, 4% of a prefill). Four rows by one or two groups run in [`rows4`]; other shapes (a task's last rows) through
+/// task, 4% of a prefill). Four rows by one or two groups run in `rows4`; other shapes (a task's last rows) through
 /// intrinsics.
 ///
 /// # Safety
