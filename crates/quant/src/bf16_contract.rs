@@ -362,29 +362,11 @@ fn in_loop_accumulate(rows: &[&[u16]], xt: &[f32], n: usize, groups: usize, acc:
                 let mut g = 0;
                 while g < groups {
                     let v = (groups - g).min(4);
-                    // SAFETY (every arm): AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
-                    // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
-                    macro_rules! tiles {
-                        ($($r:literal)+) => {{
-                            let mut r = r0;
-                            while r < r0 + here {
-                                let left = r0 + here - r;
-                                $(
-                                    if left >= $r {
-                                        match v {
-                                            4 => unsafe { tile::<$r, 4>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                            3 => unsafe { tile::<$r, 3>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                            2 => unsafe { tile::<$r, 2>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                            _ => unsafe { tile::<$r, 1>(rows, xt, (r, g, e), span, n, acc, groups) },
-                                        }
-                                        r += $r;
-                                        continue;
-                                    }
-                                )+
-                            }
-                        }};
-                    }
-                    tiles!(6 4 2 1);
+                    // The tiles' calls: AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid out for
+                    // `n` chunks and `groups` groups, `acc` holding every pair (checked by the caller).
+                    crate::simd::lane_tiles!(
+                        tile; r in r0, r0 + here; v; (rows, xt, (r, g, e), span, n, acc, groups)
+                    );
                     g += v;
                 }
             }
@@ -445,7 +427,8 @@ const AVX2_LANES_BLOCK_CHUNKS: usize = 64;
 /// rows by inputs ([`dot_tiles`]): both give the same bits, and which is faster depends on the core. On this
 /// project's 2-core machine, whose cores load one 64-byte vector a cycle, the lanes (four vector loads per 24 FMAs)
 /// beat the tiles (seven per twelve); on cores that load two a cycle the tiles may win. So it is measured once per
-/// process (`lanes_measured_faster`, a few milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`. Always on a CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
+/// process (`lanes_measured_faster`, a few milliseconds), unless `DELTAFIN_BF16_LANES` is `on` or `off`. Always on a
+/// CPU with AVX2 but not AVX-512, whose tiles are one product at a time; never without AVX2.
 #[cfg(target_arch = "x86_64")]
 pub fn lanes_chosen() -> bool {
     use std::sync::OnceLock;

@@ -70,29 +70,10 @@ pub unsafe fn accumulate(rows: &[&[u16]], xt: &[f32], n: usize, groups: usize, a
                     let mut g = 0;
                     while g < groups {
                         let v = (groups - g).min(4);
-                        // SAFETY (every arm): as the caller guarantees, with the block widened.
-                        macro_rules! tiles {
-                            ($($r:literal)+) => {{
-                                let mut r = first;
-                                while r < end {
-                                    let left = end - r;
-                                    $(
-                                        if left >= $r {
-                                            let at = (r, g, e);
-                                            match v {
-                                                4 => unsafe { tile::<$r, 4>(block, xt, at, (c0, nb), n, acc, groups) },
-                                                3 => unsafe { tile::<$r, 3>(block, xt, at, (c0, nb), n, acc, groups) },
-                                                2 => unsafe { tile::<$r, 2>(block, xt, at, (c0, nb), n, acc, groups) },
-                                                _ => unsafe { tile::<$r, 1>(block, xt, at, (c0, nb), n, acc, groups) },
-                                            }
-                                            r += $r;
-                                            continue;
-                                        }
-                                    )+
-                                }
-                            }};
-                        }
-                        tiles!(6 4 2 1);
+                        // The tiles' calls: as the caller guarantees, with the block widened.
+                        crate::simd::lane_tiles!(
+                            tile; r in first, end; v; (block, xt, (r, g, e), (c0, nb), n, acc, groups)
+                        );
                         g += v;
                     }
                 }

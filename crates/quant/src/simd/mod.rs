@@ -117,19 +117,48 @@ pub fn has_neon() -> bool {
     *HAS.get_or_init(|| std::env::var_os("DELTAFIN_NO_SIMD").is_none())
 }
 
+/// The lane kernels' tiles over rows `$r` = `$first .. $end` against groups `g .. g + $v` (`$v` at most 4): rows in
+/// tiles of six while six remain, then four, two and one, each call `$tile::<ROWS, V>($args)` (the arguments may
+/// name `$r`). Shared by the bf16 lane kernels, which walk the same tiles over different blocks. The caller states
+/// the safety of the `$tile` calls, which the expansion makes inside `unsafe` blocks.
+#[cfg(target_arch = "x86_64")]
+macro_rules! lane_tiles {
+    ($tile:ident; $r:ident in $first:expr, $end:expr; $v:expr; ($($arg:expr),*)) => {{
+        let end = $end;
+        let mut $r = $first;
+        while $r < end {
+            let left = end - $r;
+            $crate::simd::lane_tiles!(@rows $tile; $r; left; $v; ($($arg),*); 6 4 2 1);
+        }
+    }};
+    (@rows $tile:ident; $r:ident; $left:ident; $v:expr; $args:tt; $($rows:literal)+) => {
+        $(
+            if $left >= $rows {
+                $crate::simd::lane_tiles!(@groups $tile; $rows; $v; $args);
+                $r += $rows;
+                continue;
+            }
+        )+
+    };
+    (@groups $tile:ident; $rows:literal; $v:expr; ($($arg:expr),*)) => {
+        // SAFETY: as the invoking kernel states for its `$tile` calls.
+        match $v {
+            4 => unsafe { $tile::<$rows, 4>($($arg),*) },
+            3 => unsafe { $tile::<$rows, 3>($($arg),*) },
+            2 => unsafe { $tile::<$rows, 2>($($arg),*) },
+            _ => unsafe { $tile::<$rows, 1>($($arg),*) },
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use lane_tiles;
+
 /// Asks the CPU to start loading the cache lines of `v` (a hint; nothing on other architectures). For small data the
 /// kernels read apart from their weights, such as a task's row scales: read on demand, each line would stall the
 /// core for a memory round trip in the middle of its arithmetic.
 pub fn prefetch_slice<T>(v: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let p = v.as_ptr() as *const i8;
-        for off in (0..std::mem::size_of_val(v)).step_by(64) {
-            // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint that never faults.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off)) };
-        }
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(v);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = v;
 }
@@ -139,16 +168,20 @@ pub fn prefetch_slice<T>(v: &[T]) {
 /// overwritten whose lines are not in cache.
 pub fn prefetch_slice_for_write<T>(v: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_ET0, _mm_prefetch};
-        let p = v.as_ptr() as *const i8;
-        for off in (0..std::mem::size_of_val(v)).step_by(64) {
-            // SAFETY: a prefetch is a hint that never faults; CPUs without `prefetchw` run it as a no-op.
-            unsafe { _mm_prefetch::<_MM_HINT_ET0>(p.wrapping_add(off)) };
-        }
-    }
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_ET0 }, T>(v);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = v;
+}
+
+/// `_mm_prefetch` with hint `HINT` of every 64-byte line of `v`.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_lines<const HINT: i32, T>(v: &[T]) {
+    let p = v.as_ptr() as *const i8;
+    for off in (0..std::mem::size_of_val(v)).step_by(64) {
+        // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint that never faults (a CPU without
+        // `prefetchw` runs that hint as a no-op).
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off)) };
+    }
 }
 
 /// Copies the reduced sums of every (row, group of 16 inputs) pair of a product with the inputs across the lanes into
