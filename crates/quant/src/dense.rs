@@ -589,27 +589,57 @@ const DENSE_ROWS_PER_TASK: usize = 64;
 /// six rows and one of two a task).
 const TILE_ROWS_PER_TASK: usize = 48;
 
+/// The fewest weight rows [`tile_rows_per_task`] cuts a task down to (still a multiple of every tile's rows).
+const MIN_TILE_ROWS_PER_TASK: usize = 12;
+
+/// Tasks per thread below which [`tile_rows_per_task`] cuts tasks smaller.
+const TASKS_PER_THREAD: usize = 8;
+
+/// Weight rows per task for products of `rows` weight rows each over `t_rows` inputs on `threads` threads:
+/// [`TILE_ROWS_PER_TASK`], halved down to [`MIN_TILE_ROWS_PER_TASK`] while the products would make fewer than
+/// [`TASKS_PER_THREAD`] tasks a thread. A short product (one piece of 64 tokens) on many threads otherwise gives each
+/// thread a few long tasks, and the job waits on whichever thread runs late; a smaller task reads its inputs once
+/// more per row, which a long prompt's many pieces do not need.
+fn tile_rows_per_task(
+    rows: impl Iterator<Item = usize> + Clone,
+    t_rows: usize,
+    threads: usize,
+) -> usize {
+    let pieces = t_rows.div_ceil(TOKEN_BLOCK);
+    let tasks = |step: usize| -> usize { rows.clone().map(|r| r.div_ceil(step) * pieces).sum() };
+    let mut step = TILE_ROWS_PER_TASK;
+    while step > MIN_TILE_ROWS_PER_TASK && tasks(step) < TASKS_PER_THREAD * threads {
+        step /= 2;
+    }
+    step
+}
+
 /// Activation rows per piece of a multi-token product: a piece's inputs (64 × 28 KB at K3's width) stay in a core's
 /// L2 while every row task of the piece reads them. A task over all of a long prompt's inputs read them from L3 or
 /// memory instead, and got slower per token as prompts grew.
 pub const TOKEN_BLOCK: usize = 64;
 
-/// Fills each `(rows, head, y)` of `outs` (`y` as [`crate::by_input::Grid::head`] lays it out) in parallel over tasks of [`TILE_ROWS_PER_TASK`] weight rows by at
-/// most [`TOKEN_BLOCK`] inputs, the tasks of every product in one threaded job: `f(k, r0, tokens, out)` fills `out
-/// [rows_here, tokens.len()]` (by weight row, zeroed before) for rows `r0 ..` of product `k` and the inputs
-/// `tokens`, and the task writes it into `y` ([`crate::by_input`]).
+/// Fills each `(rows, head, y)` of `outs` (`y` as [`crate::by_input::Grid::head`] lays it out) in parallel over
+/// tasks of [`tile_rows_per_task`] weight rows by at most [`TOKEN_BLOCK`] inputs, the tasks of every product in one
+/// threaded job: `f(k, r0, tokens, out)` fills `out [rows_here, tokens.len()]` (by weight row, zeroed before) for
+/// rows `r0 ..` of product `k` and the inputs `tokens`, and the task writes it into `y` ([`crate::by_input`]).
 fn par_row_tiles(
     t_rows: usize,
     outs: &mut [(usize, usize, &mut [f32])],
     f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
+    let row_step = tile_rows_per_task(
+        outs.iter().map(|(rows, _, _)| *rows),
+        t_rows,
+        rayon::current_num_threads(),
+    );
     let grids = outs
         .iter_mut()
         .map(|(rows, head, y)| crate::by_input::Grid {
             y,
             rows: *rows,
             t_rows,
-            row_step: TILE_ROWS_PER_TASK,
+            row_step,
             input_step: TOKEN_BLOCK,
             head: *head,
         })
@@ -628,5 +658,31 @@ fn par_row_blocks(y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
         y.par_chunks_mut(per_task)
             .enumerate()
             .for_each(|(chunk, out)| f(chunk * per_task, out));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_products_on_many_threads_get_smaller_tasks() {
+        // K3's [3072, 7168] over one 64-token piece: 64 tasks of 48 rows on 2 threads, 128 of 24 on 16, 256 of
+        // 12 on 32; never below 12 rows.
+        assert_eq!(tile_rows_per_task([3072].into_iter(), 64, 2), 48);
+        assert_eq!(tile_rows_per_task([3072].into_iter(), 64, 16), 24);
+        assert_eq!(tile_rows_per_task([3072].into_iter(), 64, 32), 12);
+        assert_eq!(tile_rows_per_task([3072].into_iter(), 64, 1024), 12);
+        // Eight pieces of a 512-token prompt give 16 threads enough tasks of 48 rows.
+        assert_eq!(tile_rows_per_task([3072].into_iter(), 512, 16), 48);
+        // The products of one job count together.
+        assert_eq!(tile_rows_per_task([1536, 1536].into_iter(), 64, 16), 24);
+        assert_eq!(tile_rows_per_task([96].into_iter(), 1, 1), 12);
+        // Every step the halving can reach is a whole number of every tile's rows (6, 4 and 3).
+        let mut step = TILE_ROWS_PER_TASK;
+        while step >= MIN_TILE_ROWS_PER_TASK {
+            assert_eq!(step % 12, 0, "{step} rows a task");
+            step /= 2;
+        }
     }
 }
