@@ -362,6 +362,25 @@ __device__ __forceinline__ void mma16816(float d[4], u32 a0, u32 a1, u32 a2, u32
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The tensor cores' rate for `mma.sync.m16n8k16` (fp16 inputs, f32 accumulators) with nothing else in the loop: each
+// warp runs `iters` rounds of eight independent mmas on operands held in registers, and writes one sum (so nothing
+// is optimised away). The ceiling of the mma.sync kernels above (`quant::cuda::copy_rate::mma_sync_rate`).
+extern "C" __global__ void mma_peak(float* out, int iters) {
+    float d[8][4];
+#pragma unroll
+    for (int k = 0; k < 8; k++) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.f;
+    // fp16 1.0 and 2^-10 in both lanes: sums stay small and finite for any iteration count used.
+    const u32 a = 0x3c003c00u, b = 0x14001400u ^ (threadIdx.x & 1u);
+    for (int i = 0; i < iters; i++) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) mma16816(d[k], a, a, a, a, b, b);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) sum += d[k][0] + d[k][1] + d[k][2] + d[k][3];
+    if ((threadIdx.x & (WARP - 1)) == 0) out[(blockIdx.x * blockDim.x + threadIdx.x) / WARP] = sum;
+}
+
 __device__ __forceinline__ u32 word_of(uint4 v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 // The factors of a row whose largest magnitude is mm: up = 2^s with mm * 2^s in [2^14, 2^15) (s clamped so both

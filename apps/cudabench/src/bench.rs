@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::CUevent_flags;
-use deltafin_quant::cuda::copy_rate::{CopyTimes, copy_times, median_event_ms};
+use deltafin_quant::cuda::copy_rate::{CopyTimes, copy_times, median_event_ms, mma_sync_rate};
 use deltafin_quant::cuda::moe::{self, ExpertPtrs, Glu, MoeKernel, MoeShape, SlotRef};
 use deltafin_quant::cuda::{Gpu, device_address};
 use deltafin_runtime::{DevicePref, Engine, EngineOptions, argmax};
@@ -186,6 +186,22 @@ pub fn moe_bw(
     }
     let ref_after = report_copy("after")?;
     let ref_bw = ref_bw.max(ref_after);
+    // The many-token kernels' floor on the tensor cores: fp16 hi and lo halves of every input, so each weight meets
+    // each token (padded to the mma's 8) twice, at the mma.sync rate measured now.
+    let mma = mma_sync_rate(&gpu, reps)?;
+    let params = n_experts * 3 * INTER * WIDTH;
+    println!(
+        "mma.sync m16n8k16 (fp16 in, f32 sums): {:.0} TFLOP/s; hi/lo GEMM floor at that rate: {}",
+        mma / 1e12,
+        tokens
+            .iter()
+            .map(|&t| {
+                let flop = 2.0 * 2.0 * params as f64 * t.div_ceil(8) as f64 * 8.0;
+                format!("T = {t}: {:.1} us", flop / mma * 1e6)
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "| tokens | kernel | experts | weight MB | time us | weight GB/s | % of copy | back-to-back us | % of copy | \
          rel. diff vs {:?} |",

@@ -1,5 +1,5 @@
-//! The device's bounds, measured: event-timed launches, the rate of a device-to-device copy, and the host-to-device
-//! link's rate from pinned memory.
+//! The device's bounds, measured: event-timed launches, the rate of a device-to-device copy, the host-to-device
+//! link's rate from pinned memory, and the tensor cores' `mma.sync` rate.
 //!
 //! Benchmarks hold kernels against [`copy_rate`] and uploads against [`pinned_upload_rate`] measured in the same
 //! process (HBM's rate moves with clocks and temperature, the link's with the host's load, so a datasheet figure or
@@ -151,4 +151,43 @@ pub fn pinned_upload_rate(gpu: &Gpu, bytes: usize, reps: usize) -> Result<f64> {
 /// [`pinned_upload_rate`] on the shared device.
 pub fn upload_rate(bytes: usize, reps: usize) -> Result<f64> {
     pinned_upload_rate(&*Gpu::shared()?, bytes, reps)
+}
+
+/// Blocks of the [`mma_sync_rate`] probe: enough to fill every multiprocessor of the largest parts several times.
+const MMA_PEAK_BLOCKS: u32 = 132 * 8;
+/// Threads a block of the probe.
+const MMA_PEAK_THREADS: u32 = 256;
+/// Rounds of eight mmas a warp runs in one probe launch (about a millisecond on an H200).
+const MMA_PEAK_ROUNDS: i32 = 2048;
+
+/// The tensor cores' rate for `mma.sync.m16n8k16` with fp16 inputs and f32 accumulators (FLOP per second, a
+/// multiply-add counting two), every multiprocessor busy and no memory traffic: the median of `reps` event-timed
+/// launches of the `mma_peak` kernel. The ceiling the mma.sync MoE kernels are held against.
+pub fn mma_sync_rate(gpu: &Gpu, reps: usize) -> Result<f64> {
+    gpu.bind()?;
+    let f = gpu.function("mma_peak")?;
+    let warps = (MMA_PEAK_BLOCKS * MMA_PEAK_THREADS / 32) as usize;
+    let mut out = gpu.zeros::<f32>(warps)?;
+    let rounds = MMA_PEAK_ROUNDS;
+    let ms = median_event_ms(gpu, reps, || {
+        let cfg = LaunchConfig {
+            grid_dim: (MMA_PEAK_BLOCKS, 1, 1),
+            block_dim: (MMA_PEAK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&mut out).arg(&rounds);
+        // SAFETY: `out` holds one float per warp of the grid, the only memory the kernel touches.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err("mma_peak launch", e))?;
+        Ok::<(), QuantError>(())
+    })?;
+    let sums = gpu.download(&out)?;
+    if sums.iter().any(|v| !v.is_finite() || *v == 0.0) {
+        return Err(QuantError::Cuda(
+            "the mma_peak probe wrote a zero or non-finite sum".to_string(),
+        ));
+    }
+    // Per mma: 16 x 8 x 16 multiply-adds.
+    let flop = warps as f64 * rounds as f64 * 8.0 * (2 * 16 * 8 * 16) as f64;
+    Ok(flop / (ms * 1e-3))
 }

@@ -45,7 +45,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 54] = [
+pub(crate) const KERNELS: [(&str, bool); 55] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -96,6 +96,7 @@ pub(crate) const KERNELS: [(&str, bool); 54] = [
     ("dense_gemm_multi_f32", false),
     ("dense_gemm_multi_bf16", false),
     ("copy16", false),
+    ("mma_peak", false),
     ("copy_f32", false),
     ("kda_layer", true),
     ("mla_norm_rows", false),
