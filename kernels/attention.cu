@@ -31,6 +31,107 @@ __device__ __forceinline__ void block_copy(float* dst, const float* src, int n, 
     }
 }
 
+// SiLU of the short causal conv of channel `ch` at token t, for the three inputs i = q, k, v: over (old window ++
+// raw rows), taps oldest first, each sum in tap order. With four taps (K3, Kimi Linear) every operand is loaded
+// before any is summed, so the loads wait on memory together rather than one after another.
+__device__ __forceinline__ void kda_conv3(const float* win, const float* const raws[3], const float* taps, int t,
+                                          int ch, int c, int kern, float vals[3]) {
+    const int hist = kern - 1;
+    if (kern == 4) {
+        float x[3][4], tp[3][4];
+#pragma unroll
+        for (int i = 0; i < 3; i++)
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) {
+                int r = t + kk;
+                x[i][kk] = r < 3 ? win[((size_t)i * 3 + r) * c + ch] : raws[i][(size_t)(r - 3) * c + ch];
+                tp[i][kk] = taps[((size_t)i * c + ch) * 4 + kk];
+            }
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
+            float acc = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) acc += tp[i][kk] * x[i][kk];
+            vals[i] = acc * sigmoidf_(acc);
+        }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < 3; i++) {
+        const float* w = win + (size_t)i * hist * c;
+        const float* tp = taps + ((size_t)i * c + ch) * kern;
+        float acc = 0.f;
+        for (int kk = 0; kk < kern; kk++) {
+            int r = t + kk;
+            float x = r < hist ? w[(size_t)r * c + ch] : raws[i][(size_t)(r - hist) * c + ch];
+            acc += tp[kk] * x;
+        }
+        vals[i] = acc * sigmoidf_(acc);
+    }
+}
+
+// z += (eight bf16 weights w) . (x0, x1), in index order.
+__device__ __forceinline__ float bf16x8_fma(uint4 w, float4 x0, float4 x1, float z) {
+    z = fmaf(__int_as_float((int)(w.x << 16)), x0.x, z);
+    z = fmaf(__int_as_float((int)(w.x & 0xffff0000u)), x0.y, z);
+    z = fmaf(__int_as_float((int)(w.y << 16)), x0.z, z);
+    z = fmaf(__int_as_float((int)(w.y & 0xffff0000u)), x0.w, z);
+    z = fmaf(__int_as_float((int)(w.z << 16)), x1.x, z);
+    z = fmaf(__int_as_float((int)(w.z & 0xffff0000u)), x1.y, z);
+    z = fmaf(__int_as_float((int)(w.w << 16)), x1.z, z);
+    return fmaf(__int_as_float((int)(w.w & 0xffff0000u)), x1.w, z);
+}
+
+// The decay gate of channel `ch` at the token whose f_a row is `fa_row` ([R], 16-byte aligned): z = f_b[ch] . f_a
+// (index order) + bias, then K3's bounded form `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's
+// `-a softplus(z)`. f_b is [C, R] of bf16 bits or f32, whole 16-byte words a row; B of its words are loaded before
+// any is summed.
+template <int B>
+__device__ __forceinline__ float kda_gate(const float* fa_row, const void* f_b, int f_b_bf16, int rank, int ch,
+                                          float bias, float a, int bounded, float lower_bound) {
+    const float4* fa = (const float4*)fa_row;
+    float z = 0.f;
+    if (f_b_bf16) {
+        const uint4* row = (const uint4*)((const u16*)f_b + (size_t)ch * rank);
+        const int n = rank / 8;
+        int i = 0;
+        for (; i + B <= n; i += B) {
+            uint4 w[B];
+#pragma unroll
+            for (int u = 0; u < B; u++) w[u] = row[i + u];
+#pragma unroll
+            for (int u = 0; u < B; u++) z = bf16x8_fma(w[u], fa[2 * (i + u)], fa[2 * (i + u) + 1], z);
+        }
+        for (; i < n; i++) z = bf16x8_fma(row[i], fa[2 * i], fa[2 * i + 1], z);
+    } else {
+        const float4* row = (const float4*)((const float*)f_b + (size_t)ch * rank);
+        const int n = rank / 4;
+        int i = 0;
+        for (; i + B <= n; i += B) {
+            float4 w[B];
+#pragma unroll
+            for (int u = 0; u < B; u++) w[u] = row[i + u];
+#pragma unroll
+            for (int u = 0; u < B; u++) {
+                float4 x = fa[i + u];
+                z = fmaf(w[u].x, x.x, z);
+                z = fmaf(w[u].y, x.y, z);
+                z = fmaf(w[u].z, x.z, z);
+                z = fmaf(w[u].w, x.w, z);
+            }
+        }
+        for (; i < n; i++) {
+            float4 w = row[i], x = fa[i];
+            z = fmaf(w.x, x.x, z);
+            z = fmaf(w.y, x.y, z);
+            z = fmaf(w.z, x.z, z);
+            z = fmaf(w.w, x.w, z);
+        }
+    }
+    z += bias;
+    return bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
+}
+
 // One KDA layer after its input products, one block per head h = blockIdx.x, in one launch. Thread (j, p) =
 // (threadIdx.x, threadIdx.y): channel j of the head (blockDim.x = d rounded up to a warp), part p of KDA_PARTS.
 //
@@ -52,6 +153,8 @@ __device__ __forceinline__ void block_copy(float* dst, const float* src, int n, 
 // state_in, state_out: [H, D, D] (the old matrices and the new ones; they may be the same buffer: a head's old
 // block is read whole before its new one is written).
 #define KDA_L2_EPS 1e-6f
+// f_b words a thread loads at once in the gate's dot (`kda_gate`): a 1024-thread block leaves a thread 64 registers.
+#define KDA_GATE_WORDS 2
 #define KDA_PARTS 4
 extern "C" __global__ void __launch_bounds__(1024)
     kda_layer(const float* raw_q, const float* raw_k, const float* raw_v, const float* win, const float* taps,
@@ -98,19 +201,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         int t = t0 + p;
         bool mine = live && t < n_tok;
         float vals[3] = {0.f, 0.f, 0.f};
-        if (mine) {
-            for (int i = 0; i < 3; i++) {
-                const float* w = win + (size_t)i * hist * c;
-                const float* tp = taps + ((size_t)i * c + ch) * kern;
-                float acc = 0.f;
-                for (int kk = 0; kk < kern; kk++) {
-                    int r = t + kk;
-                    float x = r < hist ? w[(size_t)r * c + ch] : raws[i][(size_t)(r - hist) * c + ch];
-                    acc += tp[kk] * x;
-                }
-                vals[i] = acc * sigmoidf_(acc);
-            }
-        }
+        if (mine) kda_conv3(win, raws, taps, t, ch, c, kern, vals);
         float qq = part_sum(vals[0] * vals[0], scratch);
         float kk2 = part_sum(vals[1] * vals[1], scratch);
         if (mine) {
@@ -118,35 +209,8 @@ extern "C" __global__ void __launch_bounds__(1024)
             q[off] = vals[0] * (1.0f / sqrtf(qq + KDA_L2_EPS)) * q_scale;
             k[off] = vals[1] * (1.0f / sqrtf(kk2 + KDA_L2_EPS));
             v[off] = vals[2];
-            float a = a_exp[h];
-            const float4* fa = (const float4*)(f_a + (size_t)t * rank);
-            float z = 0.f;
-            if (f_b_bf16) {
-                const uint4* row = (const uint4*)((const u16*)f_b + (size_t)ch * rank);
-                for (int i = 0; i < rank / 8; i++) {
-                    uint4 w = row[i];
-                    float4 x0 = fa[2 * i], x1 = fa[2 * i + 1];
-                    z = fmaf(__int_as_float((int)(w.x << 16)), x0.x, z);
-                    z = fmaf(__int_as_float((int)(w.x & 0xffff0000u)), x0.y, z);
-                    z = fmaf(__int_as_float((int)(w.y << 16)), x0.z, z);
-                    z = fmaf(__int_as_float((int)(w.y & 0xffff0000u)), x0.w, z);
-                    z = fmaf(__int_as_float((int)(w.z << 16)), x1.x, z);
-                    z = fmaf(__int_as_float((int)(w.z & 0xffff0000u)), x1.y, z);
-                    z = fmaf(__int_as_float((int)(w.w << 16)), x1.z, z);
-                    z = fmaf(__int_as_float((int)(w.w & 0xffff0000u)), x1.w, z);
-                }
-            } else {
-                const float4* row = (const float4*)((const float*)f_b + (size_t)ch * rank);
-                for (int i = 0; i < rank / 4; i++) {
-                    float4 w = row[i], x = fa[i];
-                    z = fmaf(w.x, x.x, z);
-                    z = fmaf(w.y, x.y, z);
-                    z = fmaf(w.z, x.z, z);
-                    z = fmaf(w.w, x.w, z);
-                }
-            }
-            z += dt_bias[ch];
-            g[off] = bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
+            g[off] = kda_gate<KDA_GATE_WORDS>(f_a + (size_t)t * rank, f_b, f_b_bf16, rank, ch, dt_bias[ch],
+                                              a_exp[h], bounded, lower_bound);
             if (t == 0) {
                 for (int i = 0; i < 3; i++) {
                     const float* w = win + (size_t)i * hist * c;

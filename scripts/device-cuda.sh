@@ -4,6 +4,8 @@
 #   kernels  cuda_kernels: every MoE kernel family and the dense GEMM against the scalar references (only the tests
 #            whose names contain $KFILTER, when set)
 #   fixtures cuda_fixtures: CUDA logits against the CPU f32 path on every fixture
+#   kda      the model's GPU unit tests (bin/model_lib: the KDA heads' kernel against an f64 reference, passes cut
+#            anywhere) and `kda-bw` (the kernel alone at K3's shape, hot and with L2 cleared) at $KTOKENS tokens
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
 #   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
@@ -43,6 +45,11 @@ fi
 if has fixtures; then
   step "cuda_fixtures"
   timeout 300 bin/cuda_fixtures --test-threads 1 --nocapture 2>&1 | tail -25 | tee "$OUT/cuda_fixtures.txt"
+fi
+if has kda; then
+  step "kda"
+  timeout 200 bin/model_lib gpu:: --test-threads 1 2>&1 | grep -E "^test |panicked|result" | tee "$OUT/kda_tests.txt"
+  timeout 200 bin/deltafin-cudabench kda-bw --tokens ${KTOKENS:-1,2,4,8,64,512} --reps 100 | tee "$OUT/kda_bw.txt"
 fi
 if has moebw; then
   step "moe-bw"

@@ -1,10 +1,13 @@
-//! `kda-bw`: one launch of `kda_layer` (everything of a KDA layer between its input and output products) at K3's
-//! shape on random inputs, timed by device events, against a device copy of the bytes it must move (the old state
-//! read, the new one written, `f_b` read) in the same process, with a hash of its outputs' bits.
+//! `kda-bw`: one launch of a KDA layer's heads (everything of the layer between its input and output products) at
+//! K3's shape on random inputs, timed by device events, against a device copy of the bytes it must move (the old
+//! state read, the new one written, `f_b` read) in the same process, with a hash of its outputs' bits. `kda_layer` is
+//! timed twice: launched again and again (its state and `f_b` then sit in L2), and with L2 cleared before each launch
+//! (a 256 MiB buffer written), as in a decode step, where the other layers' weights have passed through L2 since the
+//! layer last ran.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-use deltafin_quant::cuda::Gpu;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_quant::cuda::copy_rate::copy_times;
+use deltafin_quant::cuda::{Gpu, StreamTimer};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -17,6 +20,8 @@ const KERN: usize = 4;
 const RANK: usize = 128;
 /// Key parts of `kda_layer` (`KDA_PARTS` in `kernels/attention.cu`).
 const PARTS: usize = 4;
+/// Bytes written to clear L2 before a cold launch (H100 and H200 have 50 and 60 MiB of L2).
+const FLUSH_BYTES: usize = 256 << 20;
 
 /// Times `kda_layer` for each token count; prints one JSON line per count.
 pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
@@ -41,8 +46,8 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
     let state_in = gpu.upload(&rand(HEADS * D * D, -0.1, 0.1))?;
     let mut state_out = gpu.zeros::<f32>(HEADS * D * D)?;
     let mut new_win = gpu.zeros::<f32>(3 * (KERN - 1) * c)?;
-    let smem = (D * D + 3 * D + PARTS * D + PARTS * 32) * 4;
-    let f = gpu.function("kda_layer")?;
+    let mut flush = gpu.zeros::<u8>(FLUSH_BYTES)?;
+    let (lb, eps) = (-5.0f32, 1e-5f32);
     for &t in tokens {
         let raw_q = gpu.upload(&rand(t * c, -1.0, 1.0))?;
         let raw_k = gpu.upload(&rand(t * c, -1.0, 1.0))?;
@@ -64,14 +69,14 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
             D as i32,
             KERN as i32,
         );
-        let (lb, eps) = (-5.0f32, 1e-5f32);
+        let f = gpu.function("kda_layer")?;
         let cfg = LaunchConfig {
             grid_dim: (HEADS as u32, 1, 1),
             block_dim: (D as u32, PARTS as u32, 1),
-            shared_mem_bytes: smem as u32,
+            shared_mem_bytes: ((D * D + 3 * D + PARTS * D + PARTS * 32) * 4) as u32,
         };
-        let us = 1e3
-            * time_ms(&gpu, reps, || {
+        {
+            let mut launch = || -> anyhow::Result<()> {
                 let mut b = gpu.stream().launch_builder(f);
                 b.arg(&raw_q)
                     .arg(&raw_k)
@@ -103,27 +108,52 @@ pub fn kda_bw(tokens: &[usize], reps: usize) -> anyhow::Result<()> {
                     .arg(&one)
                     .arg(&lb)
                     .arg(&eps);
-                // SAFETY: every buffer has the shape `kda_layer` documents for T = t, H = 96, D = 128, K = 4, R = 128
-                // (f_b as bf16 bits), and the block and shared memory are what the model launches it with.
+                // SAFETY: every buffer has the shape the kernel documents for T = t, H = 96, D = 128, K = 4, R = 128
+                // (f_b as bf16 bits), and the grid, block and shared memory are the engine's
+                // (`model/src/gpu/kda_heads.rs`).
                 unsafe { b.launch(cfg) }?;
                 Ok(())
-            })?;
-        let moved = 2 * state_bytes + c * RANK * 2;
-        let bound_us = moved as f64 / copy.rate() * 1e6;
-        // FNV-1a over the bits of every output, so two builds of the kernel can be compared bit for bit.
-        let mut hash = 0xcbf2_9ce4_8422_2325u64;
-        for x in [
-            gpu.download(&out)?,
-            gpu.download(&state_out)?,
-            gpu.download(&new_win)?,
-        ]
-        .concat()
-        {
-            hash = (hash ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3);
+            };
+            let hot_us = 1e3 * time_ms(&gpu, reps, &mut launch)?;
+            let cold_us = 1e3 * cold_ms(&gpu, reps, &mut flush, &mut launch)?;
+            let moved = 2 * state_bytes + c * RANK * 2;
+            let bound_us = moved as f64 / copy.rate() * 1e6;
+            // FNV-1a over the bits of every output, so two kernels or builds can be compared bit for bit.
+            let mut hash = 0xcbf2_9ce4_8422_2325u64;
+            for x in [
+                gpu.download(&out)?,
+                gpu.download(&state_out)?,
+                gpu.download(&new_win)?,
+            ]
+            .concat()
+            {
+                hash = (hash ^ u64::from(x.to_bits())).wrapping_mul(0x100_0000_01b3);
+            }
+            println!(
+                "{{\"kernel\":\"kda_layer\",\"tokens\":{t},\"us\":{hot_us:.2},\"cold_us\":{cold_us:.2},\
+                 \"copy_bound_us\":{bound_us:.2},\"bits\":\"{hash:016x}\"}}"
+            );
         }
-        println!(
-            "{{\"kernel\":\"kda_layer\",\"tokens\":{t},\"us\":{us:.2},\"copy_bound_us\":{bound_us:.2},\"bits\":\"{hash:016x}\"}}"
-        );
     }
     Ok(())
+}
+
+/// The median device time of `launch` with L2 cleared before each run (`flush` written on the same stream first).
+fn cold_ms(
+    gpu: &Gpu,
+    reps: usize,
+    flush: &mut CudaSlice<u8>,
+    launch: &mut impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<f64> {
+    let mut times = Vec::with_capacity(reps.max(1));
+    let timer = StreamTimer::new(gpu)?;
+    for _ in 0..reps.max(1) {
+        gpu.stream().memset_zeros(flush)?;
+        timer.start_on(gpu.stream())?;
+        launch()?;
+        timer.stop_on(gpu.stream())?;
+        times.push(timer.elapsed()?.as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }

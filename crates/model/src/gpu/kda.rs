@@ -1,10 +1,9 @@
 //! KDA on the GPU: a whole layer per call with the activations on the device from the input row to the output row.
 //!
 //! One upload (the normed input `[T, hidden]`) and one download (the output `[T, hidden]`) per layer: the six input
-//! projections in one launch, then one launch for the rest of the layer up to its output projection (`kda_layer`,
-//! a block per head: the decay gate's second low-rank product `f_b`, the short conv with its windows, the L2 norms
-//! and gates, the delta-rule recurrence and the gated RMSNorm), then the output projection, all on the compute
-//! stream. The recurrent matrices and the conv windows of the new state stay on the device ([`DeviceKdaState`]);
+//! projections in one launch, then one launch for the rest of the layer up to its output projection (the decay
+//! gate's second low-rank product `f_b`, the short conv with its windows, the L2 norms and gates, the delta-rule
+//! recurrence and the gated RMSNorm: [`super::kda_heads`]), then the output projection, all on the compute stream. The recurrent matrices and the conv windows of the new state stay on the device ([`DeviceKdaState`]);
 //! the host copies them only when something reads them there.
 //!
 //! Device allocations cost 5–20 µs each on the H200 (more than a layer's small kernels), so the intermediates live
@@ -13,30 +12,16 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::CudaSlice;
 use deltafin_quant::cuda::dense::DeviceMatrix;
 use deltafin_quant::cuda::{Gpu, StreamTimer};
 
+pub(crate) use super::kda_heads::fits;
+use super::kda_heads::{HeadsIo, HeadsScratch, HeadsShape, address, launch};
 use super::{cuda_err, sized, started_timer};
 use crate::error::{ModelError, Result};
 use crate::profile::{Phase, Profile};
 use crate::state::KdaState;
-
-/// Widest head the recurrence kernel takes (a thread per value channel, four key parts).
-const MAX_HEAD_DIM: usize = 256;
-/// Key parts of `kda_layer` (`KDA_PARTS` in `kernels/attention.cu`).
-const PARTS: usize = 4;
-
-/// KDA per-head shared memory of `kda_layer`: the state, q, k, exp(g), the partial sums of the key parts and a
-/// warp's worth of reduction scratch per part.
-fn recurrence_smem_bytes(d: usize) -> usize {
-    (d * d + 3 * d + PARTS * d + PARTS * 32) * 4
-}
-
-/// Whether a layer with heads of width `d` and a conv of `kern` taps fits the kernels on `gpu`.
-pub(crate) fn fits(gpu: &Gpu, d: usize, kern: usize) -> bool {
-    (1..=MAX_HEAD_DIM).contains(&d) && kern >= 1 && recurrence_smem_bytes(d) <= gpu.smem_limit()
-}
 
 /// A KDA layer's state on the GPU: recurrent matrices `[H, D, D]` and conv windows `[3, K-1, C]` (q, k, v).
 /// Immutable once made; clones share the buffers.
@@ -116,11 +101,7 @@ struct Buffers {
     b_raw: Option<CudaSlice<f32>>,
     og: Option<CudaSlice<f32>>,
     og_low: Option<CudaSlice<f32>>,
-    q: Option<CudaSlice<f32>>,
-    k: Option<CudaSlice<f32>>,
-    v: Option<CudaSlice<f32>>,
-    g: Option<CudaSlice<f32>>,
-    beta: Option<CudaSlice<f32>>,
+    heads: HeadsScratch,
     out: Option<CudaSlice<f32>>,
     y: Option<CudaSlice<f32>>,
     timer: Option<StreamTimer>,
@@ -163,7 +144,7 @@ impl KdaScratch {
     }
 }
 
-/// The small per-layer vectors `kda_layer` reads, on the device.
+/// The small per-layer vectors the heads' kernels read, on the device.
 pub(crate) struct KdaParams {
     gpu: Arc<Gpu>,
     scratch: Arc<KdaScratch>,
@@ -256,7 +237,6 @@ pub(crate) fn kda_forward(
     if !fits(gpu, d, kern) || t_len == 0 {
         return Ok(None);
     }
-    let smem = recurrence_smem_bytes(d);
     let c = h * d;
     let (s_len, window_len) = (h * d * d, (kern - 1) * c);
     let n_out = t_len * m.o.rows();
@@ -271,11 +251,7 @@ pub(crate) fn kda_forward(
         b_raw,
         og,
         og_low,
-        q,
-        k,
-        v,
-        g,
-        beta,
+        heads,
         out,
         y,
         timer,
@@ -364,14 +340,9 @@ pub(crate) fn kda_forward(
         }
     };
 
-    let q = sized(gpu, q, t_len * c)?;
-    let k = sized(gpu, k, t_len * c)?;
-    let v = sized(gpu, v, t_len * c)?;
-    let g = sized(gpu, g, t_len * c)?;
-    let beta = sized(gpu, beta, t_len * h)?;
     let mut new_win = scratch.take(gpu, 3 * window_len)?;
     let out = sized(gpu, out, t_len * c)?;
-    // The decay gate's second low-rank product runs inside `kda_layer`, a row of f_b per channel.
+    // The decay gate's second low-rank product runs inside the heads' kernel, a row of f_b per channel.
     if m.f_b.rows() != c || m.f_b.cols() != m.f_a.rows() {
         return Err(ModelError::Device(format!(
             "KDA f_b is [{}, {}], the layer needs [{c}, {}]",
@@ -380,67 +351,40 @@ pub(crate) fn kda_forward(
             m.f_a.rows()
         )));
     }
-    let (f_b, f_b_bf16) = m
+    let f_b = m
         .f_b
         .values_for_kernel()
         .map_err(|e| ModelError::Device(format!("cuda: KDA f_b: {e}")))?;
-    let (f_b_bf16, rank) = (i32::from(f_b_bf16), m.f_b.cols() as i32);
-    let (t_i, h_i, d_i, k_i) = (t_len as i32, h as i32, d as i32, kern as i32);
-    let (bounded, lb) = match dims.lower_bound {
-        Some(lb) => (1i32, lb),
-        None => (0i32, 0.0f32),
+    let state_in = match &s_old {
+        Some(p) => address(gpu, p.buf()?),
+        None => address(gpu, &s),
     };
-    let cfg = LaunchConfig {
-        grid_dim: (h as u32, 1, 1),
-        block_dim: (d.div_ceil(32) as u32 * 32, PARTS as u32, 1),
-        shared_mem_bytes: smem as u32,
+    let shape = HeadsShape {
+        t_len,
+        heads: h,
+        d,
+        kern,
+        rank: m.f_b.cols(),
+        lower_bound: dims.lower_bound,
+        eps: dims.eps,
     };
-    let s_in = match &s_old {
-        Some(p) => deltafin_quant::cuda::device_address(stream, p.buf()?),
-        None => deltafin_quant::cuda::device_address(stream, &s),
+    let io = HeadsIo {
+        raw: [&*q_raw, &*k_raw, &*v_raw],
+        win: win.buf()?,
+        taps: &params.taps,
+        f_a: &*f_a,
+        f_b,
+        dt_bias: &params.dt_bias,
+        a_exp: &params.a_exp,
+        b_raw: &*b_raw,
+        gate: &*og,
+        norm_w: &params.o_norm,
+        state_in,
+        state_out: &mut s,
+        new_win: &mut new_win,
+        out: &mut *out,
     };
-    let f = gpu.function("kda_layer").map_err(cuda_err)?;
-    let mut launch = stream.launch_builder(f);
-    launch
-        .arg(&*q_raw)
-        .arg(&*k_raw)
-        .arg(&*v_raw)
-        .arg(win.buf()?)
-        .arg(&params.taps)
-        .arg(&*f_a)
-        .arg(&f_b)
-        .arg(&f_b_bf16)
-        .arg(&rank)
-        .arg(&params.dt_bias)
-        .arg(&params.a_exp)
-        .arg(&*b_raw)
-        .arg(&*og)
-        .arg(&params.o_norm)
-        .arg(&s_in)
-        .arg(&mut s)
-        .arg(&mut *q)
-        .arg(&mut *k)
-        .arg(&mut *v)
-        .arg(&mut *g)
-        .arg(&mut *beta)
-        .arg(&mut new_win)
-        .arg(&mut *out)
-        .arg(&t_i)
-        .arg(&h_i)
-        .arg(&d_i)
-        .arg(&k_i)
-        .arg(&bounded)
-        .arg(&lb)
-        .arg(&dims.eps);
-    // SAFETY: the raw projections, the gate, q, k, v, g and out hold at least [t_len, c]; f_a [t_len, rank]; f_b
-    // is [c, rank] of its kind with whole 16-byte words a row (checked above and by its upload); b_raw and beta
-    // [t_len, h]; win and new_win are [3, kern-1, c]; taps [3, c, kern]; dt_bias [c]; a_exp [h]; o_norm [d]
-    // (uploaded from the layer's checked shapes); s and s_old are [h, d, d] (the kernel reads a head's old block
-    // whole before it writes the new one, so passing `s` twice is sound). The grid is one block per head of
-    // (d rounded up to a warp) x PARTS threads with `smem` bytes (checked against the device's limit by `fits`),
-    // and every index the kernel forms stays inside those shapes.
-    unsafe { launch.launch(cfg) }
-        .map_err(|e| ModelError::Device(format!("cuda: kda_layer: {e}")))?;
+    launch(gpu, io, &shape, heads)?;
 
     let yd = sized(gpu, y, n_out)?;
     gemm(m.o, out, yd)?;

@@ -19,6 +19,7 @@
 
 pub mod experts;
 pub(crate) mod kda;
+pub(crate) mod kda_heads;
 pub(crate) mod mla;
 mod vram;
 
