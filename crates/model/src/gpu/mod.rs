@@ -2,16 +2,16 @@
 //!
 //! - Dense (spine) weights are uploaded once at load (`Loader::matrix` attaches a device copy) and every
 //!   `ops::linear` with such a weight runs `dense_gemm_*` on the GPU.
-//! - KDA: the whole layer runs on the GPU ([`kda::kda_forward`]: projections, conv, gates, recurrence, gated norm),
+//! - KDA: the whole layer runs on the GPU (`kda::kda_forward`: projections, conv, gates, recurrence, gated norm),
 //!   one row up and one down per call. The new state stays on the device ([`DeviceKdaState`]); the host copies it
 //!   only when something reads it there.
-//! - MLA: the whole layer runs on the GPU ([`mla::MlaGpu::forward`]: projections, norms, the absorbed attention
+//! - MLA: the whole layer runs on the GPU (`mla::MlaGpu::forward`: projections, norms, the absorbed attention
 //!   over a device mirror of the latent cache, gate and output projection), one row up and one down per call; the
 //!   mirror uploads only rows it has not seen.
 //! - Routed experts: a GPU-memory expert cache in front of host RAM, uploads from pinned buffers on a second
 //!   stream, and the MXFP4 kernels ([`experts::GpuExperts`]).
 //!
-//! - Spine layers stay on the GPU as far as the memory budget allows ([`VramPlan`]); the others are uploaded by the
+//! - Spine layers stay on the GPU as far as the memory budget allows (`VramPlan`); the others are uploaded by the
 //!   spine reader at every forward pass, one layer ahead of the compute.
 //!
 //! Activations cross PCIe between blocks (rows of `hidden` floats per token): small next to the weights. KDA states

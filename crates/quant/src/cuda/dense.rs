@@ -26,8 +26,8 @@ const MIN_PART_WORDS: usize = 128;
 const SPLIT_WAVES: usize = 2;
 
 /// The column split of a launch of `blocks` blocks (unsplit) over rows of `words` 16-byte words for `tokens` input
-/// rows, on a device that holds `slots` blocks at once: the fewest parts that make [`SPLIT_WAVES`] waves, as long
-/// as each part keeps [`MIN_PART_WORDS`]; none for one token when every block runs at once anyway.
+/// rows, on a device that holds `slots` blocks at once: the fewest parts that make `SPLIT_WAVES` waves, as long
+/// as each part keeps `MIN_PART_WORDS`; none for one token when every block runs at once anyway.
 pub fn launch_split(blocks: usize, words: usize, tokens: usize, slots: usize) -> usize {
     if tokens <= 1 && blocks <= slots {
         return 1;
@@ -367,7 +367,7 @@ impl DeviceMatrix {
     }
 
     /// `y = x · wᵀ` for host rows `x [t_rows, cols]`, giving `[t_rows, rows]`. The device buffers are the
-    /// device's reused pair ([`HostGemmBuffers`]); the call returns once `y` is on the host.
+    /// device's reused pair (`HostGemmBuffers`); the call returns once `y` is on the host.
     pub fn gemm(&self, x: &[f32], t_rows: usize) -> Result<Vec<f32>> {
         if x.len() != t_rows * self.cols {
             return Err(QuantError::BadInput {
