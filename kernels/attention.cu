@@ -82,6 +82,14 @@ __device__ __forceinline__ float bf16x8_fma(uint4 w, float4 x0, float4 x1, float
     return fmaf(__int_as_float((int)(w.w & 0xffff0000u)), x1.w, z);
 }
 
+// z += (four f32 weights w) . x, in index order.
+__device__ __forceinline__ float f32x4_fma(float4 w, float4 x, float z) {
+    z = fmaf(w.x, x.x, z);
+    z = fmaf(w.y, x.y, z);
+    z = fmaf(w.z, x.z, z);
+    return fmaf(w.w, x.w, z);
+}
+
 // The decay gate of channel `ch` at the token whose f_a row is `fa_row` ([R], 16-byte aligned): z = f_b[ch] . f_a
 // (index order) + bias, then K3's bounded form `lower_bound * sigma(a z)` when `bounded`, else Kimi Linear's
 // `-a softplus(z)`. f_b is [C, R] of bf16 bits or f32, whole 16-byte words a row; B of its words are loaded before
@@ -112,21 +120,9 @@ __device__ __forceinline__ float kda_gate(const float* fa_row, const void* f_b, 
 #pragma unroll
             for (int u = 0; u < B; u++) w[u] = row[i + u];
 #pragma unroll
-            for (int u = 0; u < B; u++) {
-                float4 x = fa[i + u];
-                z = fmaf(w[u].x, x.x, z);
-                z = fmaf(w[u].y, x.y, z);
-                z = fmaf(w[u].z, x.z, z);
-                z = fmaf(w[u].w, x.w, z);
-            }
+            for (int u = 0; u < B; u++) z = f32x4_fma(w[u], fa[i + u], z);
         }
-        for (; i < n; i++) {
-            float4 w = row[i], x = fa[i];
-            z = fmaf(w.x, x.x, z);
-            z = fmaf(w.y, x.y, z);
-            z = fmaf(w.z, x.z, z);
-            z = fmaf(w.w, x.w, z);
-        }
+        for (; i < n; i++) z = f32x4_fma(row[i], fa[i], z);
     }
     z += bias;
     return bounded ? lower_bound * sigmoidf_(a * z) : -a * softplusf_(z);
