@@ -5,12 +5,12 @@
 //! For each token count (default 64 and 1024), on one thread and on every thread: the FMA peak
 //! (`deltafin_quant::flops`), then bf16 and f32 `[3072, 7168]` times that many inputs through `DenseMatrix::gemm`
 //! (each weight row once, every token's product in the contract's order; f32 also one `dot_f32` at a time, as the
-//! products ran before the f32 tiles), row-wise int8 (the int8 spine's form, inputs quantised to int16) and eight
+//! products ran before the multi-token f32 kernels), row-wise int8 (the int8 spine's form, inputs quantised to int16) and eight
 //! MXFP4 experts' `[3072, 3584]` gate matrices times that many inputs
 //! each in one `gemm_batch` (exact f32 inputs),
 //! each as GFLOP/s (2 per weight and token) and as a share of the peak measured right before it; the medians of 5
-//! passes after a warm-up. First, which bf16 kernel this machine runs (`bf16_contract::lanes_chosen`,
-//! `lanes_kernel`).
+//! passes after a warm-up. First, which bf16 and f32 kernels this machine runs (`bf16_contract::lanes_chosen`,
+//! `lanes_kernel`, `dot::f32_lanes_chosen`).
 
 use std::time::Instant;
 
@@ -141,6 +141,18 @@ fn run(tokens: usize) {
             "tiles of rows by inputs"
         }
     );
+    #[cfg(target_arch = "x86_64")]
+    let f32_lanes = deltafin_quant::dot::f32_lanes_chosen();
+    #[cfg(not(target_arch = "x86_64"))]
+    let f32_lanes = false;
+    println!(
+        "f32 products of many inputs: {} (DELTAFIN_F32_LANES=on|off chooses)",
+        if f32_lanes {
+            "inputs across the lanes"
+        } else {
+            "tiles of rows by inputs"
+        }
+    );
     for threads in [1, rayon::current_num_threads()] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -183,7 +195,7 @@ fn run(tokens: usize) {
             let (i8_rate, i8_share) = med(&i8s);
             println!(
                 "{threads} thread(s): bf16 [{rows}, {cols}] x {tokens} tokens {:.1} GFLOP/s ({bf16_share:.2} of the FMA \
-                 peak); f32 tiles {:.1} ({ft_share:.2}), f32 one product at a time {:.1} ({fo_share:.2}); int8 {:.1} \
+                 peak); f32 {:.1} ({ft_share:.2}), f32 one product at a time {:.1} ({fo_share:.2}); int8 {:.1} \
                  ({i8_share:.2}); MXFP4 \
                  {experts} x [{er}, {ec}] x {tokens} tokens {:.1} GFLOP/s ({mx_share:.2}); FMA peak {:.0} GFLOP/s \
                  (median)",

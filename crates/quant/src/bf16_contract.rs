@@ -250,9 +250,6 @@ const LANES_TILE_ROWS: usize = 6;
 
 #[cfg(target_arch = "x86_64")]
 thread_local! {
-    /// Per-thread accumulators of [`dot_lanes`], kept between tasks (fresh, a task's hundreds of KiB were new zeroed
-    /// pages each time).
-    static LANES_ACC: std::cell::RefCell<Lines> = std::cell::RefCell::new(Lines::zeroed(0));
     /// Per-thread words of a block of rows for [`dot_lanes`] on AVX2 (`crate::simd::avx2_bf16_lanes::transpose_pairs`).
     static LANES_PAIRS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -326,12 +323,7 @@ pub fn dot_lanes_by(
         out.fill(0.0);
         return;
     }
-    LANES_ACC.with_borrow_mut(|acc| {
-        let len = accumulators_len(rows.len(), groups);
-        if acc.len() < len {
-            *acc = Lines::zeroed(len);
-        }
-        let acc = &mut acc[..len];
+    crate::bf16_lanes::with_accumulators(accumulators_len(rows.len(), groups), |acc| {
         if !crate::simd::has_avx512() {
             return dot_lanes_avx2(rows, xt, t_rows, n, acc, out);
         }
@@ -446,13 +438,10 @@ pub fn lanes_chosen() -> bool {
     })
 }
 
-/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product (48 rows of 4,096 weights against 64 inputs),
-/// alternated [`PROBE_ROUNDS`] times, and says whether the lanes' best time is the shorter. The choice holds for the
-/// whole process and the two times can lie close together, so each kernel gets several samples: one sample cut by
-/// an interrupt or by another thread's work on the core must not decide.
+/// Times [`dot_tiles`] and [`dot_lanes`] on one task-sized product (48 rows of 4,096 weights against 64 inputs)
+/// ([`crate::simd::second_is_faster`]) and says whether the lanes are faster.
 #[cfg(target_arch = "x86_64")]
 fn lanes_measured_faster() -> bool {
-    use std::time::Instant;
     let (rows, cols, tokens) = (48, 4096, 64);
     let w: Vec<u16> = (0..rows * cols)
         .map(|i| 0x3c00 + ((i as u32).wrapping_mul(2_654_435_761) >> 24) as u16)
@@ -465,21 +454,12 @@ fn lanes_measured_faster() -> bool {
     let xp_refs: Vec<&[f32]> = xps.iter().map(|p| &p[..]).collect();
     let xt = crate::bf16_lanes::token_lanes(&x, cols, tokens);
     let mut out = vec![0.0f32; rows * tokens];
-    let (mut tiles, mut lanes) = (f64::INFINITY, f64::INFINITY);
-    for _ in 0..PROBE_ROUNDS {
-        let t = Instant::now();
-        dot_tiles(&row_refs, &xp_refs, &mut out);
-        tiles = tiles.min(t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        dot_lanes(&row_refs, &xt, tokens, &mut out);
-        lanes = lanes.min(t.elapsed().as_secs_f64());
-    }
-    lanes < tiles
+    let mut lanes_out = vec![0.0f32; rows * tokens];
+    crate::simd::second_is_faster(
+        || dot_tiles(&row_refs, &xp_refs, &mut out),
+        || dot_lanes(&row_refs, &xt, tokens, &mut lanes_out),
+    )
 }
-
-/// Samples of each kernel [`lanes_measured_faster`] takes, alternated.
-#[cfg(target_arch = "x86_64")]
-const PROBE_ROUNDS: usize = 7;
 
 #[cfg(test)]
 mod tests {

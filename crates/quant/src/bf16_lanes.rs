@@ -60,6 +60,25 @@ pub fn token_lanes_len(cols: usize, t_rows: usize) -> usize {
     t_rows.div_ceil(GROUP) * CHUNK * (cols / CHUNK) * GROUP
 }
 
+#[cfg(target_arch = "x86_64")]
+thread_local! {
+    /// Per-thread accumulators of the lane kernels ([`with_accumulators`]), kept between tasks (fresh, a task's
+    /// hundreds of KiB were new zeroed pages each time).
+    static ACC: std::cell::RefCell<Lines> = std::cell::RefCell::new(Lines::zeroed(0));
+}
+
+/// Runs `f` with this thread's accumulators for the lane kernels, `len` values ([`accumulators_len`]), grown if
+/// needed; what they held before is left in them (each kernel starts a pair at zero itself).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn with_accumulators<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    ACC.with_borrow_mut(|acc| {
+        if acc.len() < len {
+            *acc = Lines::zeroed(len);
+        }
+        f(&mut acc[..len])
+    })
+}
+
 /// Values of the accumulators of every (row, group) pair of a task, one vector per element `e`:
 /// `[rows][groups][33]` vectors of 16 (the last of a pair unused).
 pub fn accumulators_len(rows: usize, groups: usize) -> usize {

@@ -454,9 +454,9 @@ fn gemm_tokens(
                 .collect()
         })
         .collect();
-    // The bf16 matrices' inputs across the vector lanes, one layout per piece of `TOKEN_BLOCK` inputs, where the
-    // lane kernels run (`bf16_contract::dot_lanes`).
-    let lanes = bf16_lanes_inputs(mats, x, t_rows);
+    // The inputs across the vector lanes, one layout per piece of `TOKEN_BLOCK` inputs, where the lane kernels run
+    // (`bf16_contract::dot_lanes`, `dot::dot_f32_lanes`).
+    let lanes = lanes_inputs(mats, x, t_rows);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = &lanes;
     {
@@ -491,6 +491,16 @@ fn gemm_tokens(
                 }
                 DenseData::F32(v) => {
                     let rows: Vec<&[f32]> = (r0..r1).map(|r| row(v, r, m.cols)).collect();
+                    #[cfg(target_arch = "x86_64")]
+                    if let Some(xt) = lanes
+                        .as_ref()
+                        .and_then(|l| l.get(tokens.start / TOKEN_BLOCK))
+                        && tokens.len() >= crate::dot::LANES_MIN_TOKENS
+                        && crate::dot::f32_lanes_chosen()
+                    {
+                        crate::dot::dot_f32_lanes(&rows, xt, tokens.len(), out);
+                        return;
+                    }
                     crate::dot::dot_f32_tiles(&rows, &inputs[k][tokens], out);
                 }
                 DenseData::Int8 { q, scales } => {
@@ -503,21 +513,26 @@ fn gemm_tokens(
     ys
 }
 
-/// The inputs `x [t_rows, cols]` laid out across the vector lanes for the bf16 lane kernels, one layout per piece of
-/// [`TOKEN_BLOCK`] inputs (built in parallel), where those kernels run: a bf16 matrix among `mats`, rows a multiple
-/// of 32 long, at least `bf16_contract::LANES_MIN_TOKENS` inputs, and `bf16_contract::lanes_chosen`.
+/// The inputs `x [t_rows, cols]` laid out across the vector lanes for the lane kernels, one layout per piece of
+/// [`TOKEN_BLOCK`] inputs (built in parallel), where those kernels run: rows a multiple of 32 long, and a bf16 matrix
+/// among `mats` with at least `bf16_contract::LANES_MIN_TOKENS` inputs and `bf16_contract::lanes_chosen`, or an f32
+/// one with at least `dot::LANES_MIN_TOKENS` and `dot::f32_lanes_chosen` (one layout serves both).
 #[cfg(target_arch = "x86_64")]
-fn bf16_lanes_inputs(
+fn lanes_inputs(
     mats: &[&DenseMatrix],
     x: &[f32],
     t_rows: usize,
 ) -> Option<Vec<crate::aligned::Lines>> {
+    const _: () = assert!(bf16_contract::CHUNK == crate::dot::BLOCK);
     let cols = mats.first()?.cols;
-    let wanted = t_rows >= bf16_contract::LANES_MIN_TOKENS
-        && cols > 0
-        && cols.is_multiple_of(bf16_contract::CHUNK)
-        && mats.iter().any(|m| matches!(m.data, DenseData::Bf16(_)))
+    let has = |f: fn(&DenseData) -> bool| mats.iter().any(|m| f(&m.data));
+    let bf16 = t_rows >= bf16_contract::LANES_MIN_TOKENS
+        && has(|d| matches!(d, DenseData::Bf16(_)))
         && bf16_contract::lanes_chosen();
+    let f32 = t_rows >= crate::dot::LANES_MIN_TOKENS
+        && has(|d| matches!(d, DenseData::F32(_)))
+        && crate::dot::f32_lanes_chosen();
+    let wanted = cols > 0 && cols.is_multiple_of(bf16_contract::CHUNK) && (bf16 || f32);
     wanted.then(|| {
         x[..t_rows * cols]
             .par_chunks(TOKEN_BLOCK * cols)
@@ -528,11 +543,7 @@ fn bf16_lanes_inputs(
 
 /// Elsewhere there are no lane kernels.
 #[cfg(not(target_arch = "x86_64"))]
-fn bf16_lanes_inputs(
-    _: &[&DenseMatrix],
-    _: &[f32],
-    _: usize,
-) -> Option<Vec<crate::aligned::Lines>> {
+fn lanes_inputs(_: &[&DenseMatrix], _: &[f32], _: usize) -> Option<Vec<crate::aligned::Lines>> {
     None
 }
 

@@ -241,6 +241,114 @@ pub fn dot_f32_tiles(rows: &[&[f32]], xs: &[&[f32]], out: &mut [f32]) {
     }
 }
 
+/// Inputs from which a product of f32 rows (of a length that is a multiple of [`BLOCK`]) may run with the inputs
+/// across the vector lanes on AVX-512 ([`dot_f32_lanes`]; [`f32_lanes_chosen`] says whether it does).
+#[cfg(target_arch = "x86_64")]
+pub const LANES_MIN_TOKENS: usize = 16;
+
+/// Chunks (of [`BLOCK`] values) per block of [`dot_f32_lanes`]: six rows over a block (24 KiB, each chunk's value of
+/// one element 128 bytes after the last) stay in L1 while every element and group of the block goes through them.
+#[cfg(target_arch = "x86_64")]
+const LANES_BLOCK_CHUNKS: usize = 32;
+
+/// Rows per tile of [`dot_f32_lanes`] (the `asm!` tile's six).
+#[cfg(target_arch = "x86_64")]
+const LANES_TILE_ROWS: usize = 6;
+
+/// `out[r · t_rows + t]` = `rows[r] · x_t` for every f32 row and input, the inputs laid out across the lanes
+/// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_f32_ref`]: for each block
+/// of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
+/// (`crate::simd::avx512_f32_lanes::tile`), then the contract's reduction of each (row, group). Rows must all have
+/// the same length, a multiple of [`BLOCK`], and the CPU AVX-512; anything else fills `out` with NaN.
+#[cfg(target_arch = "x86_64")]
+pub fn dot_f32_lanes(rows: &[&[f32]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
+    use crate::bf16_lanes::{GROUP, accumulators_len, token_lanes_len, with_accumulators};
+    use crate::simd::avx512_f32_lanes::{finish, tile};
+    let cols = rows.first().map_or(0, |w| w.len());
+    let n = cols / BLOCK;
+    let groups = t_rows.div_ceil(GROUP);
+    let fits = crate::simd::has_avx512()
+        && cols.is_multiple_of(BLOCK)
+        && rows.iter().all(|w| w.len() == cols)
+        && xt.len() >= token_lanes_len(cols, t_rows)
+        && out.len() >= rows.len() * t_rows;
+    if !fits {
+        out.fill(f32::NAN);
+        return;
+    }
+    if n == 0 {
+        // Empty rows: the reduction of zero accumulators.
+        out.fill(0.0);
+        return;
+    }
+    with_accumulators(accumulators_len(rows.len(), groups), |acc| {
+        for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
+            let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
+            for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
+                let here = LANES_TILE_ROWS.min(rows.len() - r0);
+                for e in 0..BLOCK {
+                    let mut g = 0;
+                    while g < groups {
+                        let v = (groups - g).min(4);
+                        // The tiles' calls: AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
+                        // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
+                        crate::simd::lane_tiles!(
+                            tile; r in r0, r0 + here; v; (rows, xt, (r, g, e), span, n, acc, groups)
+                        );
+                        g += v;
+                    }
+                }
+            }
+        }
+        let acc = &*acc;
+        // SAFETY: AVX-512F present; `acc` holds every pair.
+        let sums = |r, g| unsafe { finish(acc, r, g, groups) };
+        crate::simd::copy_group_sums(&mut out[..rows.len() * t_rows], t_rows, sums);
+    });
+}
+
+/// Whether multi-token f32 products of rows a multiple of [`BLOCK`] long run with the inputs across the lanes
+/// ([`dot_f32_lanes`]) rather than in tiles of rows by inputs ([`dot_f32_tiles`]): both give the same bits, and which
+/// is faster depends on the core, so it is measured once per process (`crate::simd::second_is_faster` on a
+/// task-sized product, a few milliseconds) unless `DELTAFIN_F32_LANES` is `on` or `off`. Never without AVX-512.
+#[cfg(target_arch = "x86_64")]
+pub fn f32_lanes_chosen() -> bool {
+    use std::sync::OnceLock;
+    static CHOSEN: OnceLock<bool> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        if !crate::simd::has_avx512() {
+            return false;
+        }
+        match std::env::var("DELTAFIN_F32_LANES").as_deref() {
+            Ok("on") => true,
+            Ok("off") => false,
+            _ => f32_lanes_measured_faster(),
+        }
+    })
+}
+
+/// Times [`dot_f32_tiles`] and [`dot_f32_lanes`] on one task-sized product (24 rows of 4,096 weights against 64
+/// inputs) and says whether the lanes are faster.
+#[cfg(target_arch = "x86_64")]
+fn f32_lanes_measured_faster() -> bool {
+    let (rows, cols, tokens) = (24, 4096, 64);
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 8) as f32 / 16_777_216.0 - 0.5)
+        .collect();
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| (i % 97) as f32 / 97.0 - 0.5)
+        .collect();
+    let row_refs: Vec<&[f32]> = w.chunks_exact(cols).collect();
+    let x_refs: Vec<&[f32]> = x.chunks_exact(cols).collect();
+    let xt = crate::bf16_lanes::token_lanes(&x, cols, tokens);
+    let mut out = vec![0.0f32; rows * tokens];
+    let mut lanes_out = vec![0.0f32; rows * tokens];
+    crate::simd::second_is_faster(
+        || dot_f32_tiles(&row_refs, &x_refs, &mut out),
+        || dot_f32_lanes(&row_refs, &xt, tokens, &mut lanes_out),
+    )
+}
+
 /// Two rows of f32 weights against one input: each result bit-identical to [`dot_f32_ref`].
 pub fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]

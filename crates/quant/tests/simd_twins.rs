@@ -208,6 +208,72 @@ fn f32_tiles_match_reference() {
     }
 }
 
+/// The f32 products with the inputs across the lanes (`dot::dot_f32_lanes`), called directly whatever this machine's
+/// `f32_lanes_chosen` says, against the contract's reference for every pair: rows that fill six-row tiles and every
+/// smaller shape, 16 to 70 inputs (one to five groups, partial ones included), one chunk, a block of chunks and a
+/// partial one, K3's width, and rows holding an infinity and the largest finite values, so that a kernel reading
+/// past its row or its element would show. Without AVX-512 (or with it turned off) the kernel refuses (NaN).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn f32_lanes_match_their_twin_for_every_row_and_input() {
+    use deltafin_quant::dot::dot_f32_lanes;
+    exercised(
+        "f32_lanes_match_their_twin_for_every_row_and_input",
+        &[Contract::Dense],
+    );
+    if !deltafin_quant::simd::has_avx512() {
+        let mut out = vec![0.0f32; 16];
+        dot_f32_lanes(&[&[1.0f32; 32][..]], &[1.0; 512], 16, &mut out);
+        assert!(out.iter().all(|v| v.is_nan()), "refused without AVX-512");
+        let hardware = std::arch::is_x86_feature_detected!("avx512f");
+        if hardware || !cpu_has_or_skip("avx512", false) {
+            return;
+        }
+    }
+    let mut r = rng();
+    for &(rows, tokens, n) in &[
+        (6, 64, 32),
+        (13, 16, 2048),
+        (7, 70, 1056),
+        (1, 17, 64),
+        (12, 48, 7168),
+        (53, 33, 96),
+    ] {
+        // Every third row holds an infinity and the largest negative finite value (so its sums are ±inf or NaN);
+        // the others are finite, so any weight taken from the wrong element, chunk or row changes their bits.
+        let w: Vec<f32> = (0..rows * n)
+            .map(|i| match (i / n % 3, i % n) {
+                (0, 5) => f32::INFINITY,
+                (0, 38) => f32::MIN,
+                _ => r.random_range(-4.0f32..4.0),
+            })
+            .collect();
+        let x = randn(&mut r, tokens * n);
+        let rows_ref: Vec<&[f32]> = w.chunks_exact(n).collect();
+        let xt = deltafin_quant::bf16_lanes::token_lanes(&x, n, tokens);
+        let mut out = vec![f32::NAN; rows * tokens];
+        dot_f32_lanes(&rows_ref, &xt, tokens, &mut out);
+        for (i, row) in rows_ref.iter().enumerate() {
+            for t in 0..tokens {
+                let want = dot_f32_ref(row, &x[t * n..(t + 1) * n]);
+                let got = out[i * tokens + t];
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "rows={rows} tokens={tokens} n={n} ({i}, {t}): {got} vs {want}"
+                );
+                assert!(
+                    i % 3 == 0 || want.is_finite(),
+                    "a finite row's sum is finite"
+                );
+            }
+        }
+    }
+    // A length that is not a multiple of 32 is refused.
+    let mut out = vec![0.0f32; 16];
+    dot_f32_lanes(&[&[1.0f32; 40][..]], &[1.0; 1024], 16, &mut out);
+    assert!(out.iter().all(|v| v.is_nan()));
+}
+
 #[test]
 fn dense_gemm_is_batch_invariant_and_matches_reference() {
     exercised(

@@ -195,6 +195,8 @@ pub(crate) enum Weights {
     OddPair,
     /// An f32 value widened ahead (`super::avx512_bf16_wide`), chunks 4 bytes apart.
     Widened,
+    /// An f32 row's own value (`super::avx512_f32_lanes`), chunks 128 bytes apart.
+    F32,
 }
 
 /// Six rows against four groups over `n >= 1` chunks, in `asm!` so that every vector has a fixed register: 24
@@ -267,6 +269,7 @@ pub(crate) unsafe fn rows6(
         Weights::OddPair => run!("vpandd zmm28, zmm28, zmm29", "64"),
         Weights::EvenPair => run!("vpslld zmm28, zmm28, 16", "64"),
         Weights::Widened => run!("", "4"),
+        Weights::F32 => run!("", "128"),
     }
     *acc = [
         a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19,

@@ -18,6 +18,8 @@ pub mod avx512_bf16_lanes;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512_bf16_wide;
 #[cfg(target_arch = "x86_64")]
+pub mod avx512_f32_lanes;
+#[cfg(target_arch = "x86_64")]
 pub mod avx512_tokens;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
@@ -152,6 +154,28 @@ macro_rules! lane_tiles {
 }
 #[cfg(target_arch = "x86_64")]
 pub(crate) use lane_tiles;
+
+/// Whether `b` runs faster than `a`: each timed [`PROBE_ROUNDS`] times, alternated, and the best times compared.
+/// For a choice between two kernels that give the same bits, made once per process: the two times can lie close
+/// together, so each gets several samples (one cut by an interrupt or by another thread's work must not decide).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn second_is_faster(mut a: impl FnMut(), mut b: impl FnMut()) -> bool {
+    use std::time::Instant;
+    let (mut best_a, mut best_b) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..PROBE_ROUNDS {
+        let t = Instant::now();
+        a();
+        best_a = best_a.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        b();
+        best_b = best_b.min(t.elapsed().as_secs_f64());
+    }
+    best_b < best_a
+}
+
+/// Samples of each kernel [`second_is_faster`] takes.
+#[cfg(target_arch = "x86_64")]
+const PROBE_ROUNDS: usize = 7;
 
 /// Asks the CPU to start loading the cache lines of `v` (a hint; nothing on other architectures). For small data the
 /// kernels read apart from their weights, such as a task's row scales: read on demand, each line would stall the
