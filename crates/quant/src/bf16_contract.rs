@@ -244,10 +244,6 @@ pub const LANES_MIN_TOKENS: usize = 16;
 #[cfg(target_arch = "x86_64")]
 const LANES_BLOCK_CHUNKS: usize = 64;
 
-/// Rows per tile of [`dot_lanes`] (the `asm!` tile's six).
-#[cfg(target_arch = "x86_64")]
-const LANES_TILE_ROWS: usize = 6;
-
 #[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Per-thread words of a block of rows for [`dot_lanes`] on AVX2 (`crate::simd::avx2_bf16_lanes::transpose_pairs`).
@@ -304,25 +300,12 @@ pub fn dot_lanes_by(
     t_rows: usize,
     out: &mut [f32],
 ) {
-    use crate::bf16_lanes::{GROUP, accumulators_len, token_lanes_len};
+    use crate::bf16_lanes::{accumulators_len, lanes_shape};
     use crate::simd::avx512_bf16_lanes::finish;
-    let cols = rows.first().map_or(0, |w| w.len());
-    let n = cols / CHUNK;
-    let groups = t_rows.div_ceil(GROUP);
-    let fits = crate::simd::has_avx2_fma()
-        && cols.is_multiple_of(CHUNK)
-        && rows.iter().all(|w| w.len() == cols)
-        && xt.len() >= token_lanes_len(cols, t_rows)
-        && out.len() >= rows.len() * t_rows;
-    if !fits {
-        out.fill(f32::NAN);
+    let has = crate::simd::has_avx2_fma();
+    let Some((n, groups)) = lanes_shape(rows, (xt, t_rows), out, has) else {
         return;
-    }
-    if n == 0 {
-        // Empty rows: the reduction of zero accumulators.
-        out.fill(0.0);
-        return;
-    }
+    };
     crate::bf16_lanes::with_accumulators(accumulators_len(rows.len(), groups), |acc| {
         if !crate::simd::has_avx512() {
             return dot_lanes_avx2(rows, xt, t_rows, n, acc, out);
@@ -332,38 +315,22 @@ pub fn dot_lanes_by(
             // and `groups` groups, `acc` holding every pair (checked above).
             unsafe { crate::simd::avx512_bf16_wide::accumulate(rows, xt, n, groups, acc) };
         } else {
-            in_loop_accumulate(rows, xt, n, groups, acc);
+            // SAFETY: as for the widening ahead above.
+            unsafe {
+                crate::simd::avx512_bf16_lanes::accumulate(
+                    rows,
+                    xt,
+                    (n, groups),
+                    acc,
+                    LANES_BLOCK_CHUNKS,
+                )
+            };
         }
         let acc = &*acc;
         // SAFETY: AVX-512F present; `acc` holds every pair.
         let sums = |r, g| unsafe { finish(acc, r, g, groups) };
         crate::simd::copy_group_sums(&mut out[..rows.len() * t_rows], t_rows, sums);
     });
-}
-
-/// [`dot_lanes_by`]'s [`LanesKernel::InLoop`] accumulation, its checks made (AVX-512F and FMA present, rows of `32 ·
-/// n` weights, the inputs laid out for `n` chunks and `groups` groups, `acc` holding every pair).
-#[cfg(target_arch = "x86_64")]
-fn in_loop_accumulate(rows: &[&[u16]], xt: &[f32], n: usize, groups: usize, acc: &mut [f32]) {
-    use crate::simd::avx512_bf16_lanes::tile;
-    for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
-        let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
-        for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
-            let here = LANES_TILE_ROWS.min(rows.len() - r0);
-            for e in 0..CHUNK {
-                let mut g = 0;
-                while g < groups {
-                    let v = (groups - g).min(4);
-                    // The tiles' calls: AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid out for
-                    // `n` chunks and `groups` groups, `acc` holding every pair (checked by the caller).
-                    crate::simd::lane_tiles!(
-                        tile; r in r0, r0 + here; v; (rows, xt, (r, g, e), span, n, acc, groups)
-                    );
-                    g += v;
-                }
-            }
-        }
-    }
 }
 
 /// [`dot_lanes`] on AVX2 (checked by the caller), with `acc` sized for the rows and groups: for each block of

@@ -79,6 +79,34 @@ pub(crate) fn with_accumulators<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) 
     })
 }
 
+/// The shape of a lane product of `rows` against the `t_rows` inputs laid out in `xt` ([`token_lanes`]) into `out`:
+/// `Some((n, groups))` (chunks a row, groups of inputs) when `cpu` (the kernels' instructions are there), every row
+/// has one length, a multiple of [`CHUNK`], and `xt` and `out` hold the product. Otherwise `None`, with `out` filled
+/// with NaN, or with zeros for empty rows (the reduction of zero accumulators).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn lanes_shape<T>(
+    rows: &[&[T]],
+    (xt, t_rows): (&[f32], usize),
+    out: &mut [f32],
+    cpu: bool,
+) -> Option<(usize, usize)> {
+    let cols = rows.first().map_or(0, |w| w.len());
+    let fits = cpu
+        && cols.is_multiple_of(CHUNK)
+        && rows.iter().all(|w| w.len() == cols)
+        && xt.len() >= token_lanes_len(cols, t_rows)
+        && out.len() >= rows.len() * t_rows;
+    if !fits {
+        out.fill(f32::NAN);
+        return None;
+    }
+    if cols == 0 {
+        out.fill(0.0);
+        return None;
+    }
+    Some((cols / CHUNK, t_rows.div_ceil(GROUP)))
+}
+
 /// Values of the accumulators of every (row, group) pair of a task, one vector per element `e`:
 /// `[rows][groups][33]` vectors of 16 (the last of a pair unused).
 pub fn accumulators_len(rows: usize, groups: usize) -> usize {

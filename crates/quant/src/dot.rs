@@ -251,55 +251,24 @@ pub const LANES_MIN_TOKENS: usize = 16;
 #[cfg(target_arch = "x86_64")]
 const LANES_BLOCK_CHUNKS: usize = 32;
 
-/// Rows per tile of [`dot_f32_lanes`] (the `asm!` tile's six).
-#[cfg(target_arch = "x86_64")]
-const LANES_TILE_ROWS: usize = 6;
-
 /// `out[r · t_rows + t]` = `rows[r] · x_t` for every f32 row and input, the inputs laid out across the lanes
 /// ([`crate::bf16_lanes::token_lanes`] of the `t_rows` inputs), each bit-identical to [`dot_f32_ref`]: for each block
-/// of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile
-/// (`crate::simd::avx512_f32_lanes::tile`), then the contract's reduction of each (row, group). Rows must all have
+/// of chunks, each six rows, each element of a chunk and each four groups of 16 inputs, one tile of the lane kernels
+/// (`crate::simd::avx512_bf16_lanes::accumulate`), then the contract's reduction of each (row, group). Rows must all have
 /// the same length, a multiple of [`BLOCK`], and the CPU AVX-512; anything else fills `out` with NaN.
 #[cfg(target_arch = "x86_64")]
 pub fn dot_f32_lanes(rows: &[&[f32]], xt: &[f32], t_rows: usize, out: &mut [f32]) {
-    use crate::bf16_lanes::{GROUP, accumulators_len, token_lanes_len, with_accumulators};
-    use crate::simd::avx512_f32_lanes::{finish, tile};
-    let cols = rows.first().map_or(0, |w| w.len());
-    let n = cols / BLOCK;
-    let groups = t_rows.div_ceil(GROUP);
-    let fits = crate::simd::has_avx512()
-        && cols.is_multiple_of(BLOCK)
-        && rows.iter().all(|w| w.len() == cols)
-        && xt.len() >= token_lanes_len(cols, t_rows)
-        && out.len() >= rows.len() * t_rows;
-    if !fits {
-        out.fill(f32::NAN);
+    use crate::bf16_lanes::{accumulators_len, lanes_shape, with_accumulators};
+    use crate::simd::avx512_bf16_lanes::accumulate;
+    use crate::simd::avx512_f32_lanes::finish;
+    let has = crate::simd::has_avx512();
+    let Some((n, groups)) = lanes_shape(rows, (xt, t_rows), out, has) else {
         return;
-    }
-    if n == 0 {
-        // Empty rows: the reduction of zero accumulators.
-        out.fill(0.0);
-        return;
-    }
+    };
     with_accumulators(accumulators_len(rows.len(), groups), |acc| {
-        for c0 in (0..n).step_by(LANES_BLOCK_CHUNKS) {
-            let span = (c0, (c0 + LANES_BLOCK_CHUNKS).min(n));
-            for r0 in (0..rows.len()).step_by(LANES_TILE_ROWS) {
-                let here = LANES_TILE_ROWS.min(rows.len() - r0);
-                for e in 0..BLOCK {
-                    let mut g = 0;
-                    while g < groups {
-                        let v = (groups - g).min(4);
-                        // The tiles' calls: AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid
-                        // out for `n` chunks and `groups` groups, `acc` holding every pair (checked above).
-                        crate::simd::lane_tiles!(
-                            tile; r in r0, r0 + here; v; (rows, xt, (r, g, e), span, n, acc, groups)
-                        );
-                        g += v;
-                    }
-                }
-            }
-        }
+        // SAFETY: AVX-512F and FMA present; rows of `32 · n` weights, the inputs laid out for `n` chunks and `groups`
+        // groups, `acc` holding every pair (checked above).
+        unsafe { accumulate(rows, xt, (n, groups), acc, LANES_BLOCK_CHUNKS) };
         let acc = &*acc;
         // SAFETY: AVX-512F present; `acc` holds every pair.
         let sums = |r, g| unsafe { finish(acc, r, g, groups) };

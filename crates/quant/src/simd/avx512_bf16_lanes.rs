@@ -18,19 +18,105 @@ use std::arch::x86_64::*;
 use crate::bf16_contract::{CHUNK, LANES};
 use crate::bf16_lanes::{GROUP, acc_at, token_lanes_len};
 
-/// One tile: rows `r0 .. r0 + R` of the task (`rows[r0 + r]`, each `32 · n` bf16 weights, the rows `row_stride`
-/// weights apart in memory when `rows6` runs them) against groups `g0 .. g0 + V` of the inputs (`xt`, laid out for
-/// `n` chunks), element `e`, chunks `c0 .. c1`, into the pairs' accumulators in `acc`. A row's first block (`c0 ==
-/// 0`) starts its accumulators at zero, whatever `acc` holds. Six rows by four groups run in `rows6`; other shapes
-/// (a task's last rows and groups) through intrinsics, with the same operations per lane.
+/// A row's weights as the lane tiles read them: the element type of a row, where element `e` of a chunk lies, and
+/// how one weight becomes a vector of sixteen equal f32 values. Chunks are [`CHUNK`] elements apart in a row.
+pub(crate) trait LaneRow: Copy {
+    /// Where the tile reads element `e` of a chunk (in elements from the chunk's start), and how `rows6` reads it.
+    fn at(e: usize) -> (usize, Weights);
+
+    /// Element `e`'s weight, read at `p` (a row's [`LaneRow::at`] moved on by whole chunks), in every lane.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `p` lies inside a row, with the whole chunk's values after it.
+    unsafe fn broadcast(p: *const Self, e: usize) -> __m512;
+}
+
+/// bf16 rows: a weight is read as the 32-bit word of its pair and widened (a shift for an even element, a mask for
+/// an odd one).
+impl LaneRow for u16 {
+    fn at(e: usize) -> (usize, Weights) {
+        let kind = if e % 2 == 1 {
+            Weights::OddPair
+        } else {
+            Weights::EvenPair
+        };
+        (2 * (e / 2), kind)
+    }
+
+    #[inline(always)]
+    unsafe fn broadcast(p: *const u16, e: usize) -> __m512 {
+        // SAFETY: the caller's `p` is the pair's first element, both inside the row; AVX-512F present.
+        unsafe {
+            let b = _mm512_set1_epi32((p as *const i32).read_unaligned());
+            if e.is_multiple_of(2) {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b))
+            } else {
+                _mm512_castsi512_ps(_mm512_and_si512(
+                    b,
+                    _mm512_set1_epi32(0xffff_0000_u32 as i32),
+                ))
+            }
+        }
+    }
+}
+
+/// The accumulators of every (row, group) pair of `rows` (each `32 · n` weights) against the `groups` groups of
+/// inputs in `xt` (laid out for `n` chunks), into `acc` ([`crate::bf16_lanes::accumulators_len`]): for each block of
+/// `block` chunks, each six rows, each element of a chunk and each four groups, one [`tile`]. A block's six rows
+/// stay in L1 while every element and group goes through them; each tile's accumulators are loaded and stored once
+/// per block.
+///
+/// # Safety
+/// The CPU must support AVX-512F and FMA; every row holds `32 · n` weights; `xt` holds `groups` groups of the layout
+/// for `n` chunks; `acc` holds every pair; `block >= 1`.
+#[target_feature(enable = "avx512f,fma")]
+pub(crate) unsafe fn accumulate<T: LaneRow>(
+    rows: &[&[T]],
+    xt: &[f32],
+    (n, groups): (usize, usize),
+    acc: &mut [f32],
+    block: usize,
+) {
+    for c0 in (0..n).step_by(block) {
+        let span = (c0, (c0 + block).min(n));
+        for r0 in (0..rows.len()).step_by(TILE_ROWS) {
+            let here = TILE_ROWS.min(rows.len() - r0);
+            for e in 0..CHUNK {
+                let mut g = 0;
+                while g < groups {
+                    let v = (groups - g).min(4);
+                    // The tiles' calls: as this function's caller guarantees.
+                    crate::simd::lane_tiles!(
+                        tile; r in r0, r0 + here; v; (rows, xt, (r, g, e), span, n, acc, groups)
+                    );
+                    g += v;
+                }
+            }
+        }
+    }
+}
+
+/// [`LaneRow::at`] for the element type of `rows`.
+fn element_at<T: LaneRow>(_: &[&[T]], e: usize) -> (usize, Weights) {
+    T::at(e)
+}
+
+/// Rows per tile of [`accumulate`] (the `asm!` tile's six).
+const TILE_ROWS: usize = 6;
+
+/// One tile: rows `r0 .. r0 + R` of the task (`rows[r0 + r]`, each `32 · n` weights of a [`LaneRow`] type) against
+/// groups `g0 .. g0 + V` of the inputs (`xt`, laid out for `n` chunks), element `e`, chunks `c0 .. c1`, into the
+/// pairs' accumulators in `acc`. A row's first block (`c0 == 0`) starts its accumulators at zero, whatever `acc`
+/// holds. Six evenly spaced rows by four groups run in `rows6`; other shapes (a task's last rows and groups) through
+/// intrinsics, with the same operations per lane.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and FMA; every row holds `32 · n` weights, `xt` groups `g0 .. g0 + V` of the layout
 /// for `n` chunks; `c1 <= n`; `acc` holds the pairs (`groups` groups per row).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,fma")]
-pub unsafe fn tile<const R: usize, const V: usize>(
-    rows: &[&[u16]],
+pub(crate) unsafe fn tile<const R: usize, const V: usize>(
+    rows: &[&[impl LaneRow]],
     xt: &[f32],
     (r0, g0, e): (usize, usize, usize),
     (c0, c1): (usize, usize),
@@ -45,9 +131,9 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     if c0 >= c1 {
         return;
     }
-    // The 32-bit word that holds element e of chunk c of row r is at `wr[r] + 32c` (in bf16), from the block's start.
-    let word = 2 * (e / 2);
-    let wr: [*const u16; R] = std::array::from_fn(|r| rows[r0 + r][word..].as_ptr());
+    // Element e of chunk c of row r is read at `wr[r] + 32c`, from the block's start.
+    let (first, kind) = element_at(rows, e);
+    let wr: [*const _; R] = std::array::from_fn(|r| rows[r0 + r][first..].as_ptr());
     let xg: [*const f32; V] =
         std::array::from_fn(|v| xt[((g0 + v) * CHUNK + e) * n * GROUP..].as_ptr());
     // SAFETY: the caller's `acc` holds every pair.
@@ -57,7 +143,8 @@ pub unsafe fn tile<const R: usize, const V: usize>(
     let even = (0..R).all(|r| wr[r] as usize == (wr[0] as usize).wrapping_add(r * stride));
     if R == 6 && V == 4 && even {
         let mut a: [__m512; 24] = std::array::from_fn(|i| regs[i / 4][i % 4]);
-        // SAFETY: as the caller guarantees; the six rows lie `stride` bytes apart.
+        // SAFETY: as the caller guarantees; the six rows lie `stride` bytes apart, each chunk's weight `kind`'s
+        // step after the last.
         unsafe {
             rows6(
                 &mut a,
@@ -67,28 +154,17 @@ pub unsafe fn tile<const R: usize, const V: usize>(
                 ),
                 (wr[0].add(c0 * CHUNK).cast(), stride),
                 c1 - c0,
-                if e % 2 == 1 {
-                    Weights::OddPair
-                } else {
-                    Weights::EvenPair
-                },
+                kind,
             )
         };
         regs = std::array::from_fn(|r| std::array::from_fn(|v| a[r * 4 + v]));
     } else {
-        let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
         for c in c0..c1 {
             // SAFETY (every access below): the caller's rows and inputs hold chunk c.
             let xs: [__m512; V] =
                 std::array::from_fn(|v| unsafe { _mm512_loadu_ps(xg[v].add(c * GROUP)) });
             for r in 0..R {
-                let pair = unsafe { (wr[r].add(c * CHUNK) as *const i32).read_unaligned() };
-                let b = _mm512_set1_epi32(pair);
-                let w = if e % 2 == 0 {
-                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b))
-                } else {
-                    _mm512_castsi512_ps(_mm512_and_si512(b, high))
-                };
+                let w = unsafe { LaneRow::broadcast(wr[r].add(c * CHUNK), e) };
                 for v in 0..V {
                     regs[r][v] = _mm512_fmadd_ps(w, xs[v], regs[r][v]);
                 }
