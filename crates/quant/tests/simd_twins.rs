@@ -284,7 +284,7 @@ fn dense_gemm_is_batch_invariant_and_matches_reference() {
     // 150 inputs: more than one token block (`dense::TOKEN_BLOCK`), the last one partial; 16 and 40 inputs end in
     // partial tiles; 97 columns are one partial chunk, 1100 several blocks of chunks, the last partial. 1088 columns
     // (34 chunks of 32: a block of 32 and a short one) run the bf16 rows with the inputs across the lanes from 16
-    // inputs on AVX-512. Whatever rows a task gets (12, 24 or 48, by the threads), 59 rows end in a task of 11 (tiles
+    // inputs on AVX-512, and the f32 rows too where `dot::f32_lanes_chosen`. Whatever rows a task gets (12, 24 or 48, by the threads), 59 rows end in a task of 11 (tiles
     // of six, four and one rows) and 50 in one of 2.
     const { assert!(150 > deltafin_quant::dense::TOKEN_BLOCK * 2) };
     // 700 rows by 150 inputs: enough outputs that they are copied into `y` in parallel.
