@@ -11,7 +11,9 @@
 //! [`crate::bf16_contract::dot_ref`].
 //!
 //! The layouts are [`crate::bf16_lanes`]'s. The form that widens a block's weights ahead
-//! ([`super::avx512_bf16_wide`], on Intel's cores) runs the same `asm!` tile and accumulator helpers.
+//! ([`super::avx512_bf16_wide`], on Intel's cores) runs the same `asm!` tile and accumulator helpers, and the tile
+//! and its loops are generic over the rows' element type (`LaneRow`), so the f32 products of
+//! [`super::avx512_f32_lanes`] run them too.
 
 use std::arch::x86_64::*;
 

@@ -6,8 +6,9 @@
 //! block of 32 (`e = 8a + l`: accumulator `a`, lane `l`), `acc = fma(w[32c + e], x[32c + e], acc)` over the blocks
 //! `c` in order, then a fixed reduction. Here a vector's lanes are sixteen *inputs* at one `e` (the inputs' layout of
 //! [`crate::bf16_lanes`], whose chunks are the contract's blocks of 32), so a weight is one broadcast shared by every
-//! input of a tile, and six rows by four groups of inputs run in the `asm!` tile of the bf16 kernel
-//! (`super::avx512_bf16_lanes::rows6`, its weights read as f32 values 128 bytes apart): four vector loads and six
+//! input of a tile, and six rows by four groups of inputs run in the bf16 kernel's generic tile and `asm!` loop
+//! (`super::avx512_bf16_lanes::accumulate`, the weights read as f32 values 128 bytes apart; this module gives the f32
+//! rows' `LaneRow` and the contract's reduction): four vector loads and six
 //! broadcasts per 24 FMAs, where the two-row tiles of [`crate::dot::dot_f32_tiles`] load eight vectors per twelve.
 //! Per lane the operations and their order are the contract's, so every result is bit-identical to
 //! [`crate::dot::dot_f32_ref`].
