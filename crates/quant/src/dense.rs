@@ -455,7 +455,8 @@ fn gemm_tokens(
         })
         .collect();
     // The inputs across the vector lanes, one layout per piece of `TOKEN_BLOCK` inputs, where the lane kernels run
-    // (`bf16_contract::dot_lanes`, `dot::dot_f32_lanes`).
+    // (`bf16_contract::dot_lanes`, `dot::dot_f32_lanes`). One kind's matrices may have it laid out for the other's, so
+    // each kind asks for its own kernel's choice.
     let lanes = lanes_inputs(mats, x, t_rows);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = &lanes;
@@ -483,6 +484,7 @@ fn gemm_tokens(
                         .as_ref()
                         .and_then(|l| l.get(tokens.start / TOKEN_BLOCK))
                         && tokens.len() >= bf16_contract::LANES_MIN_TOKENS
+                        && bf16_contract::lanes_chosen()
                     {
                         bf16_contract::dot_lanes(&rows, xt, tokens.len(), out);
                         return;
