@@ -77,15 +77,12 @@ pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
     dot_ref(w, &permute_input(x))
 }
 
-/// How far ahead of each row the AVX-512 kernels prefetch (0: not at all), chosen once from the CPU and the cores this
-/// process may use, unless `DELTAFIN_BF16_PREFETCH_KIB` gives it (in KiB). An Intel core keeps too few lines in flight
-/// for its share of memory bandwidth without help: on the 16-core device host (Intel) a GEMV at K3's width read 0.83
-/// of the memory rate without and 0.96 with 16 KiB ahead (`gemv_sweep`), and on two Intel vCPUs decode went from
-/// 1.37–1.44 to 1.29–1.37 × its bound (8 KiB ahead: 1.34–1.40, 32 KiB: 1.26–1.32 with slower tokens). So does a Zen 5
-/// core (AMD family 26): on two Zen 5 vCPUs `gemv_sweep` read 0.44–0.49 of the memory rate without and 0.75–0.78 with
-/// 16 KiB ahead, and decode took 0.217–0.218 s a token against 0.258–0.261. On two Zen 4 vCPUs (family 25) the same
-/// prefetch made decode slower (1.41 → 1.48–1.74 × its bound), so older AMD cores prefetch from
-/// [`PREFETCH_MIN_CORES`] up only.
+/// How far ahead of each row the one-input bf16 kernels (AVX-512 and AVX2) prefetch (0: not at all), chosen once from
+/// the CPU and the cores this process may use, unless `DELTAFIN_BF16_PREFETCH_KIB` gives it (in KiB). Intel's cores
+/// and AMD's Zen 5 cores keep too few lines in flight for their share of memory bandwidth without the hint, at any core
+/// count; on older AMD cores (family 25: Zen 3 and Zen 4) it made decode on two cores slower, so they prefetch from
+/// [`PREFETCH_MIN_CORES`] up only. The measurements behind the rule: docs/performance-log.md ("Decode on 2-vCPU
+/// machines", "Session 18").
 pub fn prefetch_bytes() -> usize {
     static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *AHEAD.get_or_init(|| {
@@ -126,7 +123,7 @@ pub fn dot(w: &[u16], xp: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; `xp` covers the row's chunks (checked above).
-        return unsafe { crate::simd::avx2::bf16_rows::<1>([w], xp)[0] };
+        return unsafe { crate::simd::avx2::bf16_rows::<1>([w], xp, prefetch_bytes())[0] };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -149,7 +146,7 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; equal rows and an input that covers their chunks (checked above).
-        return unsafe { crate::simd::avx2::bf16_rows::<2>([w0, w1], xp) };
+        return unsafe { crate::simd::avx2::bf16_rows::<2>([w0, w1], xp, prefetch_bytes()) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {

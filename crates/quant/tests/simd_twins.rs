@@ -1324,7 +1324,7 @@ fn dense_row_pairs_match_twins() {
             unsafe {
                 same_bits(avx2::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
                 same_bits(
-                    avx2::bf16_rows::<1>([&b0], &xp)[0],
+                    avx2::bf16_rows::<1>([&b0], &xp, 0)[0],
                     dot_bf16_ref(&b0, &x),
                     "avx2 bf16",
                 );
@@ -1334,7 +1334,7 @@ fn dense_row_pairs_match_twins() {
                         [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
                     ),
                     (
-                        avx2::bf16_rows::<2>([&b0, &b1], &xp),
+                        avx2::bf16_rows::<2>([&b0, &b1], &xp, 16 << 10),
                         [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                     ),
                 ];
@@ -1399,8 +1399,13 @@ fn bf16_rows_match_their_twin_on_every_kernel_set() {
                         ));
                     }
                     if has_avx2_fma() {
-                        got.push(("avx2", avx2::bf16_rows::<1>([w], &xp)[0]));
-                        got.push(("avx2 pair", avx2::bf16_rows::<2>([w, w], &xp)[1]));
+                        got.push(("avx2", avx2::bf16_rows::<1>([w], &xp, 0)[0]));
+                        got.push(("avx2 pair", avx2::bf16_rows::<2>([w, w], &xp, 0)[1]));
+                        // Prefetching ahead changes no bit here either.
+                        got.push((
+                            "avx2 prefetched",
+                            avx2::bf16_rows::<1>([w], &xp, 16 << 10)[0],
+                        ));
                     }
                 }
             }

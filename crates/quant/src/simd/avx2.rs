@@ -185,34 +185,29 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 
 /// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: each
 /// chunk of 32 weights is two 32-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask
-/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here.
+/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here. Each row is prefetched `ahead`
+/// bytes ahead of its reader (0: not at all), as the AVX-512 kernel does ([`crate::bf16_contract::prefetch_bytes`]).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; every row has the same length `n`, and `xp` holds at least
 /// `bf16_contract::padded_len(n)` values.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; R] {
+pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: usize) -> [f32; R] {
     use crate::bf16_contract::CHUNK;
     let n = rows[0].len();
-    let chunks = n.div_ceil(CHUNK);
+    let whole = n / CHUNK;
     let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
     let z = _mm256_setzero_ps();
     // Per row: even lanes 0..8, even lanes 8..16, odd lanes 0..8, odd lanes 8..16.
     let mut acc = [[z; 4]; R];
-    for c in 0..chunks {
-        // SAFETY: chunk c of the permuted input lies in `xp` (the caller's length).
+    // Chunk `c` of the rows, 32 weights at each `p[r]`.
+    let mut step = |c: usize, p: [*const u16; R]| {
+        // SAFETY (caller): chunk c of the permuted input lies in `xp`.
         let x: [__m256; 4] =
             std::array::from_fn(|k| unsafe { _mm256_loadu_ps(xp.as_ptr().add(c * CHUNK + 8 * k)) });
-        for (a, w) in acc.iter_mut().zip(&rows) {
-            let mut padded = [0u16; CHUNK];
-            let p = if (c + 1) * CHUNK <= n {
-                w[c * CHUNK..].as_ptr()
-            } else {
-                padded[..n - c * CHUNK].copy_from_slice(&w[c * CHUNK..]);
-                padded.as_ptr()
-            };
+        for (a, p) in acc.iter_mut().zip(p) {
             for half in 0..2 {
-                // SAFETY: 16 weights (32 bytes) at `p + 16 · half`, in the row or in the padded copy.
+                // SAFETY (caller): 16 weights (32 bytes) at `p + 16 · half`.
                 let v = unsafe { _mm256_loadu_si256(p.add(16 * half) as *const __m256i) };
                 let e = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
                 let o = _mm256_castsi256_ps(_mm256_and_si256(v, high));
@@ -220,6 +215,24 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32]) -> [f32; 
                 a[2 + half] = _mm256_fmadd_ps(o, x[2 + half], a[2 + half]);
             }
         }
+    };
+    for c in 0..whole {
+        if ahead > 0 {
+            for w in &rows {
+                prefetch_ahead(w.as_ptr().wrapping_add(c * CHUNK), 1, ahead);
+            }
+        }
+        // Chunk c < whole lies whole in every row.
+        step(c, rows.map(|w| w[c * CHUNK..].as_ptr()));
+    }
+    if whole * CHUNK < n {
+        // The last chunk zero-padded, as the contract reads it.
+        let padded: [[u16; CHUNK]; R] = std::array::from_fn(|r| {
+            let mut chunk = [0u16; CHUNK];
+            chunk[..n - whole * CHUNK].copy_from_slice(&rows[r][whole * CHUNK..]);
+            chunk
+        });
+        step(whole, std::array::from_fn(|r| padded[r].as_ptr()));
     }
     acc.map(|[e_lo, e_hi, o_lo, o_hi]| {
         // v[l] = even[l] + odd[l]; then lanes l and l + 8, l + 4, l + 2, 1.
