@@ -81,6 +81,46 @@ pub fn tanh(y: f32) -> f32 {
     if a <= TANH_POLY_MAX { near } else { far }
 }
 
+/// `fn $name(args) { $body(args) }` on the widest vectors the CPU has: an AVX-512 or an AVX2 build of `$body` (an
+/// `#[inline(always)]` loop, so each build compiles it for its own vectors; AVX2's eight lanes instead of the
+/// baseline's four), chosen at run time by `deltafin_quant::simd`, else the baseline build.
+macro_rules! on_widest_vectors {
+    ($(#[$doc:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),*) => $body:ident) => {
+        $(#[$doc])*
+        $vis fn $name($($arg: $ty),*) {
+            /// The body built for AVX-512.
+            ///
+            /// # Safety
+            /// The CPU must support AVX-512F.
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+            unsafe fn avx512($($arg: $ty),*) {
+                $body($($arg),*)
+            }
+            /// The body built for AVX2 and FMA.
+            ///
+            /// # Safety
+            /// The CPU must support AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) {
+                $body($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
+            if deltafin_quant::simd::has_avx512() {
+                // SAFETY: AVX-512F is present.
+                return unsafe { avx512($($arg),*) };
+            }
+            #[cfg(target_arch = "x86_64")]
+            if deltafin_quant::simd::has_avx2_fma() {
+                // SAFETY: AVX2 and FMA are present.
+                return unsafe { avx2($($arg),*) };
+            }
+            $body($($arg),*)
+        }
+    };
+}
+
 /// `act(gate, up)` as [`crate::ops::glu`] defines it, with the functions above.
 #[inline(always)]
 fn glu_one(act: Activation, gate: f32, up: f32) -> f32 {
@@ -112,39 +152,9 @@ fn glu_loop(act: Activation, gate: &mut [f32], up: &[f32]) {
     }
 }
 
-/// [`glu_loop`] built for AVX-512.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn glu_loop_avx512(act: Activation, gate: &mut [f32], up: &[f32]) {
-    glu_loop(act, gate, up)
-}
-
-/// [`glu_loop`] built for AVX2 (a CPU without AVX-512): eight lanes instead of the baseline's four.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn glu_loop_avx2(act: Activation, gate: &mut [f32], up: &[f32]) {
-    glu_loop(act, gate, up)
-}
-
-/// `gate[i] ← act(gate[i], up[i])` on this thread, vectorised.
-pub fn glu_in_place(act: Activation, gate: &mut [f32], up: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx512() {
-        // SAFETY: AVX-512F is present.
-        return unsafe { glu_loop_avx512(act, gate, up) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx2_fma() {
-        // SAFETY: AVX2 and FMA are present.
-        return unsafe { glu_loop_avx2(act, gate, up) };
-    }
-    glu_loop(act, gate, up)
+on_widest_vectors! {
+    /// `gate[i] ← act(gate[i], up[i])` on this thread, vectorised.
+    pub fn glu_in_place(act: Activation, gate: &mut [f32], up: &[f32]) => glu_loop
 }
 
 /// `x[i] ← x[i] σ(x[i])` (SiLU) for every `i`.
@@ -155,39 +165,9 @@ fn silu_loop(x: &mut [f32]) {
     }
 }
 
-/// [`silu_loop`] built for AVX-512.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn silu_loop_avx512(x: &mut [f32]) {
-    silu_loop(x)
-}
-
-/// [`silu_loop`] built for AVX2 (a CPU without AVX-512).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn silu_loop_avx2(x: &mut [f32]) {
-    silu_loop(x)
-}
-
-/// `x[i] ← SiLU(x[i])` on this thread, vectorised (the plain twin: [`crate::ops::silu`]).
-pub fn silu_in_place(x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx512() {
-        // SAFETY: AVX-512F is present.
-        return unsafe { silu_loop_avx512(x) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx2_fma() {
-        // SAFETY: AVX2 and FMA are present.
-        return unsafe { silu_loop_avx2(x) };
-    }
-    silu_loop(x)
+on_widest_vectors! {
+    /// `x[i] ← SiLU(x[i])` on this thread, vectorised (the plain twin: [`crate::ops::silu`]).
+    pub fn silu_in_place(x: &mut [f32]) => silu_loop
 }
 
 /// `x[i] ← x[i] σ(g[i])` for every `i` (the shorter length).
@@ -198,39 +178,9 @@ fn gate_loop(x: &mut [f32], g: &[f32]) {
     }
 }
 
-/// [`gate_loop`] built for AVX-512.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn gate_loop_avx512(x: &mut [f32], g: &[f32]) {
-    gate_loop(x, g)
-}
-
-/// [`gate_loop`] built for AVX2 (a CPU without AVX-512).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gate_loop_avx2(x: &mut [f32], g: &[f32]) {
-    gate_loop(x, g)
-}
-
-/// `x[i] ← x[i] σ(g[i])` (an output gate) on this thread, vectorised, with this module's [`sigmoid`].
-pub fn gate_in_place(x: &mut [f32], g: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx512() {
-        // SAFETY: AVX-512F is present.
-        return unsafe { gate_loop_avx512(x, g) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if deltafin_quant::simd::has_avx2_fma() {
-        // SAFETY: AVX2 and FMA are present.
-        return unsafe { gate_loop_avx2(x, g) };
-    }
-    gate_loop(x, g)
+on_widest_vectors! {
+    /// `x[i] ← x[i] σ(g[i])` (an output gate) on this thread, vectorised, with this module's [`sigmoid`].
+    pub fn gate_in_place(x: &mut [f32], g: &[f32]) => gate_loop
 }
 
 #[cfg(test)]
