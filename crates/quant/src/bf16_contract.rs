@@ -393,12 +393,9 @@ pub fn lanes_chosen() -> bool {
         if !crate::simd::has_avx2_fma() {
             return false;
         }
-        match std::env::var("DELTAFIN_BF16_LANES").as_deref() {
-            Ok("on") => true,
-            Ok("off") => false,
-            // Without AVX-512 the tiles are one product at a time.
-            _ => !crate::simd::has_avx512() || lanes_measured_faster(),
-        }
+        // Without AVX-512 the tiles are one product at a time.
+        crate::simd::forced_choice("DELTAFIN_BF16_LANES")
+            .unwrap_or_else(|| !crate::simd::has_avx512() || lanes_measured_faster())
     })
 }
 

@@ -288,11 +288,7 @@ pub fn f32_lanes_chosen() -> bool {
         if !crate::simd::has_avx512() {
             return false;
         }
-        match std::env::var("DELTAFIN_F32_LANES").as_deref() {
-            Ok("on") => true,
-            Ok("off") => false,
-            _ => f32_lanes_measured_faster(),
-        }
+        crate::simd::forced_choice("DELTAFIN_F32_LANES").unwrap_or_else(f32_lanes_measured_faster)
     })
 }
 

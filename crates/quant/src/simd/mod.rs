@@ -155,6 +155,17 @@ macro_rules! lane_tiles {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use lane_tiles;
 
+/// A kernel choice forced by the environment variable `var`: `on` (true) or `off` (false); `None` (any other value,
+/// or unset) leaves the choice to the caller's probe.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn forced_choice(var: &str) -> Option<bool> {
+    match std::env::var(var).as_deref() {
+        Ok("on") => Some(true),
+        Ok("off") => Some(false),
+        _ => None,
+    }
+}
+
 /// Whether `b` runs faster than `a`: each timed [`PROBE_ROUNDS`] times, alternated, and the best times compared.
 /// For a choice between two kernels that give the same bits, made once per process: the two times can lie close
 /// together, so each gets several samples (one cut by an interrupt or by another thread's work must not decide).
