@@ -219,7 +219,11 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: us
     for c in 0..whole {
         if ahead > 0 {
             for w in &rows {
-                prefetch_ahead(w.as_ptr().wrapping_add(c * CHUNK), 1, ahead);
+                prefetch_ahead(
+                    w.as_ptr().wrapping_add(c * CHUNK),
+                    CHUNK * size_of::<u16>(),
+                    ahead,
+                );
             }
         }
         // Chunk c < whole lies whole in every row.
