@@ -7,7 +7,8 @@
 #   kda      the model's GPU unit tests (bin/model_lib: the KDA heads' kernel against an f64 reference, passes cut
 #            anywhere) and `kda-bw` (the kernel alone at K3's shape, hot and with L2 cleared) at $KTOKENS tokens
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
-#   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS
+#   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS and the
+#            weight kinds in $KINDS (bf16, int8)
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
 #   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
 #            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4);
@@ -15,6 +16,9 @@
 #   bench    `deltafin bench-decode --dev cuda` on it (decoded tokens only, 8 by default: $TOKENS_BD), every layer on
 #            the GPU, the HBM copy rate measured in the same process (--hbm-mib 1024), $RUNS times for each of $BINS
 #   cpu      the same on the CPU, for the greedy tokens
+#   int8     the int8 spine on the GPU: a dense real-width K3 (6 layers, 32 experts) and its int8 copy, then
+#            `bench-decode --dev cuda` with K3_SPINE=bf16 and int8 alternated, $RUNS times, every layer on the GPU
+#            and with a GPU budget of $INT8_VRAM GiB (default 8: some layers streamed)
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
 #            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
@@ -59,7 +63,7 @@ fi
 if has densebw; then
   step "dense-bw"
   timeout 120 bin/deltafin-cudabench dense-bw --tokens ${DTOKENS:-1,3} --reps 50 --splits ${SPLITS:-0,1} \
-    | tee "$OUT/dense_bw.txt"
+    --kinds ${KINDS:-bf16} | tee "$OUT/dense_bw.txt"
 fi
 if has make; then
   step "make full-size sparse model"
@@ -137,5 +141,29 @@ if has cpu; then
   step "cpu run, K3_RAM_GB=96"
   K3_RAM_GB=96 peak timeout 300 bin/deltafin run --dev cpu --model "$DATA/k3s" --prompt-ids 1,2,3 --max-new 4 \
     --ignore-eos --json --stats | tee "$OUT/cpu_run.txt"
+fi
+if has int8; then
+  step "int8 spine: make the dense real-width model and its int8 copy"
+  D="$DATA/k3d6"
+  [ -d "$D" ] || timeout 300 bin/xtask make-synthetic --preset k3 --layers 6 --experts 32 --out "$D" | tail -1
+  timeout 300 bin/xtask convert-spine-int8 --model "$D" | tail -1
+  for i in $(seq 1 "${RUNS:-1}"); do
+    for spine in bf16 int8; do
+      for v in all "${INT8_VRAM:-8}"; do
+        vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
+        step "bench-decode run $i, K3_SPINE=$spine, GPU budget $v"
+        K3_SPINE=$spine timeout 200 bin/deltafin bench-decode --dev cuda "${vram[@]}" --model "$D" --ram-gb 40 \
+          --tokens 8 --prompt-len 3 --membw-gib 0 --hbm-mib 1024 > "$OUT/int8_${spine}_${v}_$i.json"
+        python3 - "$OUT/int8_${spine}_${v}_$i.json" <<'PY'
+import json, statistics, sys
+d = json.load(open(sys.argv[1])); n = d["tokens"]
+print(f"s/token median {statistics.median(d['token_s']):.4f} ({min(d['token_s']):.4f}-{max(d['token_s']):.4f}); "
+      f"attention {d['attention_s'] / n * 1e3:.2f} ms (GPU {d['attn_device_s'] / n * 1e3:.2f}); spine streamed "
+      f"{d['spine_bytes'] / n / 1e9:.2f} GB/token, wait {d['spine_wait_s'] / n:.4f} s; open {d['open_s']:.1f} s; "
+      f"HBM {(d['hbm_before_bytes_per_s'] + d['hbm_after_bytes_per_s']) / 2e12:.2f} TB/s")
+PY
+      done
+    done
+  done
 fi
 step done

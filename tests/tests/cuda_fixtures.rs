@@ -1,11 +1,15 @@
 //! CUDA against the CPU f32 path on every fixture (feature `cuda`; needs a GPU: run on the device machine, see
-//! docs/PLATFORMS.md): full-prefill logits, decode-mode logits and greedy tokens.
+//! docs/PLATFORMS.md): full-prefill logits, decode-mode logits and greedy tokens; with the int8 spine copy, CUDA
+//! against the CPU's int8 path.
 #![cfg(feature = "cuda")]
 
 use std::path::Path;
 
 use deltafin_model::state::LayerState;
-use deltafin_runtime::{DevicePref, Engine, EngineOptions, GreedyOptions};
+use deltafin_runtime::{
+    DevicePref, Engine, EngineOptions, GreedyOptions, SpineMode, convert_spine_int8,
+};
+use deltafin_tests::corrupt::ScratchModel;
 use deltafin_tests::{Golden, fixture, max_abs_diff};
 
 /// Max |Δlogit| allowed between CUDA and the CPU.
@@ -14,7 +18,24 @@ const TOL: f32 = 1e-3;
 /// Opens `dir` on `pref`, with at most `gpu_layers` layers kept on the GPU (the rest streamed), experts and spine
 /// uploaded through a staging copy when `staged`.
 fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>, staged: bool) -> Engine {
-    let mut o = EngineOptions::default().with_device(pref);
+    open_spine(
+        dir,
+        pref,
+        gpu_layers,
+        staged,
+        EngineOptions::default().spine,
+    )
+}
+
+/// [`open`] with the spine `spine`.
+fn open_spine(
+    dir: &Path,
+    pref: DevicePref,
+    gpu_layers: Option<usize>,
+    staged: bool,
+    spine: SpineMode,
+) -> Engine {
+    let mut o = EngineOptions::default().with_device(pref).with_spine(spine);
     o.device.gpu_layers = gpu_layers;
     o.device.stage_uploads = staged;
     let e = Engine::open(dir, o).expect("fixture opens");
@@ -31,16 +52,33 @@ fn check(name: &str) {
 /// As [`check`], with at most `gpu_layers` layers on the GPU (the others are uploaded at every forward pass), and
 /// routed experts uploaded through a staging copy when `staged` (else straight from page-locked read buffers).
 fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
-    let dir = fixture(name);
-    let g = Golden::load(&dir).expect("golden");
+    check_spine(
+        name,
+        &fixture(name),
+        EngineOptions::default().spine,
+        gpu_layers,
+        staged,
+    );
+}
+
+/// [`check_with`] of the model in `dir` (fixture `name` or a copy of it) with the spine `spine` on both devices;
+/// returns the spine's bytes uploaded to the GPU.
+fn check_spine(
+    name: &str,
+    dir: &Path,
+    spine: SpineMode,
+    gpu_layers: Option<usize>,
+    staged: bool,
+) -> u64 {
+    let g = Golden::load(dir).expect("golden");
     let ids = g.ids("input_ids").expect("ids");
     let prompt = g.ids("greedy_prompt").expect("prompt");
-    let cpu = open(&dir, DevicePref::Cpu, None, false);
+    let cpu = open_spine(dir, DevicePref::Cpu, None, false, spine);
     // The device's upload counters are the process's: this engine's are the difference.
     let uploads0 = deltafin_runtime::shared_gpu(&Default::default())
         .expect("a GPU")
         .staging_stats();
-    let gpu = open(&dir, DevicePref::Cuda, gpu_layers, staged);
+    let gpu = open_spine(dir, DevicePref::Cuda, gpu_layers, staged, spine);
     if let Some(n) = gpu_layers {
         let want: Vec<usize> = (n..cpu.config().n_layers).collect();
         assert_eq!(gpu.streamed_layers(), want, "{name}: streamed layers");
@@ -150,6 +188,7 @@ fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
     } else if name.starts_with("k3") {
         assert!(direct > 0, "{name}: nothing went up in place: {staging:?}");
     }
+    bytes
 }
 
 #[test]
@@ -204,6 +243,21 @@ fn staged_expert_uploads_match_cpu() {
 fn streamed_gpu_layers_match_cpu() {
     check_with("k3/k3-tiny-a", Some(1), false);
     check_with("kimi-linear/qlora", Some(0), false);
+}
+
+/// With the int8 spine copy, CUDA gives the CPU int8 path's logits and greedy tokens, resident and streamed, and
+/// the spine stays int8 on the GPU: fewer bytes go up than for the bf16 spine (dequantised to f32 it was twice
+/// as many).
+#[test]
+fn int8_spine_cuda_matches_cpu() {
+    let name = "k3/k3-tiny-a";
+    let m = ScratchModel::copy_of(&fixture(name)).expect("copy");
+    let bf16 = check_spine(name, &m.dir, SpineMode::Bf16, None, false);
+    let report = convert_spine_int8(&m.dir).expect("convert");
+    let int8 = check_spine(name, &m.dir, SpineMode::Int8, None, false);
+    eprintln!("{name}: spine uploads bf16 {bf16} bytes, int8 {int8} bytes ({report:?})");
+    assert!(int8 < bf16, "int8 spine uploads {int8} bytes, bf16 {bf16}");
+    check_spine(name, &m.dir, SpineMode::Int8, Some(1), false);
 }
 
 #[test]

@@ -390,7 +390,12 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
 /// The dense (spine) GEMM of `DeviceMatrix::gemm_device` on bf16 matrices of K3's attention shapes, for each token
 /// count, against a device copy of the same bytes in the same process (read + write counted, as for the MoE
 /// kernels). Prints one JSON line per shape and token count.
-pub fn dense_bw(tokens: &[usize], reps: usize, splits: &[usize]) -> anyhow::Result<()> {
+pub fn dense_bw(
+    tokens: &[usize],
+    reps: usize,
+    splits: &[usize],
+    kinds: &[String],
+) -> anyhow::Result<()> {
     use deltafin_quant::cuda::dense::DeviceMatrix;
     use deltafin_quant::{DenseData, DenseMatrix};
     let gpu = Gpu::shared()?;
@@ -408,49 +413,80 @@ pub fn dense_bw(tokens: &[usize], reps: usize, splits: &[usize]) -> anyhow::Resu
         ("attn_o", 7168, 12288, 1),
         ("mla_q_b", 18432, 1536, 1),
     ];
-    for (name, rows, cols, count) in shapes {
-        let mut mats = Vec::with_capacity(count);
-        for _ in 0..count {
-            let bits: Vec<u16> = (0..rows * cols)
-                .map(|_| 0x3c00 | (rng.random::<u16>() & 0x80ff))
-                .collect();
-            let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into()))?;
-            mats.push(
-                DeviceMatrix::upload(&gpu, &m)?
-                    .with_context(|| format!("{name}: the matrix did not go to the GPU"))?,
-            );
+    for kind in kinds {
+        let int8 = match kind.as_str() {
+            "bf16" => false,
+            "int8" => true,
+            other => anyhow::bail!("--kinds takes bf16 and int8, not `{other}`"),
+        };
+        for (name, rows, cols, count) in shapes {
+            let mut mats = Vec::with_capacity(count);
+            for _ in 0..count {
+                let bits: Vec<u16> = (0..rows * cols)
+                    .map(|_| 0x3c00 | (rng.random::<u16>() & 0x80ff))
+                    .collect();
+                let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into()))?;
+                let m = if int8 { m.to_int8() } else { m };
+                let d = DeviceMatrix::upload(&gpu, &m)?
+                    .with_context(|| format!("{name}: the matrix did not go to the GPU"))?;
+                anyhow::ensure!(d.is_int8() == int8, "{name}: {kind} did not stay {kind}");
+                mats.push(d);
+            }
+            // Weight bytes (an int8 row's scale is four more bytes).
+            let bytes = count * rows * if int8 { cols + 4 } else { cols * 2 };
+            dense_bw_shape(
+                &gpu,
+                (name, kind),
+                (rows, cols),
+                (&mut mats, bytes),
+                (tokens, reps, splits),
+                &mut rng,
+            )?;
         }
-        let bytes = count * rows * cols * 2;
-        let copy_bw = copy_times(&gpu, bytes, reps)?.rate();
-        for &split in splits {
-            let fixed = (split != 0).then_some(split);
-            for m in &mut mats {
-                m.set_split(fixed)?;
-            }
-            let dms: Vec<&DeviceMatrix> = mats.iter().collect();
-            for &t in tokens {
-                let x: Vec<f32> = (0..t * cols).map(|_| rng.random::<f32>() - 0.5).collect();
-                let xd = gpu.upload(&x)?;
-                let mut ys = (0..count)
-                    .map(|_| gpu.zeros::<f32>(t * rows))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let ms = time_ms(&gpu, reps, || {
-                    let mut refs: Vec<&mut _> = ys.iter_mut().collect();
-                    DeviceMatrix::gemm_many_device(&dms, &xd, t, &mut refs)?;
-                    Ok(())
-                })?;
-                let bw = bytes as f64 / (ms * 1e-3);
-                println!(
-                    "{{\"shape\":\"{name}\",\"rows\":{rows},\"cols\":{cols},\"matrices\":{count},\
-                     \"split\":\"{}\",\"tokens\":{t},\"us\":{:.1},\"weight_gb_s\":{:.0},\
+    }
+    Ok(())
+}
+
+/// One shape of [`dense_bw`]: `mats` (`bytes` of weights) at every split and token count.
+fn dense_bw_shape(
+    gpu: &Arc<Gpu>,
+    (name, kind): (&str, &str),
+    (rows, cols): (usize, usize),
+    (mats, bytes): (&mut [deltafin_quant::cuda::dense::DeviceMatrix], usize),
+    (tokens, reps, splits): (&[usize], usize, &[usize]),
+    rng: &mut ChaCha8Rng,
+) -> anyhow::Result<()> {
+    use deltafin_quant::cuda::dense::DeviceMatrix;
+    let count = mats.len();
+    let copy_bw = copy_times(gpu, bytes, reps)?.rate();
+    for &split in splits {
+        let fixed = (split != 0).then_some(split);
+        for m in mats.iter_mut() {
+            m.set_split(fixed)?;
+        }
+        let dms: Vec<&DeviceMatrix> = mats.iter().collect();
+        for &t in tokens {
+            let x: Vec<f32> = (0..t * cols).map(|_| rng.random::<f32>() - 0.5).collect();
+            let xd = gpu.upload(&x)?;
+            let mut ys = (0..count)
+                .map(|_| gpu.zeros::<f32>(t * rows))
+                .collect::<Result<Vec<_>, _>>()?;
+            let ms = time_ms(gpu, reps, || {
+                let mut refs: Vec<&mut _> = ys.iter_mut().collect();
+                DeviceMatrix::gemm_many_device(&dms, &xd, t, &mut refs)?;
+                Ok(())
+            })?;
+            let bw = bytes as f64 / (ms * 1e-3);
+            println!(
+                "{{\"shape\":\"{name}\",\"kind\":\"{kind}\",\"rows\":{rows},\"cols\":{cols},\
+                     \"matrices\":{count},\"split\":\"{}\",\"tokens\":{t},\"us\":{:.1},\"weight_gb_s\":{:.0},\
                      \"copy_gb_s\":{:.0},\"of_copy\":{:.3}}}",
-                    fixed.map_or("launch's".to_string(), |s| s.to_string()),
-                    ms * 1e3,
-                    bw / 1e9,
-                    copy_bw / 1e9,
-                    bw / copy_bw
-                );
-            }
+                fixed.map_or("launch's".to_string(), |s| s.to_string()),
+                ms * 1e3,
+                bw / 1e9,
+                copy_bw / 1e9,
+                bw / copy_bw
+            );
         }
     }
     Ok(())

@@ -56,7 +56,7 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         reps: usize,
     },
-    /// The dense (spine) GEMM at K3's attention shapes (bf16) against a device copy.
+    /// The dense (spine) GEMM at K3's attention shapes (bf16, or the int8 spine's rows) against a device copy.
     DenseBw {
         /// Token counts.
         #[arg(long, default_value = "1,3,8", value_delimiter = ',')]
@@ -67,6 +67,9 @@ enum Cmd {
         /// Column splits to time (0: each launch's own choice, as the engine runs it).
         #[arg(long, default_value = "0", value_delimiter = ',')]
         splits: Vec<usize>,
+        /// Weight precisions to time: bf16, int8.
+        #[arg(long, default_value = "bf16", value_delimiter = ',')]
+        kinds: Vec<String>,
     },
     /// `kda_layer` (a KDA layer between its input and output products) at K3's shape against a device copy.
     KdaBw {
@@ -165,7 +168,8 @@ fn main() -> anyhow::Result<()> {
                 tokens,
                 reps,
                 splits,
-            } => bench::dense_bw(&tokens, reps, &splits),
+                kinds,
+            } => bench::dense_bw(&tokens, reps, &splits, &kinds),
             Cmd::KdaBw { tokens, reps } => kda::kda_bw(&tokens, reps),
             #[cfg(target_os = "linux")]
             Cmd::ReadInto {

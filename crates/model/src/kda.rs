@@ -136,7 +136,8 @@ impl Kda {
             v_proj: ld.matrix(&name("v_proj.weight"), c, hidden)?,
             f_a: ld.matrix(&name("f_a_proj.weight"), f_rank, hidden)?,
             f_b: if on_device {
-                ld.matrix(&name("f_b_proj.weight"), c, f_rank)?
+                // The GPU's heads kernel reads it as floats.
+                ld.float_matrix(&name("f_b_proj.weight"), c, f_rank)?
             } else {
                 // The CPU's head inputs read it by rows.
                 ld.host_matrix(&name("f_b_proj.weight"), c, f_rank)?

@@ -336,10 +336,29 @@ impl<'a> Loader<'a> {
 
     /// A 2-D weight `[rows, cols]` in its stored precision.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
+        let m = self.host_matrix(name, rows, cols)?;
+        self.on_device(name, m)
+    }
+
+    /// A 2-D weight `[rows, cols]` that a GPU kernel reads as floats itself (no int8 there): as
+    /// [`Self::matrix`], but on CUDA row-wise int8 values go up dequantised to f32.
+    pub fn float_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
         #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
         let mut m = self.host_matrix(name, rows, cols)?;
-        // On CUDA every matrix multiplies on the device and its host values are freed once uploaded (no second
-        // copy of the spine in host RAM), except the embedding, which the host reads by rows.
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() && matches!(m.data(), DenseData::Int8 { .. }) {
+            let vals = (0..rows).flat_map(|r| m.row_f32(r)).collect();
+            m = Self::f32_matrix(name, rows, cols, vals)?;
+        }
+        self.on_device(name, m)
+    }
+
+    /// `m` (weight `name`) as the model uses it: on CUDA every matrix multiplies on the device and its host values
+    /// are freed once uploaded (no second copy of the spine in host RAM), except the embedding, which the host
+    /// reads by rows.
+    fn on_device(&self, name: &str, m: DenseMatrix) -> Result<DenseMatrix> {
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+        let mut m = m;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu
             && !HOST_READ_BY_ROWS.iter().any(|s| name.ends_with(s))
@@ -351,6 +370,8 @@ impl<'a> Loader<'a> {
                 m.release_host();
             }
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = name;
         Ok(m)
     }
 

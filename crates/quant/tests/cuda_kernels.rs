@@ -413,6 +413,93 @@ fn dense_gemm_matches_cpu() {
     );
 }
 
+/// Row-wise int8 matrices stay int8 on the device and give the CPU's int8 contract bits (`gemm_ref`: inputs
+/// quantised to int16, exact integer sums, scales in f64) at every column split: rows that do not fill a block, rows
+/// of part-filled warps, rows long enough for the kernel's 32-bit sums to be flushed (and, with every weight -128
+/// against inputs at the int16 limit, as large as those sums can get between flushes), token counts around the
+/// kernel's tile, K3's widest shape, and input rows that are zero or hold a NaN. An int8 matrix whose rows are not
+/// whole 16-byte words goes up as f32.
+#[test]
+fn dense_int8_gemm_is_the_cpu_contract() {
+    use deltafin_quant::cuda::dense::{DeviceMatrix, SPLITS};
+    let gpu = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let shapes = [
+        (100, 64, 1),
+        (257, 1024, 9),
+        (3, 96, 64),
+        (40, 2064, 3),
+        (7, 33792, 5),
+        (12288, 7168, 2),
+    ];
+    for (case, &(rows, cols, t_len)) in shapes.iter().enumerate() {
+        // The long rows' first case takes the largest sums; the others random weights and scales.
+        let extreme = cols == 33792;
+        let q: Vec<i8> = (0..rows * cols)
+            .map(|_| {
+                if extreme {
+                    -128
+                } else {
+                    rng.random_range(-128i32..=127) as i8
+                }
+            })
+            .collect();
+        let scales: Vec<f32> = (0..rows).map(|_| rng.random_range(1e-4f32..1e-1)).collect();
+        let m = DenseMatrix::new(
+            rows,
+            cols,
+            DenseData::Int8 {
+                q: q.into(),
+                scales,
+            },
+        )
+        .expect("matrix");
+        let mut dev = DeviceMatrix::upload(&gpu, &m)
+            .expect("upload")
+            .expect("a shape the kernel takes");
+        assert!(dev.is_int8(), "{rows}x{cols} stays int8");
+        assert!(
+            dev.values_for_kernel().is_err(),
+            "no float view of int8 values"
+        );
+        let mut x: Vec<f32> = (0..t_len * cols)
+            .map(|i| match extreme {
+                true => 1.0 + (i % 3) as f32 * 1e-3,
+                false => rng.random_range(-1.0f32..1.0) * if i % 97 == 0 { 1e3 } else { 1.0 },
+            })
+            .collect();
+        if t_len >= 3 && !extreme {
+            // A zero row and a row with a NaN.
+            x[..cols].fill(0.0);
+            x[2 * cols + case] = f32::NAN;
+        }
+        let reference = m.gemm_ref(&x, t_len).expect("cpu");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for split in SPLITS {
+            dev.set_split(Some(split)).expect("split");
+            let got = dev.gemm(&x, t_len).expect("gpu");
+            assert_eq!(
+                bits(&got),
+                bits(&reference),
+                "{rows}x{cols} T={t_len} split {split}: not the CPU's bits"
+            );
+        }
+        if t_len >= 3 && !extreme {
+            assert!(reference[..rows].iter().all(|&v| v == 0.0));
+            assert!(reference[2 * rows..3 * rows].iter().all(|v| v.is_nan()));
+        }
+    }
+    let m = DenseMatrix::new(2, 40, DenseData::F32(vec![0.5; 80]))
+        .expect("m")
+        .to_int8();
+    let dev = DeviceMatrix::upload(&gpu, &m)
+        .expect("upload")
+        .expect("shape");
+    assert!(!dev.is_int8(), "40 columns are not whole words of int8");
+    let got = dev.gemm(&[1.0; 40], 1).expect("gpu");
+    assert!(got.iter().all(|&v| (v - 20.0).abs() < 1e-4), "{got:?}");
+}
+
 /// A launch splits its columns only while it makes fewer than two waves of blocks (at one token, only past one
 /// wave), and no part gets fewer than two warp steps of a row.
 #[test]
@@ -429,9 +516,9 @@ fn dense_launch_split_by_size() {
     assert_eq!(launch_split(2, 100, 2, 264), 1);
 }
 
-/// Several matrices in one launch (`gemm_many_device`) give the one-matrix kernel's bits, for row counts that do
-/// not fill a block, token counts below, at and above the kernel's token tile and matrices of different column
-/// splits; a mix of kinds falls back to one launch each.
+/// Several matrices in one launch (`gemm_many_device`; f32, bf16 or int8) give the one-matrix kernel's bits, for
+/// row counts that do not fill a block, token counts below, at and above the kernel's token tile and matrices of
+/// different column splits; a mix of kinds falls back to one launch each.
 #[test]
 fn dense_gemm_many_matches_one_at_a_time() {
     use deltafin_quant::cuda::dense::{DeviceMatrix, SPLITS};
@@ -439,7 +526,7 @@ fn dense_gemm_many_matches_one_at_a_time() {
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let cols = 512;
     for t_len in [1, 3, 8, 11] {
-        for bf16 in [false, true] {
+        for kind in ["f32", "bf16", "int8"] {
             let devs: Vec<DeviceMatrix> = [100usize, 33, 257, 1, 64]
                 .iter()
                 .enumerate()
@@ -447,18 +534,23 @@ fn dense_gemm_many_matches_one_at_a_time() {
                     let vals: Vec<f32> = (0..rows * cols)
                         .map(|_| rng.random_range(-1.0f32..1.0))
                         .collect();
-                    // The last matrix is f32 in the mixed case, so that the call must fall back.
-                    let data = if bf16 && j < 4 {
-                        DenseData::Bf16(
-                            vals.iter()
-                                .map(|v| (v.to_bits() >> 16) as u16)
-                                .collect::<Vec<_>>()
-                                .into(),
-                        )
-                    } else {
-                        DenseData::F32(vals)
-                    };
-                    let m = DenseMatrix::new(rows, cols, data).expect("matrix");
+                    let f32s = DenseMatrix::new(rows, cols, DenseData::F32(vals.clone()));
+                    // The last matrix is f32 in the mixed cases, so that the call must fall back.
+                    let m = match kind {
+                        "bf16" if j < 4 => DenseMatrix::new(
+                            rows,
+                            cols,
+                            DenseData::Bf16(
+                                vals.iter()
+                                    .map(|v| (v.to_bits() >> 16) as u16)
+                                    .collect::<Vec<_>>()
+                                    .into(),
+                            ),
+                        ),
+                        "int8" if j < 4 => f32s.map(|m| m.to_int8()),
+                        _ => f32s,
+                    }
+                    .expect("matrix");
                     let mut d = DeviceMatrix::upload(&gpu, &m)
                         .expect("upload")
                         .expect("shape");
@@ -484,7 +576,7 @@ fn dense_gemm_many_matches_one_at_a_time() {
                     let (a, b) = (gpu.download(y).expect("a"), gpu.download(&one).expect("b"));
                     assert!(
                         a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
-                        "{}x{cols} T={t_len} bf16={bf16} split {}: one launch differs from one a matrix",
+                        "{}x{cols} T={t_len} {kind} split {}: one launch differs from one a matrix",
                         m.rows(),
                         m.split(t_len)
                     );

@@ -1,5 +1,7 @@
 //! Dense weights resident on the GPU and their GEMM (`kernels/dense.cu`), plus the slot on [`DenseMatrix`] that
-//! holds a matrix's device copy.
+//! holds a matrix's device copy. Row-wise int8 weights stay int8 there and multiply by the int8 contract
+//! ([`crate::int8_contract`]: inputs quantised to int16 on the device, exact integer sums, scales in f64), so their
+//! products are the CPU's bits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -60,6 +62,8 @@ pub const MAX_JOBS: usize = 8;
 struct DenseJobs {
     w: [u64; MAX_JOBS],
     y: [u64; MAX_JOBS],
+    /// int8 only: the device addresses of the rows' scales.
+    s: [u64; MAX_JOBS],
     rows: [i32; MAX_JOBS],
     split: [i32; MAX_JOBS],
     first: [i32; MAX_JOBS + 1],
@@ -81,6 +85,8 @@ fn le_bytes<T: Copy>(v: &[T]) -> &[u8] {
 enum Kind {
     F32,
     Bf16,
+    /// Row-wise int8 values, with the rows' scales in [`DeviceMatrix::scales`].
+    Int8,
 }
 
 impl Kind {
@@ -89,15 +95,18 @@ impl Kind {
         match self {
             Kind::F32 => 4,
             Kind::Bf16 => 8,
+            Kind::Int8 => 16,
         }
     }
 }
 
-/// A dense `[rows, cols]` weight copied to the GPU once (f32 or bf16; row-wise int8 is uploaded dequantised to
-/// f32).
+/// A dense `[rows, cols]` weight copied to the GPU once (f32, bf16 or row-wise int8; an int8 matrix whose rows are
+/// not whole 16-byte words goes up dequantised to f32).
 pub struct DeviceMatrix {
     gpu: Arc<Gpu>,
     buf: CudaSlice<u8>,
+    /// The rows' scales of an int8 matrix (uploaded on the compute stream, so products need no wait for them).
+    scales: Option<CudaSlice<f32>>,
     /// The end of the upload, when it ran on the upload stream (products wait for it).
     ready: Option<CudaEvent>,
     rows: usize,
@@ -127,17 +136,23 @@ impl DeviceMatrix {
     pub fn upload(gpu: &Arc<Gpu>, m: &DenseMatrix) -> Result<Option<Self>> {
         let kind = match m.data() {
             DenseData::Bf16(_) => Kind::Bf16,
+            DenseData::Int8 { .. } if m.cols().is_multiple_of(Kind::Int8.lanes()) => Kind::Int8,
             DenseData::F32(_) | DenseData::Int8 { .. } => Kind::F32,
         };
         if m.rows() == 0 || m.cols() == 0 || !m.cols().is_multiple_of(kind.lanes()) {
             return Ok(None);
         }
-        // f32 and bf16 values go up from where they lie (the device is little-endian, like every host this
-        // builds for); row-wise int8 is dequantised to f32 first.
-        let (buf, ready) = match m.data() {
-            DenseData::F32(v) => gpu.upload_large(le_bytes(v))?,
-            DenseData::Bf16(v) => gpu.upload_large(le_bytes(v))?,
-            DenseData::Int8 { .. } => {
+        // Values go up from where they lie (the device is little-endian, like every host this builds for), but
+        // int8 rows that are not whole 16-byte words, which are dequantised to f32 first.
+        let mut scales = None;
+        let (buf, ready) = match (m.data(), kind) {
+            (DenseData::F32(v), _) => gpu.upload_large(le_bytes(v))?,
+            (DenseData::Bf16(v), _) => gpu.upload_large(le_bytes(v))?,
+            (DenseData::Int8 { q, scales: s }, Kind::Int8) => {
+                scales = Some(gpu.upload(s)?);
+                gpu.upload_large(le_bytes(q))?
+            }
+            (DenseData::Int8 { .. }, _) => {
                 let vals: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
                 gpu.upload_large(le_bytes(&vals))?
             }
@@ -145,6 +160,7 @@ impl DeviceMatrix {
         Ok(Some(Self {
             gpu: gpu.clone(),
             buf,
+            scales,
             ready,
             rows: m.rows(),
             cols: m.cols(),
@@ -186,8 +202,14 @@ impl DeviceMatrix {
 
     /// The device address of the values and whether they are bf16 bits (else f32; either way whole 16-byte words a
     /// row), for a kernel that reads a small matrix itself; the compute stream first waits for the upload if it
-    /// may still be running.
+    /// may still be running. An int8 matrix is an error (such kernels read floats: upload its values as f32).
     pub fn values_for_kernel(&self) -> Result<(u64, bool)> {
+        if self.kind == Kind::Int8 {
+            return Err(QuantError::Cuda(format!(
+                "a {}x{} int8 matrix cannot be read as floats by a kernel",
+                self.rows, self.cols
+            )));
+        }
         let stream = self.gpu.stream();
         self.wait_uploaded(stream)?;
         Ok((
@@ -230,7 +252,19 @@ impl DeviceMatrix {
 
     /// Bytes on the device.
     pub fn nbytes(&self) -> usize {
-        self.buf.len()
+        self.buf.len() + self.scales.as_ref().map_or(0, |s| s.len() * 4)
+    }
+
+    /// Whether the values are row-wise int8 (products by the int8 contract).
+    pub fn is_int8(&self) -> bool {
+        self.kind == Kind::Int8
+    }
+
+    /// The rows' scales of an int8 matrix.
+    fn scales(&self) -> Result<&CudaSlice<f32>> {
+        self.scales
+            .as_ref()
+            .ok_or_else(|| QuantError::Cuda("an int8 device matrix without its scales".to_string()))
     }
 
     /// `y = x · wᵀ` on device buffers: `x [t_rows, cols]` → `y [t_rows, rows]` (queued on the compute stream).
@@ -246,9 +280,12 @@ impl DeviceMatrix {
                 actual: x.len(),
             });
         }
+        if self.kind == Kind::Int8 {
+            return self.gemm_int8_device(x, t_rows, y);
+        }
         let name = match self.kind {
             Kind::F32 => "dense_gemm_f32",
-            Kind::Bf16 => "dense_gemm_bf16",
+            _ => "dense_gemm_bf16",
         };
         let f = self.gpu.function(name)?;
         self.wait_uploaded(self.gpu.stream())?;
@@ -274,6 +311,49 @@ impl DeviceMatrix {
             .arg(&split_i);
         // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size), t_rows*cols
         // floats of x and writes t_rows*rows floats of y; both lengths were checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
+        Ok(())
+    }
+
+    /// [`Self::gemm_device`] of an int8 matrix: `x` quantised on the device, then the int8 kernel.
+    fn gemm_int8_device(
+        &self,
+        x: &CudaSlice<f32>,
+        t_rows: usize,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let gpu = &self.gpu;
+        let name = "dense_gemm_int8";
+        let f = gpu.function(name)?;
+        self.wait_uploaded(gpu.stream())?;
+        let mut inputs = gpu.int8_inputs.lock().unwrap_or_else(|e| e.into_inner());
+        let (xq, xs) = inputs.quantise(gpu, x, t_rows, self.cols)?;
+        let split = self.split(t_rows);
+        let (rows, cols, t, split_i) = (
+            self.rows as i32,
+            self.cols as i32,
+            t_rows as i32,
+            split as i32,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (blocks_for(self.rows, split) as u32, 1, 1),
+            block_dim: (BLOCK_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scales = self.scales()?;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(&self.buf)
+            .arg(scales)
+            .arg(&*xq)
+            .arg(&*xs)
+            .arg(y)
+            .arg(&rows)
+            .arg(&cols)
+            .arg(&t)
+            .arg(&split_i);
+        // SAFETY: the kernel reads rows*cols int8 weights from `buf` (its exact size) and `rows` scales, t_rows*cols
+        // int16 inputs and t_rows input scales that `quantise` just sized and queued, and writes t_rows*rows floats
+        // of y (checked by the caller).
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok(())
     }
@@ -320,6 +400,7 @@ impl DeviceMatrix {
         let mut jobs = DenseJobs {
             w: [0; MAX_JOBS],
             y: [0; MAX_JOBS],
+            s: [0; MAX_JOBS],
             rows: [0; MAX_JOBS],
             split: [1; MAX_JOBS],
             first: [0; MAX_JOBS + 1],
@@ -340,6 +421,9 @@ impl DeviceMatrix {
             let s = m.split.unwrap_or(split);
             jobs.w[j] = super::device_address(stream, &m.buf);
             jobs.y[j] = super::device_address(stream, &**y);
+            if m.kind == Kind::Int8 {
+                jobs.s[j] = super::device_address(stream, m.scales()?);
+            }
             jobs.rows[j] = m.rows as i32;
             jobs.split[j] = s as i32;
             jobs.first[j] = blocks as i32;
@@ -349,6 +433,7 @@ impl DeviceMatrix {
         let name = match first.kind {
             Kind::F32 => "dense_gemm_multi_f32",
             Kind::Bf16 => "dense_gemm_multi_bf16",
+            Kind::Int8 => "dense_gemm_multi_int8",
         };
         let f = gpu.function(name)?;
         let cfg = LaunchConfig {
@@ -356,11 +441,23 @@ impl DeviceMatrix {
             block_dim: (BLOCK_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (cols, t) = (cols as i32, t_rows as i32);
+        let (cols_i, t) = (cols as i32, t_rows as i32);
+        // int8 matrices read the input quantised once for all of them.
+        let mut inputs = gpu.int8_inputs.lock().unwrap_or_else(|e| e.into_inner());
+        let quantised = match first.kind {
+            Kind::Int8 => Some(inputs.quantise(gpu, x, t_rows, cols)?),
+            _ => None,
+        };
         let mut b = stream.launch_builder(f);
-        b.arg(&jobs).arg(x).arg(&cols).arg(&t);
-        // SAFETY: every job's matrix is `rows * cols` values of the shared kind at `w`, and its `y` holds at least
-        // t_rows * rows floats (checked above); x holds t_rows * cols floats; job j owns the blocks first[j] ..
+        b.arg(&jobs);
+        match &quantised {
+            Some((xq, xs)) => b.arg(&**xq).arg(&**xs),
+            None => b.arg(x),
+        };
+        b.arg(&cols_i).arg(&t);
+        // SAFETY: every job's matrix is `rows * cols` values of the shared kind at `w` (int8: with `rows` scales at
+        // `s`), and its `y` holds at least t_rows * rows floats (checked above); x holds t_rows * cols floats (int8:
+        // its quantised copy, t_rows * cols int16 and t_rows scales); job j owns the blocks first[j] ..
         // first[j + 1], each covering DENSE_WARPS * DENSE_RPW / split[j] of its rows as in the one-matrix kernel.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok(())
@@ -399,6 +496,52 @@ pub(crate) struct HostGemmBuffers {
     x: Option<CudaSlice<f32>>,
     y: Option<CudaSlice<f32>>,
 }
+
+/// The device buffers an int8 product's input goes into ([`Int8Inputs::quantise`]), grown to the largest so far and
+/// reused (products queue on one stream, so the next product's quantisation runs after the last one's kernel).
+#[derive(Default)]
+pub(crate) struct Int8Inputs {
+    q: Option<CudaSlice<i16>>,
+    scales: Option<CudaSlice<f32>>,
+}
+
+impl Int8Inputs {
+    /// Queues the int8 contract's quantisation of `x [t_rows, cols]` (`dense_quantise_i16`) on the compute stream
+    /// and returns its buffers: the int16 values `[t_rows, cols]` and each row's scale.
+    fn quantise(
+        &mut self,
+        gpu: &Gpu,
+        x: &CudaSlice<f32>,
+        t_rows: usize,
+        cols: usize,
+    ) -> Result<(&mut CudaSlice<i16>, &mut CudaSlice<f32>)> {
+        if x.len() < t_rows * cols {
+            return Err(QuantError::BadInput {
+                expected: t_rows * cols,
+                actual: x.len(),
+            });
+        }
+        let name = "dense_quantise_i16";
+        let f = gpu.function(name)?;
+        let q = super::sized(gpu, &mut self.q, t_rows * cols)?;
+        let scales = super::sized(gpu, &mut self.scales, t_rows)?;
+        let cfg = LaunchConfig {
+            grid_dim: (t_rows as u32, 1, 1),
+            block_dim: (QUANTISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let cols_i = cols as i32;
+        let mut b = gpu.stream().launch_builder(f);
+        b.arg(x).arg(&mut *q).arg(&mut *scales).arg(&cols_i);
+        // SAFETY: the kernel reads t_rows * cols floats of x (checked above) and writes as many int16 values into q
+        // and t_rows floats into scales (both sized above); one block per row.
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
+        Ok((q, scales))
+    }
+}
+
+/// Threads of a `dense_quantise_i16` block (one block a row).
+const QUANTISE_THREADS: u32 = 256;
 
 /// The optional device copy attached to a [`DenseMatrix`]. Clones share the device memory; equality ignores it.
 #[derive(Clone, Default)]

@@ -45,7 +45,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 55] = [
+pub(crate) const KERNELS: [(&str, bool); 58] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -95,6 +95,9 @@ pub(crate) const KERNELS: [(&str, bool); 55] = [
     ("dense_gemm_bf16", false),
     ("dense_gemm_multi_f32", false),
     ("dense_gemm_multi_bf16", false),
+    ("dense_quantise_i16", false),
+    ("dense_gemm_int8", false),
+    ("dense_gemm_multi_int8", false),
     ("copy16", false),
     ("mma_peak", false),
     ("copy_f32", false),
@@ -209,6 +212,8 @@ pub struct Gpu {
     /// The input and output buffers of products of host rows ([`dense::DeviceMatrix::gemm`]), reused from call to
     /// call (a device allocation costs 5–20 µs, more than a small product).
     pub(crate) host_gemm: std::sync::Mutex<dense::HostGemmBuffers>,
+    /// The quantised input of int8 products ([`dense::DeviceMatrix`]), reused from call to call.
+    pub(crate) int8_inputs: std::sync::Mutex<dense::Int8Inputs>,
     /// The pinned buffers of activation-row copies ([`Gpu::row_copies`]).
     rows: std::sync::Mutex<rows::RowStaging>,
 }
@@ -342,6 +347,7 @@ impl Gpu {
             staging: upload::Staging::default(),
             host_pins: host_pins::HostPins::default(),
             host_gemm: std::sync::Mutex::default(),
+            int8_inputs: std::sync::Mutex::default(),
             rows: std::sync::Mutex::default(),
         })
     }
@@ -448,14 +454,14 @@ pub fn device_address<T>(stream: &CudaStream, buf: &CudaSlice<T>) -> u64 {
 
 /// The buffer in `slot`, reallocated first when it holds fewer than `len` values (scratch reused from call to call:
 /// a device allocation costs 5–20 µs; the contents are unspecified, every use writes before it reads).
-pub fn sized<'a>(
+pub fn sized<'a, T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     gpu: &Gpu,
-    slot: &'a mut Option<CudaSlice<f32>>,
+    slot: &'a mut Option<CudaSlice<T>>,
     len: usize,
-) -> Result<&'a mut CudaSlice<f32>> {
+) -> Result<&'a mut CudaSlice<T>> {
     if slot.as_ref().is_none_or(|b| b.len() < len) {
         *slot = None;
-        *slot = Some(gpu.zeros::<f32>(len)?);
+        *slot = Some(gpu.zeros::<T>(len)?);
     }
     slot.as_mut()
         .ok_or_else(|| QuantError::Cuda("scratch buffer missing".to_string()))
