@@ -105,8 +105,10 @@ impl Kind {
 pub struct DeviceMatrix {
     gpu: Arc<Gpu>,
     buf: CudaSlice<u8>,
-    /// The rows' scales of an int8 matrix (uploaded on the compute stream, so products need no wait for them).
-    scales: Option<CudaSlice<f32>>,
+    /// The rows' scales of an int8 matrix (f32 values), uploaded as the values are.
+    scales: Option<CudaSlice<u8>>,
+    /// The end of the scales' upload, when it ran on the upload stream.
+    scales_ready: Option<CudaEvent>,
     /// The end of the upload, when it ran on the upload stream (products wait for it).
     ready: Option<CudaEvent>,
     rows: usize,
@@ -144,12 +146,14 @@ impl DeviceMatrix {
         }
         // Values go up from where they lie (the device is little-endian, like every host this builds for), but
         // int8 rows that are not whole 16-byte words, which are dequantised to f32 first.
-        let mut scales = None;
+        let (mut scales, mut scales_ready) = (None, None);
         let (buf, ready) = match (m.data(), kind) {
             (DenseData::F32(v), _) => gpu.upload_large(le_bytes(v))?,
             (DenseData::Bf16(v), _) => gpu.upload_large(le_bytes(v))?,
             (DenseData::Int8 { q, scales: s }, Kind::Int8) => {
-                scales = Some(gpu.upload(s)?);
+                // Through the upload path too: a copy on the compute stream would wait for its queued kernels.
+                let (b, ev) = gpu.upload_large(le_bytes(s))?;
+                (scales, scales_ready) = (Some(b), ev);
                 gpu.upload_large(le_bytes(q))?
             }
             (DenseData::Int8 { .. }, _) => {
@@ -161,6 +165,7 @@ impl DeviceMatrix {
             gpu: gpu.clone(),
             buf,
             scales,
+            scales_ready,
             ready,
             rows: m.rows(),
             cols: m.cols(),
@@ -220,19 +225,22 @@ impl DeviceMatrix {
 
     /// Makes `stream` wait for the matrix's upload while it may still be running.
     fn wait_uploaded(&self, stream: &cudarc::driver::CudaStream) -> Result<()> {
-        let Some(ev) = &self.ready else {
-            return Ok(());
-        };
         if self.uploaded.load(Ordering::Acquire) {
             return Ok(());
         }
-        if ev.is_complete() {
-            self.uploaded.store(true, Ordering::Release);
-            return Ok(());
+        let mut done = true;
+        for ev in [&self.ready, &self.scales_ready].into_iter().flatten() {
+            if !ev.is_complete() {
+                done = false;
+                stream
+                    .wait(ev)
+                    .map_err(|e| driver_err("waiting for a weight upload", e))?;
+            }
         }
-        stream
-            .wait(ev)
-            .map_err(|e| driver_err("waiting for a weight upload", e))
+        if done {
+            self.uploaded.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// The device holding the matrix.
@@ -252,7 +260,7 @@ impl DeviceMatrix {
 
     /// Bytes on the device.
     pub fn nbytes(&self) -> usize {
-        self.buf.len() + self.scales.as_ref().map_or(0, |s| s.len() * 4)
+        self.buf.len() + self.scales.as_ref().map_or(0, |s| s.len())
     }
 
     /// Whether the values are row-wise int8 (products by the int8 contract).
@@ -260,8 +268,8 @@ impl DeviceMatrix {
         self.kind == Kind::Int8
     }
 
-    /// The rows' scales of an int8 matrix.
-    fn scales(&self) -> Result<&CudaSlice<f32>> {
+    /// The rows' scales of an int8 matrix (f32 values).
+    fn scales(&self) -> Result<&CudaSlice<u8>> {
         self.scales
             .as_ref()
             .ok_or_else(|| QuantError::Cuda("an int8 device matrix without its scales".to_string()))
