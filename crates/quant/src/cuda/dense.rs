@@ -533,6 +533,10 @@ impl Int8Inputs {
         let f = gpu.function(name)?;
         let q = super::sized(gpu, &mut self.q, t_rows * cols)?;
         let scales = super::sized(gpu, &mut self.scales, t_rows)?;
+        if t_rows == 0 {
+            // Nothing to quantise (a launch of no blocks is an error).
+            return Ok((q, scales));
+        }
         let cfg = LaunchConfig {
             grid_dim: (t_rows as u32, 1, 1),
             block_dim: (QUANTISE_THREADS, 1, 1),
