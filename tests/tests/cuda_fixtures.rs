@@ -15,6 +15,14 @@ use deltafin_tests::{Golden, fixture, max_abs_diff};
 /// Max |Δlogit| allowed between CUDA and the CPU.
 const TOL: f32 = 1e-3;
 
+/// Max |Δlogit| allowed between CUDA and the CPU with the int8 spine. Both quantise each input row of an int8 product
+/// to int16 by the same contract and sum it exactly, but the values reaching a product differ between the devices in
+/// their last bits (their other f32 arithmetic agrees within [`TOL`], not bit for bit), and a last-bit difference can
+/// move a value's rounding by a whole int16 step: a few hundred times the difference that caused it. The bound stays
+/// far below the int8 spine's own error against bf16 (`tests/tests/int8_spine.rs`), which a product on wrong weights
+/// or scales would reach; greedy tokens must still agree.
+const TOL_INT8: f32 = 1e-2;
+
 /// Opens `dir` on `pref`, with at most `gpu_layers` layers kept on the GPU (the rest streamed), experts and spine
 /// uploaded through a staging copy when `staged`.
 fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>, staged: bool) -> Engine {
@@ -111,12 +119,14 @@ fn check_spine(
         prof.mla,
         prof.mla_proj
     );
+    assert_eq!(cpu.spine_is_int8(), gpu.spine_is_int8(), "{name}: spines");
+    let tol = if gpu.spine_is_int8() { TOL_INT8 } else { TOL };
     let d = max_abs_diff(&a, &b);
     eprintln!(
         "{name}: prefill {} tokens, max |Δlogit| cuda vs cpu = {d:.3e}",
         ids.len()
     );
-    assert!(d <= TOL, "{name}: prefill max |Δlogit| {d}");
+    assert!(d <= tol, "{name}: prefill max |Δlogit| {d}");
 
     // Decode: half prefill, then one token per step.
     let split = ids.len() / 2;
@@ -130,7 +140,7 @@ fn check_spine(
     };
     let d = max_abs_diff(&decode(&cpu), &decode(&gpu));
     eprintln!("{name}: decode max |Δlogit| cuda vs cpu = {d:.3e}");
-    assert!(d <= TOL, "{name}: decode max |Δlogit| {d}");
+    assert!(d <= tol, "{name}: decode max |Δlogit| {d}");
 
     // Greedy tokens.
     let opts = GreedyOptions {
