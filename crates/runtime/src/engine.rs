@@ -104,7 +104,7 @@ impl Engine {
         let spine = Arc::new(SpineSource::open(
             Arc::clone(&files),
             options.spine,
-            Some(budget),
+            Some(spine_budget(&options, on_gpu, budget)?),
             pins.clone(),
         )?);
         let spine_int8 = spine.is_int8();
@@ -579,6 +579,27 @@ fn gpu_in_use(options: &EngineOptions) -> bool {
 #[cfg(not(feature = "cuda"))]
 fn gpu_in_use(_options: &EngineOptions) -> bool {
     false
+}
+
+/// The memory the spine is weighed against under `K3_SPINE=auto`: on a GPU its memory budget (`--vram-gb`, or what is
+/// free), since the spine lives there and the host keeps no copy of it; else the RAM budget `ram`.
+#[cfg(feature = "cuda")]
+fn spine_budget(options: &EngineOptions, on_gpu: bool, ram: u64) -> Result<u64> {
+    if !on_gpu {
+        return Ok(ram);
+    }
+    let gpu = crate::shared_gpu(&options.device)
+        .map_err(|e| deltafin_model::ModelError::Device(e.to_string()))?;
+    Ok(deltafin_model::gpu::vram_budget(
+        &gpu,
+        options.device.vram_bytes,
+    )?)
+}
+
+/// Without CUDA the spine is weighed against the RAM budget.
+#[cfg(not(feature = "cuda"))]
+fn spine_budget(_options: &EngineOptions, _on_gpu: bool, ram: u64) -> Result<u64> {
+    Ok(ram)
 }
 
 /// The spine reader's buffer hook: on a GPU (whatever the model then keeps there) its buffers are page-locked, so

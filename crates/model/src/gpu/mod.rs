@@ -35,6 +35,7 @@ pub use experts::{ExpertCacheStats, GpuExperts, MoeSplit};
 pub use kda::DeviceKdaState;
 pub(crate) use mla::MlaGpu;
 pub(crate) use vram::VramPlan;
+pub use vram::vram_budget;
 
 /// Maps a CUDA failure into the model's error.
 pub(crate) fn cuda_err(e: deltafin_quant::QuantError) -> ModelError {

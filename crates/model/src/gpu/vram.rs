@@ -40,6 +40,25 @@ pub(crate) struct VramPlan {
     max_layers: Option<usize>,
 }
 
+/// The GPU memory a model may use out of `free` bytes free on the device: `requested` (`--vram-gb`), at most the free
+/// memory less a margin, which is also the default. Returns the budget and whether `requested` was clamped.
+fn effective_budget(free: usize, requested: Option<u64>) -> (usize, bool) {
+    let avail = free.saturating_sub(DEFAULT_MARGIN);
+    match requested {
+        Some(b) if b as usize > avail => (avail, true),
+        Some(b) => (b as usize, false),
+        None => (avail, false),
+    }
+}
+
+/// The GPU memory budget a model opened now on `gpu` gets for `requested` (`--vram-gb`; `None`: the default), as
+/// the memory plan at open will take it: for choices made before the plan starts (the spine's precision under
+/// `K3_SPINE=auto`).
+pub fn vram_budget(gpu: &Gpu, requested: Option<u64>) -> Result<u64> {
+    let (free, _) = gpu.memory().map_err(cuda_err)?;
+    Ok(effective_budget(free, requested).0 as u64)
+}
+
 impl VramPlan {
     /// Starts a plan for `budget` bytes (default: the free memory less a margin), with `min_cache` bytes kept for
     /// the expert cache. A budget above the free memory is clamped to it with a warning.
@@ -51,24 +70,19 @@ impl VramPlan {
         min_cache: usize,
     ) -> Result<Self> {
         let (free0, total) = gpu.memory().map_err(cuda_err)?;
-        let explicit = budget.is_some();
-        let avail = free0.saturating_sub(DEFAULT_MARGIN);
-        let budget = match budget {
-            Some(b) if b as usize > avail => {
-                tracing::warn!(
-                    "the GPU memory budget of {:.1} GiB is more than the {:.1} GiB free on {} ({:.1} GiB in all); \
-                     using {:.1} GiB",
-                    b as f64 / GIB,
-                    free0 as f64 / GIB,
-                    gpu.name(),
-                    total as f64 / GIB,
-                    avail as f64 / GIB
-                );
-                avail
-            }
-            Some(b) => b as usize,
-            None => avail,
-        };
+        let (requested, explicit) = (budget, budget.is_some());
+        let (budget, clamped) = effective_budget(free0, requested);
+        if clamped {
+            tracing::warn!(
+                "the GPU memory budget of {:.1} GiB is more than the {:.1} GiB free on {} ({:.1} GiB in all); \
+                 using {:.1} GiB",
+                requested.unwrap_or_default() as f64 / GIB,
+                free0 as f64 / GIB,
+                gpu.name(),
+                total as f64 / GIB,
+                budget as f64 / GIB
+            );
+        }
         Ok(Self {
             gpu: gpu.clone(),
             free0,
@@ -154,3 +168,25 @@ impl VramPlan {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The budget is what was asked, at most the free memory less the margin, and that by default; asking for more
+    /// is reported as clamped. (No GPU needed: `K3_SPINE=auto` and the plan both take it from here.)
+    #[test]
+    fn budget_is_asked_for_or_free_less_margin() {
+        let free = 24usize << 30;
+        let avail = free - DEFAULT_MARGIN;
+        assert_eq!(effective_budget(free, None), (avail, false));
+        assert_eq!(effective_budget(free, Some(8 << 30)), (8 << 30, false));
+        assert_eq!(effective_budget(free, Some(avail as u64)), (avail, false));
+        assert_eq!(
+            effective_budget(free, Some(avail as u64 + 1)),
+            (avail, true)
+        );
+        assert_eq!(effective_budget(DEFAULT_MARGIN / 2, None), (0, false));
+        assert_eq!(effective_budget(DEFAULT_MARGIN / 2, Some(1)), (0, true));
+    }
+}
