@@ -387,9 +387,10 @@ pub fn upload_bw(mib: usize, reps: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The dense (spine) GEMM of `DeviceMatrix::gemm_device` on bf16 matrices of K3's attention shapes, for each token
-/// count, against a device copy of the same bytes in the same process (read + write counted, as for the MoE
-/// kernels). Prints one JSON line per shape and token count.
+/// The dense (spine) GEMM of `DeviceMatrix::gemm_many_device` on matrices of K3's attention shapes (bf16, or the
+/// same values as the int8 spine's rows: each of `kinds`), for each token count, against a device copy of the same
+/// bytes in the same process (read + write counted, as for the MoE kernels). Prints one JSON line per kind, shape
+/// and token count.
 pub fn dense_bw(
     tokens: &[usize],
     reps: usize,

@@ -288,54 +288,20 @@ impl DeviceMatrix {
                 actual: x.len(),
             });
         }
-        if self.kind == Kind::Int8 {
-            return self.gemm_int8_device(x, t_rows, y);
-        }
         let name = match self.kind {
             Kind::F32 => "dense_gemm_f32",
-            _ => "dense_gemm_bf16",
+            Kind::Bf16 => "dense_gemm_bf16",
+            Kind::Int8 => "dense_gemm_int8",
         };
-        let f = self.gpu.function(name)?;
-        self.wait_uploaded(self.gpu.stream())?;
-        let split = self.split(t_rows);
-        let (rows, cols, t, split_i) = (
-            self.rows as i32,
-            self.cols as i32,
-            t_rows as i32,
-            split as i32,
-        );
-        let cfg = LaunchConfig {
-            grid_dim: (blocks_for(self.rows, split) as u32, 1, 1),
-            block_dim: (BLOCK_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.gpu.stream().launch_builder(f);
-        b.arg(&self.buf)
-            .arg(x)
-            .arg(y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&t)
-            .arg(&split_i);
-        // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size), t_rows*cols
-        // floats of x and writes t_rows*rows floats of y; both lengths were checked above.
-        unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
-        Ok(())
-    }
-
-    /// [`Self::gemm_device`] of an int8 matrix: `x` quantised on the device, then the int8 kernel.
-    fn gemm_int8_device(
-        &self,
-        x: &CudaSlice<f32>,
-        t_rows: usize,
-        y: &mut CudaSlice<f32>,
-    ) -> Result<()> {
         let gpu = &self.gpu;
-        let name = "dense_gemm_int8";
         let f = gpu.function(name)?;
         self.wait_uploaded(gpu.stream())?;
-        let mut inputs = gpu.int8_inputs.lock().unwrap_or_else(|e| e.into_inner());
-        let (xq, xs) = inputs.quantise(gpu, x, t_rows, self.cols)?;
+        // An int8 matrix reads the input quantised on the device first (`Int8Inputs`).
+        let mut inputs = (self.kind == Kind::Int8).then(|| gpu.int8_inputs());
+        let quantised = match inputs.as_mut() {
+            Some(i) => Some((i.quantise(gpu, x, t_rows, self.cols)?, self.scales()?)),
+            None => None,
+        };
         let split = self.split(t_rows);
         let (rows, cols, t, split_i) = (
             self.rows as i32,
@@ -348,20 +314,16 @@ impl DeviceMatrix {
             block_dim: (BLOCK_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let scales = self.scales()?;
         let mut b = gpu.stream().launch_builder(f);
-        b.arg(&self.buf)
-            .arg(scales)
-            .arg(&*xq)
-            .arg(&*xs)
-            .arg(y)
-            .arg(&rows)
-            .arg(&cols)
-            .arg(&t)
-            .arg(&split_i);
-        // SAFETY: the kernel reads rows*cols int8 weights from `buf` (its exact size) and `rows` scales, t_rows*cols
-        // int16 inputs and t_rows input scales that `quantise` just sized and queued, and writes t_rows*rows floats
-        // of y (checked by the caller).
+        b.arg(&self.buf);
+        match &quantised {
+            Some(((xq, xs), scales)) => b.arg(*scales).arg(&**xq).arg(&**xs),
+            None => b.arg(x),
+        };
+        b.arg(y).arg(&rows).arg(&cols).arg(&t).arg(&split_i);
+        // SAFETY: the kernel reads rows*cols weights of the matrix's kind from `buf` (its exact size; int8: with
+        // `rows` scales), t_rows*cols floats of x (int8: as many int16 values and t_rows scales, which `quantise`
+        // just sized and queued) and writes t_rows*rows floats of y; both lengths were checked above.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok(())
     }
@@ -451,10 +413,10 @@ impl DeviceMatrix {
         };
         let (cols_i, t) = (cols as i32, t_rows as i32);
         // int8 matrices read the input quantised once for all of them.
-        let mut inputs = gpu.int8_inputs.lock().unwrap_or_else(|e| e.into_inner());
-        let quantised = match first.kind {
-            Kind::Int8 => Some(inputs.quantise(gpu, x, t_rows, cols)?),
-            _ => None,
+        let mut inputs = (first.kind == Kind::Int8).then(|| gpu.int8_inputs());
+        let quantised = match inputs.as_mut() {
+            Some(i) => Some(i.quantise(gpu, x, t_rows, cols)?),
+            None => None,
         };
         let mut b = stream.launch_builder(f);
         b.arg(&jobs);
@@ -549,6 +511,14 @@ impl Int8Inputs {
         // and t_rows floats into scales (both sized above); one block per row.
         unsafe { b.launch(cfg) }.map_err(|e| driver_err(name, e))?;
         Ok((q, scales))
+    }
+}
+
+impl Gpu {
+    /// The reused buffers of int8 products' quantised inputs, held while a product queues (a panic elsewhere left
+    /// them valid: whatever was queued last is overwritten by the next quantisation).
+    fn int8_inputs(&self) -> std::sync::MutexGuard<'_, Int8Inputs> {
+        self.int8_inputs.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

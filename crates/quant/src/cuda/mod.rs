@@ -213,7 +213,7 @@ pub struct Gpu {
     /// call (a device allocation costs 5–20 µs, more than a small product).
     pub(crate) host_gemm: std::sync::Mutex<dense::HostGemmBuffers>,
     /// The quantised input of int8 products ([`dense::DeviceMatrix`]), reused from call to call.
-    pub(crate) int8_inputs: std::sync::Mutex<dense::Int8Inputs>,
+    int8_inputs: std::sync::Mutex<dense::Int8Inputs>,
     /// The pinned buffers of activation-row copies ([`Gpu::row_copies`]).
     rows: std::sync::Mutex<rows::RowStaging>,
 }
