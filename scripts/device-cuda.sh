@@ -17,8 +17,12 @@
 #            the GPU, the HBM copy rate measured in the same process (--hbm-mib 1024), $RUNS times for each of $BINS
 #   cpu      the same on the CPU, for the greedy tokens
 #   int8     the int8 spine on the GPU: a dense real-width K3 (6 layers, 32 experts) and its int8 copy, then
-#            `bench-decode --dev cuda` with K3_SPINE=bf16 and int8 alternated, $RUNS times, every layer on the GPU
-#            and with a GPU budget of $INT8_VRAM GiB (default 8: some layers streamed)
+#            `bench-decode --dev cuda` for each K3_SPINE in $SPINES (default "bf16 int8"; "auto" chooses by the GPU
+#            budget), $RUNS times, every layer on the GPU and with a GPU budget of $INT8_VRAM GiB (default 8: some
+#            bf16 layers streamed)
+#   tier     the host tier: on the dense real-width K3 of `int8` (bf16 spine) under a GPU budget of $INT8_VRAM GiB,
+#            `bench-decode --dev cuda` with the layers the GPU streams kept in RAM (`--pin-layers auto`) and read from
+#            storage at every pass (`--pin-layers none`), alternated, $RUNS times
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
 #            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
@@ -148,7 +152,7 @@ if has int8; then
   [ -d "$D" ] || timeout 300 bin/xtask make-synthetic --preset k3 --layers 6 --experts 32 --out "$D" | tail -1
   timeout 300 bin/xtask convert-spine-int8 --model "$D" | tail -1
   for i in $(seq 1 "${RUNS:-1}"); do
-    for spine in bf16 int8; do
+    for spine in ${SPINES:-bf16 int8}; do
       for v in all "${INT8_VRAM:-8}"; do
         vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
         step "bench-decode run $i, K3_SPINE=$spine, GPU budget $v"
@@ -158,11 +162,34 @@ if has int8; then
 import json, statistics, sys
 d = json.load(open(sys.argv[1])); n = d["tokens"]
 print(f"s/token median {statistics.median(d['token_s']):.4f} ({min(d['token_s']):.4f}-{max(d['token_s']):.4f}); "
-      f"attention {d['attention_s'] / n * 1e3:.2f} ms (GPU {d['attn_device_s'] / n * 1e3:.2f}); spine streamed "
-      f"{d['spine_bytes'] / n / 1e9:.2f} GB/token, wait {d['spine_wait_s'] / n:.4f} s; open {d['open_s']:.1f} s; "
+      f"attention {d['attention_s'] / n * 1e3:.2f} ms (GPU {d['attn_device_s'] / n * 1e3:.2f}); spine "
+      f"{d['spine_bytes'] / 1e9:.2f} GB, streamed {d['spine_read_bytes'] / n / 1e9:.2f} GB/token, wait "
+      f"{d['spine_wait_s'] / n:.4f} s; open {d['open_s']:.1f} s; "
       f"HBM {(d['hbm_before_bytes_per_s'] + d['hbm_after_bytes_per_s']) / 2e12:.2f} TB/s")
 PY
       done
+    done
+  done
+fi
+if has tier; then
+  D="$DATA/k3d6"
+  [ -d "$D" ] || timeout 300 bin/xtask make-synthetic --preset k3 --layers 6 --experts 32 --out "$D" | tail -1
+  for i in $(seq 1 "${RUNS:-1}"); do
+    for pins in auto none; do
+      step "bench-decode run $i, GPU budget ${INT8_VRAM:-8} GiB, --pin-layers $pins"
+      K3_SPINE=bf16 timeout 200 bin/deltafin bench-decode --dev cuda --vram-gb "${INT8_VRAM:-8}" --model "$D" \
+        --ram-gb 40 --pin-layers "$pins" --tokens 8 --prompt-len 3 --membw-gib 0 --hbm-mib 1024 \
+        > "$OUT/tier_${pins}_$i.json"
+      python3 - "$OUT/tier_${pins}_$i.json" <<'PY'
+import json, statistics, sys
+d = json.load(open(sys.argv[1])); n = d["tokens"]
+h2d = (d["h2d_pinned_before_bytes_per_s"] + d["h2d_pinned_after_bytes_per_s"]) / 2
+print(f"s/token median {statistics.median(d['token_s']):.4f} ({min(d['token_s']):.4f}-{max(d['token_s']):.4f}); "
+      f"streamed layers {d['streamed_layers']}, from RAM {d['host_tier_layers']}; spine read "
+      f"{d['spine_read_bytes'] / n / 1e9:.2f} GB/token, wait {d['spine_wait_s'] / n:.4f} s; open {d['open_s']:.1f} s "
+      f"({d['open_read_bytes'] / 1e9:.2f} GB read); pinned link {h2d / 1e9:.1f} GB/s; peak RSS "
+      f"{d['peak_rss_bytes'] / 2**30:.2f} GiB")
+PY
     done
   done
 fi

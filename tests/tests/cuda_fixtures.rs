@@ -7,7 +7,7 @@ use std::path::Path;
 
 use deltafin_model::state::LayerState;
 use deltafin_runtime::{
-    DevicePref, Engine, EngineOptions, GreedyOptions, SpineMode, convert_spine_int8,
+    DevicePref, Engine, EngineOptions, GreedyOptions, PinLayers, SpineMode, convert_spine_int8,
 };
 use deltafin_tests::corrupt::ScratchModel;
 use deltafin_tests::{Golden, fixture, max_abs_diff};
@@ -32,18 +32,23 @@ fn open(dir: &Path, pref: DevicePref, gpu_layers: Option<usize>, staged: bool) -
         gpu_layers,
         staged,
         EngineOptions::default().spine,
+        PinLayers::Auto,
     )
 }
 
-/// [`open`] with the spine `spine`.
+/// [`open`] with the spine `spine`, and the layers `pins` kept in host memory.
 fn open_spine(
     dir: &Path,
     pref: DevicePref,
     gpu_layers: Option<usize>,
     staged: bool,
     spine: SpineMode,
+    pins: PinLayers,
 ) -> Engine {
-    let mut o = EngineOptions::default().with_device(pref).with_spine(spine);
+    let mut o = EngineOptions::default()
+        .with_device(pref)
+        .with_spine(spine)
+        .with_pin_layers(pins);
     o.device.gpu_layers = gpu_layers;
     o.device.stage_uploads = staged;
     let e = Engine::open(dir, o).expect("fixture opens");
@@ -66,31 +71,39 @@ fn check_with(name: &str, gpu_layers: Option<usize>, staged: bool) {
         EngineOptions::default().spine,
         gpu_layers,
         staged,
+        PinLayers::Auto,
     );
 }
 
-/// [`check_with`] of the model in `dir` (fixture `name` or a copy of it) with the spine `spine` on both devices;
-/// returns the spine's bytes uploaded to the GPU.
+/// [`check_with`] of the model in `dir` (fixture `name` or a copy of it) with the spine `spine` on both devices,
+/// the GPU's host keeping the layers `pins` in RAM (layers the GPU streams come from there, or from storage when
+/// not pinned); returns the spine's bytes uploaded to the GPU.
 fn check_spine(
     name: &str,
     dir: &Path,
     spine: SpineMode,
     gpu_layers: Option<usize>,
     staged: bool,
+    pins: PinLayers,
 ) -> u64 {
     let g = Golden::load(dir).expect("golden");
     let ids = g.ids("input_ids").expect("ids");
     let prompt = g.ids("greedy_prompt").expect("prompt");
-    let cpu = open_spine(dir, DevicePref::Cpu, None, false, spine);
+    let cpu = open_spine(dir, DevicePref::Cpu, None, false, spine, PinLayers::Auto);
     // The device's upload counters are the process's: this engine's are the difference.
     let uploads0 = deltafin_runtime::shared_gpu(&Default::default())
         .expect("a GPU")
         .staging_stats();
-    let gpu = open_spine(dir, DevicePref::Cuda, gpu_layers, staged, spine);
+    let gpu = open_spine(dir, DevicePref::Cuda, gpu_layers, staged, spine, pins);
     if let Some(n) = gpu_layers {
         let want: Vec<usize> = (n..cpu.config().n_layers).collect();
         assert_eq!(gpu.streamed_layers(), want, "{name}: streamed layers");
     }
+    // The layers the GPU streams and the host's plan keeps in RAM make the host tier.
+    let tier: Vec<usize> = (gpu.streamed_layers().iter().copied())
+        .filter(|&l| gpu.memory_plan().resident[l])
+        .collect();
+    assert_eq!(gpu.host_tier_layers(), tier, "{name}: host tier");
 
     // Whole sequence (prefill in chunks of 64).
     let a = cpu.session().prefill(&ids).expect("cpu prefill").data;
@@ -127,6 +140,11 @@ fn check_spine(
         ids.len()
     );
     assert!(d <= tol, "{name}: prefill max |Δlogit| {d}");
+    // Layers streamed from the host tier are not read from storage again; the others are.
+    let read = gpu.spine_reads().bytes;
+    let from_storage = gpu.streamed_layers().len() > tier.len();
+    eprintln!("{name}: host tier {tier:?}, spine bytes read by the prefill {read}");
+    assert_eq!(read > 0, from_storage, "{name}: spine read {read} bytes");
 
     // Decode: half prefill, then one token per step.
     let split = ids.len() / 2;
@@ -248,11 +266,22 @@ fn staged_expert_uploads_match_cpu() {
     check_with("k3/k3-tiny-b", None, true);
 }
 
-/// Spine layers streamed to the GPU at every pass (one layer resident, or none) give the resident path's logits.
+/// Spine layers streamed to the GPU at every pass (one layer resident, or none) give the resident path's logits,
+/// uploaded from the host tier (the default budget keeps every layer in RAM) or read from storage (only layer 0
+/// pinned in RAM).
 #[test]
 fn streamed_gpu_layers_match_cpu() {
     check_with("k3/k3-tiny-a", Some(1), false);
     check_with("kimi-linear/qlora", Some(0), false);
+    let name = "k3/k3-tiny-b";
+    check_spine(
+        name,
+        &fixture(name),
+        SpineMode::Bf16,
+        Some(1),
+        false,
+        PinLayers::First(1),
+    );
 }
 
 /// With the int8 spine copy, CUDA gives the CPU int8 path's logits and greedy tokens, resident and streamed, and
@@ -262,12 +291,19 @@ fn streamed_gpu_layers_match_cpu() {
 fn int8_spine_cuda_matches_cpu() {
     let name = "k3/k3-tiny-a";
     let m = ScratchModel::copy_of(&fixture(name)).expect("copy");
-    let bf16 = check_spine(name, &m.dir, SpineMode::Bf16, None, false);
+    let bf16 = check_spine(name, &m.dir, SpineMode::Bf16, None, false, PinLayers::Auto);
     let report = convert_spine_int8(&m.dir).expect("convert");
-    let int8 = check_spine(name, &m.dir, SpineMode::Int8, None, false);
+    let int8 = check_spine(name, &m.dir, SpineMode::Int8, None, false, PinLayers::Auto);
     eprintln!("{name}: spine uploads bf16 {bf16} bytes, int8 {int8} bytes ({report:?})");
     assert!(int8 < bf16, "int8 spine uploads {int8} bytes, bf16 {bf16}");
-    check_spine(name, &m.dir, SpineMode::Int8, Some(1), false);
+    check_spine(
+        name,
+        &m.dir,
+        SpineMode::Int8,
+        Some(1),
+        false,
+        PinLayers::Auto,
+    );
 }
 
 #[test]

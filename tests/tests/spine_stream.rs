@@ -1,11 +1,15 @@
 //! The streamed spine: with decoder layers read from disk at every forward pass (a budget too small for the
 //! spine, or `K3_PIN_LAYERS`), logits and greedy tokens are bit-identical to the resident spine, the bytes read per
-//! forward pass are exactly the streamed layers' spine tensors, and bad pin lists are errors.
+//! forward pass are exactly the streamed layers' spine tensors, and bad pin lists are errors. The host tier (layers a
+//! GPU streams from RAM) serves a kept layer's tensors without reading them again.
 
 use std::path::Path;
 
+use std::sync::Arc;
+
+use deltafin_model::WeightSource;
 use deltafin_runtime::{
-    Engine, EngineOptions, GenerateOptions, PinLayers, SpineMode, convert_spine_int8,
+    Engine, EngineOptions, GenerateOptions, PinLayers, SpineMode, SpineSource, convert_spine_int8,
 };
 use deltafin_storage::ModelFiles;
 use deltafin_tests::corrupt::ScratchModel;
@@ -340,4 +344,64 @@ fn open_reports_the_spine_bytes_it_reads() {
         engine.session().prefill(&[1, 2, 3]).expect("prefill");
         assert_eq!(counted.done.load(Ordering::Relaxed), *total, "{pins:?}");
     }
+}
+
+/// The host tier: a layer kept by `SpineSource::keep_layers` is read once, with the reader's direct I/O, and then
+/// served from memory at every load, equal to a fresh read; a layer not kept is still read each time. For both the
+/// bf16 shards and the int8 copy.
+#[test]
+fn kept_layers_are_read_once_and_served_from_memory() {
+    let name = "k3/k3-tiny-a";
+    let m = ScratchModel::copy_of(&fixture(name)).expect("copy");
+    convert_spine_int8(&m.dir).expect("convert");
+    for mode in [SpineMode::Bf16, SpineMode::Int8] {
+        let files = Arc::new(ModelFiles::open(&m.dir).expect("files"));
+        let open = || SpineSource::open(Arc::clone(&files), mode, None, None).expect("spine");
+        let (kept, fresh) = (open(), open());
+        let engine = open_on(&m.dir, mode);
+        let cfg = engine.config();
+        let (keep, other) = (cfg.layer_tensor(1, ""), cfg.layer_tensor(0, ""));
+        let bytes = kept.keep_layers(std::slice::from_ref(&keep)).expect("keep");
+        assert_eq!(bytes, kept.served_bytes(&keep), "{mode:?}: bytes kept");
+        assert_eq!(kept.kept_bytes(), bytes);
+        assert_eq!(
+            kept.read_stats().bytes,
+            bytes,
+            "{mode:?}: kept layer read once"
+        );
+        kept.reset_reads();
+        let names = |prefix: &str| -> Vec<String> {
+            files
+                .tensors()
+                .filter(|t| t.name.starts_with(prefix) && !t.name.contains(".experts."))
+                .map(|t| t.name.clone())
+                .collect()
+        };
+        for pass in 0..2 {
+            for t in names(&keep) {
+                let a = kept.load(&t).expect("kept load").expect("tensor");
+                let b = fresh.load(&t).expect("fresh load").expect("tensor");
+                assert_eq!(a.shape, b.shape, "{mode:?} {t}");
+                assert_eq!(a.to_f32(), b.to_f32(), "{mode:?} {t}: pass {pass}");
+            }
+            assert_eq!(
+                kept.read_stats().bytes,
+                0,
+                "{mode:?}: a kept layer read again"
+            );
+        }
+        for t in names(&other) {
+            kept.load(&t).expect("load").expect("tensor");
+        }
+        assert_eq!(
+            kept.read_stats().bytes,
+            kept.served_bytes(&other),
+            "{mode:?}: a layer not kept is read"
+        );
+    }
+}
+
+/// The model in `dir` opened with the spine `mode` (for its configuration).
+fn open_on(dir: &Path, mode: SpineMode) -> Engine {
+    open(dir, PinLayers::Auto, None, mode)
 }

@@ -77,6 +77,9 @@ struct Report {
     /// reads wait for; 0 when every read reused a buffer).
     expert_buffers_allocated: u64,
     streamed_layers: usize,
+    /// Of the streamed layers, those uploaded to the GPU from RAM at every pass (the host tier), not read from
+    /// storage.
+    host_tier_layers: usize,
     proc_read_bytes: u64,
     cache_hits: u64,
     cache_misses: u64,
@@ -499,6 +502,7 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         expert_buffers_allocated: stats.reader.disk.buffers_allocated
             - stats0.reader.disk.buffers_allocated,
         streamed_layers: engine.streamed_layers().len(),
+        host_tier_layers: engine.host_tier_layers().len(),
         proc_read_bytes: proc_read_bytes() - io0,
         cache_hits: stats.cache.hits - stats0.cache.hits,
         cache_misses: stats.cache.misses - stats0.cache.misses,

@@ -24,14 +24,15 @@ pub fn dense_data(bytes: &[u8], dtype: Dtype) -> Option<DenseData> {
 }
 
 /// As [`dense_data`], but bf16 bytes in a read pool's buffer are used in place (no copy) when they are aligned:
-/// the buffer then lives as long as the weight. Other bytes are copied: a plain vector is not on huge pages, and
-/// the kernels read weights on 4 KiB pages more slowly (misaligned bytes, a checkpoint whose tensors start at odd
+/// the buffer then lives as long as the weight (and as long as any other holder of `bytes`: the spine's host tier
+/// keeps a layer's buffers for every pass). Other bytes are copied: a plain vector is not on huge pages, and the
+/// kernels read weights on 4 KiB pages more slowly (misaligned bytes, a checkpoint whose tensors start at odd
 /// offsets, are copied too).
-pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> {
+pub fn dense_data_in_place(bytes: Arc<SpanBytes>, dtype: Dtype) -> Option<DenseData> {
     let aligned = (bytes.as_ptr() as usize).is_multiple_of(2) && cfg!(target_endian = "little");
-    if dtype == Dtype::BF16 && aligned && matches!(bytes, SpanBytes::Pooled(_)) {
+    if dtype == Dtype::BF16 && aligned && matches!(*bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len() / 2;
-        let owner: SharedBytes = Arc::new(bytes);
+        let owner: SharedBytes = bytes;
         return Some(match Words::<u16>::in_place(Arc::clone(&owner), 0, n) {
             Some(w) => DenseData::Bf16(w),
             // Not reached after the checks above; copying keeps it correct if it were.
@@ -43,10 +44,10 @@ pub fn dense_data_in_place(bytes: SpanBytes, dtype: Dtype) -> Option<DenseData> 
 
 /// int8 values stored in `bytes`, in place when they are in a read pool's buffer (one-byte elements are always
 /// aligned; see [`dense_data_in_place`]), else copied onto huge pages.
-pub fn int8_in_place(bytes: SpanBytes) -> Words<i8> {
-    if cfg!(target_endian = "little") && matches!(bytes, SpanBytes::Pooled(_)) {
+pub fn int8_in_place(bytes: Arc<SpanBytes>) -> Words<i8> {
+    if cfg!(target_endian = "little") && matches!(*bytes, SpanBytes::Pooled(_)) {
         let n = bytes.len();
-        let owner: SharedBytes = Arc::new(bytes);
+        let owner: SharedBytes = bytes;
         if let Some(w) = Words::<i8>::in_place(Arc::clone(&owner), 0, n) {
             return w;
         }

@@ -44,6 +44,8 @@ pub struct Engine {
     open_times: OpenTimes,
     /// Spine bytes per layer as served (int8 copy or shards).
     layer_bytes: Vec<u64>,
+    /// Layers the GPU streams from RAM (the host tier), not from storage.
+    host_tier: Vec<usize>,
     fingerprint: u32,
     model: Model,
     experts: CountingExperts<ExpertStore>,
@@ -195,12 +197,38 @@ impl Engine {
         }
         let loading = std::time::Instant::now();
         let loaded = Model::load_streamed(cfg, src, &options.device, &plan.resident);
+        // The host tier: layers the memory plan keeps in RAM but the GPU streams (its memory holds fewer) are read
+        // once now and uploaded from RAM at every pass, not read from storage again.
+        let host_tier: Vec<usize> = match &loaded {
+            Ok(m) if on_gpu => (m.streamed_layers().iter().copied())
+                .filter(|&l| plan.resident[l])
+                .collect(),
+            _ => Vec::new(),
+        };
+        let kept = match &loaded {
+            Ok(_) if !host_tier.is_empty() => {
+                let prefixes: Vec<String> = host_tier
+                    .iter()
+                    .map(|&l| layer_prefixes[l].clone())
+                    .collect();
+                Some(spine.keep_layers(&prefixes))
+            }
+            _ => None,
+        };
         let load_done = std::time::Instant::now();
         spine.set_progress(None);
         if let Some(p) = &progress {
             p.finish();
         }
         let mut model = loaded?;
+        if let Some(kept) = kept {
+            let kept = kept?;
+            tracing::info!(
+                "{} of the layers the GPU streams are kept in RAM ({:.2} GiB) and uploaded from there at every pass",
+                host_tier.len(),
+                kept as f64 / GIB
+            );
+        }
         model.set_expert_input(options.expert_input);
         let slow = match options.expert_input {
             ExpertInput::F32 => None,
@@ -222,12 +250,14 @@ impl Engine {
         let open_reads = spine.read_stats();
         spine.reset_reads();
         let streamed = model.streamed_layers();
-        if streamed.is_empty() {
+        // With no layer read from storage at every pass, the buffers the load read into are of no further use.
+        if streamed.iter().all(|l| host_tier.contains(l)) {
             spine.release_idle_buffers();
         }
         spine.set_order(
             streamed
                 .iter()
+                .filter(|l| !host_tier.contains(l))
                 .map(|&l| layer_prefixes[l].clone())
                 .collect(),
             true,
@@ -238,7 +268,8 @@ impl Engine {
         #[cfg(feature = "cuda")]
         if model.gpu().is_some() {
             // The plan charged the layers it pins as host memory; those the GPU holds freed their host values
-            // once uploaded, so their share goes to the RAM expert cache (which feeds the GPU's uploads).
+            // once uploaded, so their share goes to the RAM expert cache (which feeds the GPU's uploads). Those it
+            // streams keep theirs: the host tier.
             let freed: u64 = (0..n_layers)
                 .filter(|&l| plan.resident[l] && !streamed.contains(&l))
                 .map(|l| layer_bytes[l])
@@ -279,6 +310,7 @@ impl Engine {
             reserved_chunk,
             expert_bytes,
             spine_int8,
+            host_tier,
             spine_bytes,
             fingerprint: hasher.finalize(),
             model,
@@ -456,6 +488,12 @@ impl Engine {
     /// Layers read from disk at every forward pass (empty when the whole spine is resident).
     pub fn streamed_layers(&self) -> &[usize] {
         self.model.streamed_layers()
+    }
+
+    /// The streamed layers whose spine bytes the host keeps in RAM, uploaded to the GPU from there at every pass
+    /// (empty on the CPU, and where the memory budget keeps no streamed layer).
+    pub fn host_tier_layers(&self) -> &[usize] {
+        &self.host_tier
     }
 
     /// Bytes of the output head as served (a decode step reads all of it).

@@ -63,7 +63,8 @@ pub use session::{
     Session, SessionStats, Snapshot,
 };
 pub use spine::{
-    INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, convert_spine_int8, spine_bytes,
+    INT8_SPINE_FILE, Int8Report, SpineMode, SpineReadStats, SpineSource, convert_spine_int8,
+    spine_bytes,
 };
 
 /// Threads the CPU kernels run on (rayon's global pool: `RAYON_NUM_THREADS`, default one per core).

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 use deltafin_model::{HostTensor, ModelError, WeightSource};
 use deltafin_quant::{DenseData, DenseMatrix};
@@ -152,6 +152,10 @@ pub struct SpineSource {
     /// K3's half a million expert tensors takes tens of milliseconds: done once here).
     layer_served: HashMap<String, u64>,
     total_served: u64,
+    /// The host tier: tensors of the layers [`Self::keep_layers`] read once and keeps, in the buffers they were read
+    /// into (page-locked on a GPU, so every pass uploads them from there), by file set and stored name. Served
+    /// without a read; never dropped while the source lives.
+    kept: RwLock<HashMap<(Origin, String), Arc<SpanBytes>>>,
 }
 
 /// Bytes of the spine (every non-expert tensor) as stored in the shards.
@@ -249,6 +253,7 @@ impl SpineSource {
             layers,
             layer_served,
             total_served,
+            kept: RwLock::new(HashMap::new()),
         })
     }
 
@@ -294,6 +299,42 @@ impl SpineSource {
         self.layers.set_order(prefixes, cyclic);
     }
 
+    /// Reads the decoder layers with these tensor prefixes now and keeps their bytes for good (the host tier): on a
+    /// GPU whose memory holds fewer layers than the host's budget, the layers the GPU streams are then uploaded at
+    /// every pass from host memory, page-locked, instead of read from storage again. Returns the bytes kept. The
+    /// caller charges them to the memory budget, and leaves these layers out of the streamed order.
+    pub fn keep_layers(&self, prefixes: &[String]) -> deltafin_model::Result<u64> {
+        self.set_order(prefixes.to_vec(), false);
+        let mut kept = 0;
+        for prefix in prefixes {
+            for s in self.layers.tensors(prefix) {
+                let bytes = self.read_stored(s.origin, &s.info)?;
+                kept += bytes.len() as u64;
+                self.kept_map_mut()
+                    .insert((s.origin, s.info.name.clone()), bytes);
+            }
+        }
+        Ok(kept)
+    }
+
+    /// Bytes the host tier holds ([`Self::keep_layers`]).
+    pub fn kept_bytes(&self) -> u64 {
+        self.kept_map().values().map(|b| b.len() as u64).sum()
+    }
+
+    fn kept_map(
+        &self,
+    ) -> std::sync::RwLockReadGuard<'_, HashMap<(Origin, String), Arc<SpanBytes>>> {
+        // A plain map, consistent between statements even if a holder panicked.
+        self.kept.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn kept_map_mut(
+        &self,
+    ) -> std::sync::RwLockWriteGuard<'_, HashMap<(Origin, String), Arc<SpanBytes>>> {
+        self.kept.write().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Bytes and reads since open or the last [`Self::reset_reads`].
     pub fn read_stats(&self) -> SpineReadStats {
         let pool = self.layers.pool_stats();
@@ -322,9 +363,16 @@ impl SpineSource {
         int8_parts_of(self.int8.as_ref()?, name)
     }
 
-    /// The bytes of a stored tensor: with its whole layer in one batch when it belongs to a decoder layer, else
-    /// alone.
-    fn read_stored(&self, origin: Origin, info: &TensorInfo) -> deltafin_model::Result<SpanBytes> {
+    /// The bytes of a stored tensor: from the host tier when it keeps them (no read), else read with its whole layer
+    /// in one batch when it belongs to a decoder layer, or alone.
+    fn read_stored(
+        &self,
+        origin: Origin,
+        info: &TensorInfo,
+    ) -> deltafin_model::Result<Arc<SpanBytes>> {
+        if let Some(b) = self.kept_map().get(&(origin, info.name.clone())) {
+            return Ok(Arc::clone(b));
+        }
         let files = match (origin, &self.int8) {
             (Origin::Int8, Some(f)) => f,
             _ => &*self.files,
@@ -347,7 +395,7 @@ impl SpineSource {
             },
         };
         self.count(bytes.len());
-        Ok(bytes)
+        Ok(Arc::new(bytes))
     }
 
     fn count(&self, bytes: usize) {

@@ -119,6 +119,12 @@ impl LayerReader {
         self.pool.release_idle_buffers();
     }
 
+    /// The stored spine tensors of the decoder layer with tensor prefix `prefix` (none for a prefix it does not
+    /// know).
+    pub fn tensors(&self, prefix: &str) -> &[Stored] {
+        self.layers.get(prefix).map_or(&[], Vec::as_slice)
+    }
+
     /// One tensor that belongs to no decoder layer (the head, the embedding, the final norm) read alone with direct
     /// I/O, into a pool buffer on huge pages that the weight then uses in place.
     pub fn read_one(&self, origin: Origin, info: &TensorInfo) -> Result<SpanBytes, StorageError> {
