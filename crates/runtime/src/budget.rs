@@ -254,6 +254,35 @@ pub fn plan(
     Ok(finish(build(resident)))
 }
 
+/// On a GPU, the layers it streams that the host keeps in RAM (the host tier, uploaded from there at every pass).
+/// The plan charged its pinned layers to the budget as host memory, but a layer the GPU holds keeps no host copy:
+/// under [`PinLayers::Auto`] the tier takes the streamed layers, in order, while their bytes fit in what the plan
+/// pinned (`plan.pinned_layers`), so the RAM goes where the GPU is short; explicit pins keep the streamed layers
+/// they name. What the tier does not use of `plan.pinned_layers` is free for the expert cache.
+pub fn host_tier(
+    plan: &MemoryPlan,
+    pins: &PinLayers,
+    streamed: &[usize],
+    layer_bytes: &[u64],
+) -> Vec<usize> {
+    if !matches!(pins, PinLayers::Auto) {
+        return (streamed.iter().copied())
+            .filter(|&l| plan.resident.get(l).copied().unwrap_or(false))
+            .collect();
+    }
+    let mut left = plan.pinned_layers;
+    let mut tier = Vec::new();
+    for &l in streamed {
+        let b = layer_bytes.get(l).copied().unwrap_or(u64::MAX);
+        if b > left {
+            break;
+        }
+        left -= b;
+        tier.push(l);
+    }
+    tier
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,5 +500,25 @@ mod tests {
         let err = plan(&inputs(4, &layers), &cfg, &PinLayers::Auto).expect_err("too small");
         let msg = err.to_string();
         assert!(msg.contains("needs") && msg.contains("K3_RAM_GB"), "{msg}");
+    }
+
+    #[test]
+    fn host_tier_takes_what_the_gpu_streams_within_the_pinned_bytes() {
+        let layers = [4u64 << 30; 8];
+        // 30 GiB: the spine (36 GiB with the fixed tensors) does not fit; a prefix of layers is pinned.
+        let cfg = k3();
+        let (p, _) = plan(&inputs(30, &layers), &cfg, &PinLayers::Auto).expect("plan");
+        let pinned = p.resident.iter().filter(|&&r| r).count() as u64;
+        assert!(pinned > 0 && pinned < 8, "{p}");
+        // The GPU holds layers 0..3 and streams 3..8: the tier takes as many of those as the pinned bytes hold.
+        let tier = host_tier(&p, &PinLayers::Auto, &[3, 4, 5, 6, 7], &layers);
+        let want: Vec<usize> = (3..8).take(pinned as usize).collect();
+        assert_eq!(tier, want);
+        // Explicit pins keep the streamed layers they name, and no others.
+        let pins = PinLayers::Ranges(vec![0..=0, 4..=5]);
+        let (p, _) = plan(&inputs(64, &layers), &cfg, &pins).expect("plan");
+        assert_eq!(host_tier(&p, &pins, &[3, 4, 5, 6, 7], &layers), vec![4, 5]);
+        // Nothing streamed on the GPU: no tier.
+        assert!(host_tier(&p, &PinLayers::Auto, &[], &layers).is_empty());
     }
 }

@@ -197,12 +197,15 @@ impl Engine {
         }
         let loading = std::time::Instant::now();
         let loaded = Model::load_streamed(cfg, src, &options.device, &plan.resident);
-        // The host tier: layers the memory plan keeps in RAM but the GPU streams (its memory holds fewer) are read
+        // The host tier: layers the GPU streams (its memory holds fewer) that the RAM the plan pinned holds are read
         // once now and uploaded from RAM at every pass, not read from storage again.
         let host_tier: Vec<usize> = match &loaded {
-            Ok(m) if on_gpu => (m.streamed_layers().iter().copied())
-                .filter(|&l| plan.resident[l])
-                .collect(),
+            Ok(m) if on_gpu => budget::host_tier(
+                &plan,
+                &options.pin_layers,
+                m.streamed_layers(),
+                &layer_bytes,
+            ),
             _ => Vec::new(),
         };
         let kept = match &loaded {
@@ -267,16 +270,14 @@ impl Engine {
         let mut cache_budget = plan.expert_cache;
         #[cfg(feature = "cuda")]
         if model.gpu().is_some() {
-            // The plan charged the layers it pins as host memory; those the GPU holds freed their host values
-            // once uploaded, so their share goes to the RAM expert cache (which feeds the GPU's uploads). Those it
-            // streams keep theirs: the host tier.
-            let freed: u64 = (0..n_layers)
-                .filter(|&l| plan.resident[l] && !streamed.contains(&l))
-                .map(|l| layer_bytes[l])
-                .sum();
+            // The plan charged the layers it pins as host memory; the GPU's layers freed their host values once
+            // uploaded, so what the host tier does not use of that share goes to the RAM expert cache (which feeds
+            // the GPU's uploads).
+            let kept: u64 = host_tier.iter().map(|&l| layer_bytes[l]).sum();
+            let freed = plan.pinned_layers.saturating_sub(kept);
             cache_budget += freed;
             tracing::info!(
-                "{:.2} GiB of pinned layers live on the GPU; the RAM expert cache gets them: {:.2} GiB",
+                "{:.2} GiB of pinned layers' RAM is not used by the host tier; the RAM expert cache gets it: {:.2} GiB",
                 freed as f64 / GIB,
                 cache_budget as f64 / GIB
             );
