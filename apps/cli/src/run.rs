@@ -200,10 +200,12 @@ fn print_stats(engine: &Engine, session: &Session<'_>, elapsed: std::time::Durat
         eprintln!("spine read wait      0 (spine resident: read once at open)");
     } else {
         eprintln!(
-            "spine read wait      {:.4} s ({} of {} layers streamed, {:.1} MB/token of spine read)",
+            "spine read wait      {:.4} s ({} of {} layers streamed, {} of them from RAM; {:.1} MB/token of spine \
+             read)",
             per_token(p.spine_wait),
             streamed.len(),
             engine.config().n_layers,
+            engine.host_tier_layers().len(),
             engine.spine_reads().bytes as f64 / 1e6 / tokens
         );
     }
