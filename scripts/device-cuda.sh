@@ -13,8 +13,9 @@
 #   cuda     `deltafin run --dev cuda` on it, peak host RSS measured, for each GPU memory budget in $VRAMS
 #            (GiB; "all" for the default, every layer on the GPU), $RUNS times each, $MAXNEW tokens (default 4);
 #            $BINS names the carried builds to alternate (default: deltafin)
-#   bench    `deltafin bench-decode --dev cuda` on it (decoded tokens only, 8 by default: $TOKENS_BD), every layer on
-#            the GPU, the HBM copy rate measured in the same process (--hbm-mib 1024), $RUNS times for each of $BINS
+#   bench    `deltafin bench-decode --dev cuda` on it (decoded tokens only, 8 by default: $TOKENS_BD), for each GPU
+#            memory budget in $VRAMS (as for `cuda`), the HBM copy rate measured in the same process (--hbm-mib
+#            1024), $RUNS times for each of $BINS
 #   cpu      the same on the CPU, for the greedy tokens
 #   int8     the int8 spine on the GPU: a dense real-width K3 (6 layers, 32 experts) and its int8 copy, then
 #            `bench-decode --dev cuda` for each K3_SPINE in $SPINES (default "bf16 int8"; "auto" chooses by the GPU
@@ -87,14 +88,21 @@ if has cuda; then
   done
 fi
 if has bench; then
+  for v in ${VRAMS:-all}; do
+  vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
   for i in $(seq 1 "${RUNS:-1}"); do
     for b in ${BINS:-deltafin}; do
-      step "bench-decode run $i of $b, K3_RAM_GB=$RAM"
-      K3_RAM_GB=$RAM timeout 200 bin/$b bench-decode --dev cuda --model "$DATA/k3s" --ram-gb "$RAM" \
-        --tokens "${TOKENS_BD:-8}" --prompt-len 3 --membw-gib 0 --hbm-mib 1024 > "$OUT/bench_${b}_$i.json"
-      python3 - "$OUT/bench_${b}_$i.json" <<'PY'
+      step "bench-decode run $i of $b, K3_RAM_GB=$RAM, VRAM budget $v"
+      K3_RAM_GB=$RAM timeout 200 bin/$b bench-decode --dev cuda "${vram[@]}" --model "$DATA/k3s" --ram-gb "$RAM" \
+        --tokens "${TOKENS_BD:-8}" --prompt-len 3 --membw-gib 0 --hbm-mib 1024 > "$OUT/bench_${b}_${v}_$i.json"
+      python3 - "$OUT/bench_${b}_${v}_$i.json" <<'PY'
 import json, statistics, sys
 d = json.load(open(sys.argv[1])); n = d["tokens"]; rate = (d["hbm_before_bytes_per_s"] + d["hbm_after_bytes_per_s"]) / 2
+if d["streamed_layers"]:
+    print(f"{d['streamed_layers']} layers streamed, {d['host_tier_layers']} of them from RAM: spine read "
+          f"{d['spine_read_bytes'] / n / 1e9:.2f} GB/token, wait {d['spine_wait_s'] / n:.3f} s/token; s/token "
+          f"{statistics.median(d['token_s']):.3f} ({min(d['token_s']):.3f}-{max(d['token_s']):.3f}); peak RSS "
+          f"{d['peak_rss_bytes'] / 2**30:.2f} GiB of {d['budget_bytes'] / 2**30:.2f}")
 bound = 72.96e9 / rate  # attention's GPU-resident weights per token at K3's size (docs/PERFORMANCE.md)
 state = 2 * 69 * 96 * 128 * 128 * 4 / rate  # the 69 KDA layers' states, read and written once a token
 print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['attention_s'] / n * 1e3:.2f} ms, GPU "
@@ -128,6 +136,7 @@ if "open_read_wait_s" in d:
           f"{d.get('open_upload_direct_bytes', 0) / 1e9:.1f} GB; spine buffers mapped {d.get('open_spine_buffers_allocated', 0)}")
 PY
     done
+  done
   done
 fi
 if has contend; then

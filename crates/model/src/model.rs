@@ -76,9 +76,10 @@ impl Model {
     /// read from `src` again at every forward call, by a background thread one layer ahead of the compute (at
     /// most two streamed layers in memory at once). A streamed layer's names and shapes are checked here from the
     /// source's headers without reading its values. When any layer is streamed the embedding is read by rows at
-    /// every call too; the final mix, norm and head stay resident. On CUDA `resident` does not apply: layers stay
-    /// on the GPU as far as its memory budget allows (`DeviceOptions::vram_bytes`) and the others are streamed,
-    /// uploaded by the reader. `resident` must have one entry per layer.
+    /// every call too; the final mix, norm and head stay resident. On CUDA `resident` does not place layers: they
+    /// stay on the GPU as far as its memory budget allows (`DeviceOptions::vram_bytes`) and the others are
+    /// streamed, uploaded by the reader; the embedding (read by the host) is read by rows only when `resident`
+    /// streams a layer. `resident` must have one entry per layer.
     pub fn load_streamed(
         cfg: ModelConfig,
         src: SharedWeightSource,
@@ -161,6 +162,10 @@ impl Model {
         let checker = Loader::shapes_only(src);
         // On CUDA the GPU memory plan decides which layers stay (on the device; their host values are freed), the
         // host plan does not apply; the head goes up first so that the plan sees it.
+        // The embedding is read by rows at every call when the host streams layers; with every layer in the host's
+        // plan it stays in memory, also on CUDA, where the GPU's own plan may stream layers that the host keeps
+        // (the host tier: those passes then read nothing from storage).
+        let host_streams = resident.is_some_and(|r| r.iter().any(|&k| !k));
         #[cfg(feature = "cuda")]
         let can_stream = resident.is_some();
         #[cfg(feature = "cuda")]
@@ -257,8 +262,12 @@ impl Model {
             )?),
             None => None,
         };
+        #[cfg(feature = "cuda")]
+        let embed_by_rows = streaming && (ld.gpu.is_none() || host_streams);
+        #[cfg(not(feature = "cuda"))]
+        let embed_by_rows = streaming && host_streams;
         Ok(Self {
-            embed: if streaming {
+            embed: if embed_by_rows {
                 checker.matrix(&cfg.model_tensor("model.embed_tokens.weight"), v, h)?;
                 None
             } else {
