@@ -103,6 +103,10 @@ if d["streamed_layers"]:
           f"{d['spine_read_bytes'] / n / 1e9:.2f} GB/token, wait {d['spine_wait_s'] / n:.3f} s/token; s/token "
           f"{statistics.median(d['token_s']):.3f} ({min(d['token_s']):.3f}-{max(d['token_s']):.3f}); peak RSS "
           f"{d['peak_rss_bytes'] / 2**30:.2f} GiB of {d['budget_bytes'] / 2**30:.2f}")
+    print(f"spine uploads {d['gpu_spine_uploaded_bytes'] / n / 1e9:.2f} GB/token "
+          f"({d['gpu_spine_upload_direct_bytes'] / max(d['gpu_spine_uploaded_bytes'], 1):.0%} from page-locked memory) "
+          f"in {d['gpu_spine_upload_s'] / n:.3f} s/token (waiting {d['gpu_spine_upload_wait_s'] / n:.3f}, allocating "
+          f"{d['gpu_spine_upload_alloc_s'] / n:.3f})")
 bound = 72.96e9 / rate  # attention's GPU-resident weights per token at K3's size (docs/PERFORMANCE.md)
 state = 2 * 69 * 96 * 128 * 128 * 4 / rate  # the 69 KDA layers' states, read and written once a token
 print(f"s/token median {statistics.median(d['token_s']):.3f}; attention {d['attention_s'] / n * 1e3:.2f} ms, GPU "

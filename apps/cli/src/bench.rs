@@ -168,6 +168,13 @@ struct Report {
     gpu_expert_direct_bytes: u64,
     /// The upload stream's own time for those bytes (device events around each expert's copies): the DMA alone.
     gpu_expert_upload_dma_s: f64,
+    /// Streamed spine layers' uploads while decoding (zeros when every layer stays on the GPU): bytes, of them from
+    /// page-locked memory, and the seconds inside the uploads, of which waiting for the copies and allocating.
+    gpu_spine_uploaded_bytes: u64,
+    gpu_spine_upload_direct_bytes: u64,
+    gpu_spine_upload_s: f64,
+    gpu_spine_upload_wait_s: f64,
+    gpu_spine_upload_alloc_s: f64,
     /// Where the decoded tokens' GPU MoE calls spent their wall time (seconds, summed; zeros on the CPU): calls,
     /// total, the helper blocked on reads and queuing copies, the overlap work, and the finish after the helper.
     gpu_moe_calls: u64,
@@ -251,6 +258,13 @@ struct GpuUploads {
     /// The MoE calls' split (zeros on the CPU).
     #[cfg(feature = "cuda")]
     split: deltafin_model::gpu::MoeSplit,
+    /// Spine uploads (streamed layers, once the model is open): bytes, those from page-locked memory, and the
+    /// uploads' seconds, of which waiting for the copies and allocating device memory.
+    spine_bytes: u64,
+    spine_direct_bytes: u64,
+    spine_s: f64,
+    spine_wait_s: f64,
+    spine_alloc_s: f64,
 }
 
 impl GpuUploads {
@@ -258,12 +272,21 @@ impl GpuUploads {
     fn of(engine: &Engine) -> Self {
         #[cfg(feature = "cuda")]
         if let Some(g) = engine.expert_cache_stats() {
+            let s = engine
+                .gpu_staging_stats()
+                .map(|(s, _)| s)
+                .unwrap_or_default();
             return Self {
                 bytes: g.uploaded_bytes,
                 direct_bytes: g.uploaded_direct_bytes,
                 helper_s: g.upload_secs,
                 dma_s: g.upload_dma_secs,
                 split: g.split,
+                spine_bytes: s.bytes,
+                spine_direct_bytes: s.direct_bytes,
+                spine_s: s.secs,
+                spine_wait_s: s.wait_secs,
+                spine_alloc_s: s.alloc_secs,
             };
         }
         let _ = engine;
@@ -279,6 +302,11 @@ impl GpuUploads {
             dma_s: self.dma_s - earlier.dma_s,
             #[cfg(feature = "cuda")]
             split: self.split.since(&earlier.split),
+            spine_bytes: self.spine_bytes - earlier.spine_bytes,
+            spine_direct_bytes: self.spine_direct_bytes - earlier.spine_direct_bytes,
+            spine_s: self.spine_s - earlier.spine_s,
+            spine_wait_s: self.spine_wait_s - earlier.spine_wait_s,
+            spine_alloc_s: self.spine_alloc_s - earlier.spine_alloc_s,
         }
     }
 
@@ -558,6 +586,11 @@ pub fn run(args: BenchArgs, dev: Option<DevicePref>) -> anyhow::Result<()> {
         gpu_expert_upload_s: gpu_upload.helper_s,
         gpu_expert_direct_bytes: gpu_upload.direct_bytes,
         gpu_expert_upload_dma_s: gpu_upload.dma_s,
+        gpu_spine_uploaded_bytes: gpu_upload.spine_bytes,
+        gpu_spine_upload_direct_bytes: gpu_upload.spine_direct_bytes,
+        gpu_spine_upload_s: gpu_upload.spine_s,
+        gpu_spine_upload_wait_s: gpu_upload.spine_wait_s,
+        gpu_spine_upload_alloc_s: gpu_upload.spine_alloc_s,
         gpu_moe_calls: moe.calls,
         gpu_moe_s: moe.total,
         gpu_moe_reads_s: moe.reads,
