@@ -356,9 +356,9 @@ fn kept_layers_are_read_once_and_served_from_memory() {
     convert_spine_int8(&m.dir).expect("convert");
     for mode in [SpineMode::Bf16, SpineMode::Int8] {
         let files = Arc::new(ModelFiles::open(&m.dir).expect("files"));
-        let open = || SpineSource::open(Arc::clone(&files), mode, None, None).expect("spine");
-        let (kept, fresh) = (open(), open());
-        let engine = open_on(&m.dir, mode);
+        let spine = || SpineSource::open(Arc::clone(&files), mode, None, None).expect("spine");
+        let (kept, fresh) = (spine(), spine());
+        let engine = open(&m.dir, PinLayers::Auto, None, mode);
         let cfg = engine.config();
         let (keep, other) = (cfg.layer_tensor(1, ""), cfg.layer_tensor(0, ""));
         let bytes = kept.keep_layers(std::slice::from_ref(&keep)).expect("keep");
@@ -399,9 +399,4 @@ fn kept_layers_are_read_once_and_served_from_memory() {
             "{mode:?}: a layer not kept is read"
         );
     }
-}
-
-/// The model in `dir` opened with the spine `mode` (for its configuration).
-fn open_on(dir: &Path, mode: SpineMode) -> Engine {
-    open(dir, PinLayers::Auto, None, mode)
 }
