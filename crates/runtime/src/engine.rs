@@ -208,16 +208,14 @@ impl Engine {
             ),
             _ => Vec::new(),
         };
-        let kept = match &loaded {
-            Ok(_) if !host_tier.is_empty() => {
-                let prefixes: Vec<String> = host_tier
-                    .iter()
-                    .map(|&l| layer_prefixes[l].clone())
-                    .collect();
-                Some(spine.keep_layers(&prefixes))
-            }
-            _ => None,
-        };
+        // Empty unless the load succeeded.
+        let kept = (!host_tier.is_empty()).then(|| {
+            let prefixes: Vec<String> = host_tier
+                .iter()
+                .map(|&l| layer_prefixes[l].clone())
+                .collect();
+            spine.keep_layers(&prefixes)
+        });
         let load_done = std::time::Instant::now();
         spine.set_progress(None);
         if let Some(p) = &progress {

@@ -153,9 +153,9 @@ pub struct SpineSource {
     layer_served: HashMap<String, u64>,
     total_served: u64,
     /// The host tier: tensors of the layers [`Self::keep_layers`] read once and keeps, in the buffers they were read
-    /// into (page-locked on a GPU, so every pass uploads them from there), by file set and stored name. Served
-    /// without a read; never dropped while the source lives.
-    kept: RwLock<HashMap<(Origin, String), Arc<SpanBytes>>>,
+    /// into (page-locked on a GPU, so every pass uploads them from there), by stored name (the int8 copy's names
+    /// carry suffixes, so no shard tensor shares one). Served without a read; never dropped while the source lives.
+    kept: RwLock<HashMap<String, Arc<SpanBytes>>>,
 }
 
 /// Bytes of the spine (every non-expert tensor) as stored in the shards.
@@ -310,8 +310,7 @@ impl SpineSource {
             for s in self.layers.tensors(prefix) {
                 let bytes = self.read_stored(s.origin, &s.info)?;
                 kept += bytes.len() as u64;
-                self.kept_map_mut()
-                    .insert((s.origin, s.info.name.clone()), bytes);
+                self.kept_map_mut().insert(s.info.name.clone(), bytes);
             }
         }
         Ok(kept)
@@ -322,16 +321,12 @@ impl SpineSource {
         self.kept_map().values().map(|b| b.len() as u64).sum()
     }
 
-    fn kept_map(
-        &self,
-    ) -> std::sync::RwLockReadGuard<'_, HashMap<(Origin, String), Arc<SpanBytes>>> {
+    fn kept_map(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<SpanBytes>>> {
         // A plain map, consistent between statements even if a holder panicked.
         self.kept.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn kept_map_mut(
-        &self,
-    ) -> std::sync::RwLockWriteGuard<'_, HashMap<(Origin, String), Arc<SpanBytes>>> {
+    fn kept_map_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<SpanBytes>>> {
         self.kept.write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -370,7 +365,7 @@ impl SpineSource {
         origin: Origin,
         info: &TensorInfo,
     ) -> deltafin_model::Result<Arc<SpanBytes>> {
-        if let Some(b) = self.kept_map().get(&(origin, info.name.clone())) {
+        if let Some(b) = self.kept_map().get(&info.name) {
             return Ok(Arc::clone(b));
         }
         let files = match (origin, &self.int8) {
