@@ -95,17 +95,11 @@ impl Mla {
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
             Some(g) => {
-                let (mut uk_t, mut uv) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
-                for h in 0..nh {
-                    let (k, v) = head(h);
-                    let k_t = transposed(k, cfg.nope_dim, kvl);
-                    uk_t.push(Loader::f32_matrix(&kv_b_name, kvl, cfg.nope_dim, k_t)?);
-                    uv.push(Loader::f32_matrix(&kv_b_name, cfg.v_dim, kvl, v.to_vec())?);
-                }
+                let (uk_t, uv) = gpu_absorbed(&kv_b, nh, (cfg.nope_dim, cfg.v_dim, kvl));
                 Some(crate::gpu::MlaGpu::new(
                     &g.gpu,
                     &g.mla,
-                    (&uk_t, &uv),
+                    (nh, &uk_t, &uv),
                     (
                         &kv_a_norm,
                         match &q {
@@ -331,6 +325,37 @@ impl Mla {
     }
 }
 
+/// The GPU's absorbed matrices from `kv_b` `[heads * (nope + v), kv_lora]` (per head its nope key rows, then its
+/// value rows): every head's `W_UK,hᵀ` `[kv_lora, nope]` one after another, and every head's `W_UV,h`
+/// `[v, kv_lora]`. Written straight into the two stacks, the heads on every thread: a streamed MLA layer is laid
+/// out again at every pass, by the reader that builds the next layer while this one computes.
+#[cfg(any(feature = "cuda", test))]
+fn gpu_absorbed(
+    kv_b: &[f32],
+    heads: usize,
+    (nope, vd, kvl): (usize, usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    use rayon::prelude::*;
+    let per_head = (nope + vd) * kvl;
+    let (mut uk_t, mut uv) = (
+        vec![0.0f32; heads * kvl * nope],
+        vec![0.0f32; heads * vd * kvl],
+    );
+    uk_t.par_chunks_mut(kvl * nope.max(1))
+        .zip(uv.par_chunks_mut(vd * kvl.max(1)))
+        .zip(kv_b.par_chunks(per_head.max(1)))
+        .for_each(|((k_t, v), src)| {
+            let (k, v_src) = src.split_at(nope * kvl);
+            for (r, row) in k.chunks_exact(kvl.max(1)).enumerate() {
+                for (c, &x) in row.iter().enumerate() {
+                    k_t[c * nope + r] = x;
+                }
+            }
+            v.copy_from_slice(v_src);
+        });
+    (uk_t, uv)
+}
+
 /// `m` (`rows × cols`, row-major) transposed.
 fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut t = vec![0.0f32; rows * cols];
@@ -340,4 +365,34 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stacks hold each head's key rows transposed and its value rows as stored, head after head (the plain
+    /// per-head construction), at a shape whose heads and widths all differ.
+    #[test]
+    fn gpu_absorbed_stacks_every_heads_matrices() {
+        let (heads, nope, vd, kvl) = (3, 4, 5, 6);
+        let kv_b: Vec<f32> = (0..heads * (nope + vd) * kvl)
+            .map(|i| i as f32 * 0.5 - 7.0)
+            .collect();
+        let (uk_t, uv) = gpu_absorbed(&kv_b, heads, (nope, vd, kvl));
+        let per_head = (nope + vd) * kvl;
+        let (mut want_k, mut want_v) = (Vec::new(), Vec::new());
+        for h in 0..heads {
+            let (k, v) = kv_b[h * per_head..(h + 1) * per_head].split_at(nope * kvl);
+            want_k.extend(transposed(k, nope, kvl));
+            want_v.extend_from_slice(v);
+        }
+        assert_eq!(uk_t, want_k);
+        assert_eq!(uv, want_v);
+        // Spot-check one element against the layout's definition: head 2, kv_lora column 3, nope row 1.
+        assert_eq!(
+            uk_t[2 * kvl * nope + 3 * nope + 1],
+            kv_b[2 * per_head + kvl + 3]
+        );
+    }
 }

@@ -375,8 +375,7 @@ impl<'a> Loader<'a> {
         Ok(m)
     }
 
-    /// An f32 matrix built from values already loaded (for weights split or transposed at load: the GPU's MLA
-    /// matrices).
+    /// An f32 matrix built from values already loaded (int8 rows dequantised for a GPU kernel that reads floats).
     #[cfg(feature = "cuda")]
     pub fn f32_matrix(name: &str, rows: usize, cols: usize, data: Vec<f32>) -> Result<DenseMatrix> {
         DenseMatrix::new(rows, cols, DenseData::F32(data)).map_err(|e| ModelError::BadWeight {

@@ -12,7 +12,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice};
 use deltafin_quant::cuda::dense::DeviceMatrix;
 use deltafin_quant::cuda::{Gpu, StreamTimer};
 
@@ -153,6 +153,8 @@ pub(crate) struct KdaParams {
     dt_bias: CudaSlice<f32>,
     a_exp: CudaSlice<f32>,
     o_norm: CudaSlice<f32>,
+    /// Complete once the vectors above have landed (they go up on the upload stream).
+    ready: CudaEvent,
 }
 
 impl std::fmt::Debug for KdaParams {
@@ -163,7 +165,8 @@ impl std::fmt::Debug for KdaParams {
 
 impl KdaParams {
     /// Uploads a layer's conv taps (q, k, v, each `[C, K]`), `dt_bias` `[C]`, `exp(A_log)` `[H]` and the output
-    /// norm's weight `[D]`.
+    /// norm's weight `[D]` on the upload stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer
+    /// before it computes, and must not wait for it).
     pub(crate) fn upload(
         gpu: &Arc<Gpu>,
         scratch: &Arc<KdaScratch>,
@@ -172,14 +175,17 @@ impl KdaParams {
         a_exp: &[f32],
         o_norm: &[f32],
     ) -> Result<Self> {
-        let up = |v: &[f32]| gpu.upload(v).map_err(cuda_err);
+        let up = |v: &[f32]| gpu.upload_ahead(v).map_err(cuda_err);
+        let (taps, dt_bias, a_exp, o_norm) =
+            (up(&taps.concat())?, up(dt_bias)?, up(a_exp)?, up(o_norm)?);
         Ok(Self {
             gpu: gpu.clone(),
             scratch: scratch.clone(),
-            taps: up(&taps.concat())?,
-            dt_bias: up(dt_bias)?,
-            a_exp: up(a_exp)?,
-            o_norm: up(o_norm)?,
+            taps,
+            dt_bias,
+            a_exp,
+            o_norm,
+            ready: gpu.uploads_done().map_err(cuda_err)?,
         })
     }
 
@@ -263,6 +269,7 @@ pub(crate) fn kda_forward(
     let stream = gpu.stream();
     let copy_err =
         |e: cudarc::driver::DriverError| ModelError::Device(format!("cuda: KDA copy: {e}"));
+    gpu.wait_uploaded(&params.ready).map_err(cuda_err)?;
 
     // The row goes into pinned memory before the device's time starts (the stream would sit idle while the host
     // copies it); the device's time runs from its copy up to the output's copy down.

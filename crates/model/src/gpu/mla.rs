@@ -13,8 +13,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use deltafin_quant::DenseMatrix;
+use cudarc::driver::{CudaEvent, CudaSlice, LaunchConfig, PushKernelArg};
 use deltafin_quant::cuda::dense::DeviceMatrix;
 use deltafin_quant::cuda::{Gpu, StreamTimer};
 
@@ -87,6 +86,8 @@ pub(crate) struct MlaGpu {
     kv_norm: CudaSlice<f32>,
     /// The low-rank query's norm `[q_lora]`.
     q_norm: Option<CudaSlice<f32>>,
+    /// Complete once the buffers above have landed (they go up on the upload stream).
+    ready: CudaEvent,
     heads: usize,
     nope: usize,
     rope: usize,
@@ -105,28 +106,37 @@ impl std::fmt::Debug for MlaGpu {
 pub(crate) type MlaDims = (usize, usize, usize, usize);
 
 impl MlaGpu {
-    /// Stacks the per-head matrices and uploads them with the norms' weights.
+    /// Uploads the stacked per-head matrices (`heads` of each: `[kv_lora, nope]` and `[v, kv_lora]`) with the
+    /// norms' weights, on the upload stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer before
+    /// it computes, and must not wait for it).
     pub(crate) fn new(
         gpu: &Arc<Gpu>,
         scratch: &Arc<MlaScratch>,
-        (w_uk_t, w_uv): (&[DenseMatrix], &[DenseMatrix]),
+        (heads, w_uk_t, w_uv): (usize, &[f32], &[f32]),
         (kv_norm, q_norm): (&[f32], Option<&[f32]>),
         (nope, rope, kvl, vd): MlaDims,
     ) -> Result<Self> {
-        let stack = |ms: &[DenseMatrix]| -> Vec<f32> {
-            ms.iter()
-                .flat_map(|m| (0..m.rows()).flat_map(move |r| m.row_f32(r)))
-                .collect()
-        };
-        let up = |v: &[f32]| gpu.upload(v).map_err(cuda_err);
+        if w_uk_t.len() != heads * kvl * nope || w_uv.len() != heads * vd * kvl {
+            return Err(ModelError::Device(format!(
+                "MLA's absorbed matrices hold {} and {} values, {heads} heads need {} and {}",
+                w_uk_t.len(),
+                w_uv.len(),
+                heads * kvl * nope,
+                heads * vd * kvl
+            )));
+        }
+        let up = |v: &[f32]| gpu.upload_ahead(v).map_err(cuda_err);
+        let (w_uk_t, w_uv, kv_norm) = (up(w_uk_t)?, up(w_uv)?, up(kv_norm)?);
+        let q_norm = q_norm.map(up).transpose()?;
         Ok(Self {
             gpu: gpu.clone(),
             scratch: scratch.clone(),
-            w_uk_t: up(&stack(w_uk_t))?,
-            w_uv: up(&stack(w_uv))?,
-            kv_norm: up(kv_norm)?,
-            q_norm: q_norm.map(up).transpose()?,
-            heads: w_uk_t.len(),
+            w_uk_t,
+            w_uv,
+            kv_norm,
+            q_norm,
+            ready: gpu.uploads_done().map_err(cuda_err)?,
+            heads,
             nope,
             rope,
             kvl,
@@ -153,6 +163,7 @@ impl MlaGpu {
     ) -> Result<Vec<f32>> {
         let gpu = &self.gpu;
         let stream = gpu.stream();
+        gpu.wait_uploaded(&self.ready).map_err(cuda_err)?;
         let row = self.kvl + self.rope;
         let width = self.heads * self.vd;
         let gemm = |w: &DeviceMatrix, input: &CudaSlice<f32>, dst: &mut CudaSlice<f32>| {

@@ -420,6 +420,36 @@ impl Gpu {
             .map_err(|e| driver_err("host-to-device copy", e))
     }
 
+    /// Copies `src` to a new device buffer on the upload stream, for weights built on the host while the compute
+    /// stream may still be busy (a streamed layer is built one ahead of the compute). A copy on the compute stream
+    /// would queue behind its kernels, and a copy from pageable memory larger than the driver's staging returns
+    /// only once its DMA has run: the builder would wait for the layer before its own. The compute stream must wait
+    /// for [`Self::uploads_done`]'s event before it reads the buffer; the buffer is freed on the upload stream, so
+    /// its last reader must be done by then, as for [`Self::upload_large`]'s.
+    pub fn upload_ahead<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>> {
+        self.copy_stream
+            .clone_htod(src)
+            .map_err(|e| driver_err("host-to-device copy on the upload stream", e))
+    }
+
+    /// An event recorded on the upload stream: complete once every upload queued there before it
+    /// ([`Self::upload_ahead`], [`Self::upload_large`]) has landed.
+    pub fn uploads_done(&self) -> Result<cudarc::driver::CudaEvent> {
+        self.copy_stream
+            .record_event(None)
+            .map_err(|e| driver_err("recording an upload", e))
+    }
+
+    /// Makes the compute stream wait for `ready` (an event of [`Self::uploads_done`]) unless it has completed.
+    pub fn wait_uploaded(&self, ready: &cudarc::driver::CudaEvent) -> Result<()> {
+        if ready.is_complete() {
+            return Ok(());
+        }
+        self.stream
+            .wait(ready)
+            .map_err(|e| driver_err("waiting for a weight upload", e))
+    }
+
     /// A new device buffer of `len` zeroed elements on the compute stream.
     pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
