@@ -185,8 +185,9 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 
 /// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: each
 /// chunk of 32 weights is two 32-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask
-/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here. Each row is prefetched `ahead`
-/// bytes ahead of its reader (0: not at all), as the AVX-512 kernel does ([`crate::bf16_contract::prefetch_bytes`]).
+/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here. The rows are neighbours (row
+/// `r + 1` starts where row `r` ends) and their span is prefetched `ahead` bytes ahead in address order (0: not at
+/// all), as the AVX-512 kernel does ([`crate::bf16_contract::prefetch_bytes`]).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; every row has the same length `n`, and `xp` holds at least
@@ -218,13 +219,12 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: us
     };
     for c in 0..whole {
         if ahead > 0 {
-            for w in &rows {
-                prefetch_ahead(
-                    w.as_ptr().wrapping_add(c * CHUNK),
-                    CHUNK * size_of::<u16>(),
-                    ahead,
-                );
-            }
+            // The rows are neighbours: their span is prefetched in address order, one stream at the rows' pace.
+            prefetch_ahead(
+                rows[0].as_ptr().wrapping_add(R * c * CHUNK),
+                R * CHUNK * size_of::<u16>(),
+                ahead,
+            );
         }
         // Chunk c < whole lies whole in every row.
         step(c, rows.map(|w| w[c * CHUNK..].as_ptr()));

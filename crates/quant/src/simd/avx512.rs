@@ -282,11 +282,14 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 
 /// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: per
 /// chunk of 32 weights and row, one 64-byte load, a shift (even weights) and a mask (odd weights) to exact f32, and
-/// two FMAs. With `ahead > 0`, each row's line `ahead` bytes past its read point is prefetched into L1 at every
-/// chunk ([`crate::bf16_contract::prefetch_bytes`] says when that pays); the arithmetic is the same either way.
+/// two FMAs. With `ahead > 0`, the rows' span (they are neighbours: row `r + 1` starts where row `r` ends) is
+/// prefetched into L1 `ahead` bytes past the point one reader going through it at the rows' pace would be, as the
+/// other dense kernels do ([`PREFETCH_BYTES`]; [`crate::bf16_contract::prefetch_bytes`] says when that pays); the
+/// arithmetic is the same either way.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and BW; every row has the same length `n`, and `xp` holds at least
+/// The CPU must support AVX-512F and BW; every row has the same length `n` (neighbouring rows of one matrix, for
+/// the prefetch to fetch theirs), and `xp` holds at least
 /// `bf16_contract::padded_len(n)` values.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
 pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: usize) -> [f32; R] {
@@ -311,12 +314,13 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: us
     };
     for c in 0..whole {
         if ahead > 0 {
-            for w in &rows {
-                // A hint: it does not access memory architecturally, even past the row, so it is safe.
-                _mm_prefetch::<_MM_HINT_T0>(
-                    (w.as_ptr().wrapping_add(c * CHUNK) as *const i8).wrapping_add(ahead),
-                );
-            }
+            // The rows are neighbours: their span is prefetched in address order, one stream at the rows' pace
+            // (see PREFETCH_BYTES).
+            prefetch(
+                rows[0].as_ptr().wrapping_add(R * c * CHUNK),
+                R * CHUNK * 2,
+                ahead,
+            );
         }
         // SAFETY: chunk c < whole lies whole in every row.
         let words =
