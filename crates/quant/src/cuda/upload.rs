@@ -187,6 +187,32 @@ impl Gpu {
         s.alloc_secs += one.alloc_secs;
     }
 
+    /// Keeps device memory freed by stream-ordered frees in the default pool for the next allocations, instead of
+    /// handing it back to the driver at every synchronisation (the pool's release threshold, 0 by default): a
+    /// streamed layer's buffers then reuse the last one's memory instead of mapping fresh memory each pass.
+    pub fn keep_freed_memory(&self) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the context", e))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer and the device is this context's.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(|e| driver_err("the default memory pool", e))?;
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: the release threshold attribute takes a pointer to a u64.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+        }
+        .result()
+        .map_err(|e| driver_err("the memory pool's release threshold", e))
+    }
+
     /// What [`Self::upload_large`] has done so far.
     pub fn staging_stats(&self) -> StagingStats {
         *self.staging.stats.lock().unwrap_or_else(|e| e.into_inner())
