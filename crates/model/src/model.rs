@@ -237,7 +237,8 @@ impl Model {
         #[cfg(feature = "cuda")]
         if let (Some(plan), Some(g)) = (&vram, &ld.gpu) {
             if streaming {
-                // The plan is made: from here on freed memory stays in the pool for the next streamed layer.
+                // Freed memory stays in the pool for the next streamed layer (the plan charges two of them), rather
+                // than being mapped afresh at every pass.
                 g.gpu.keep_freed_memory().map_err(crate::gpu::cuda_err)?;
                 tracing::info!(
                     "GPU memory budget {:.1} GiB: {} of {} layers on the GPU, {} streamed",
