@@ -100,9 +100,9 @@ impl VramPlan {
     /// memory goes back to the device at a synchronisation).
     pub fn used(&self) -> Result<usize> {
         self.gpu.synchronize().map_err(cuda_err)?;
-        // Weights are allocated, uploaded and freed on the upload stream.
+        // Weights are allocated, uploaded and freed on the weights' upload stream.
         self.gpu
-            .copy_stream()
+            .weights_stream()
             .synchronize()
             .map_err(|e| ModelError::Device(format!("cuda: upload stream synchronize: {e}")))?;
         let (free, _) = self.gpu.memory().map_err(cuda_err)?;

@@ -107,9 +107,9 @@ pub struct DeviceMatrix {
     buf: CudaSlice<u8>,
     /// The rows' scales of an int8 matrix (f32 values), uploaded as the values are.
     scales: Option<CudaSlice<u8>>,
-    /// The end of the scales' upload, when it ran on the upload stream.
+    /// The end of the scales' upload, when it ran on the weights' upload stream.
     scales_ready: Option<CudaEvent>,
-    /// The end of the upload, when it ran on the upload stream (products wait for it).
+    /// The end of the upload, when it ran on the weights' upload stream (products wait for it).
     ready: Option<CudaEvent>,
     rows: usize,
     cols: usize,

@@ -6,11 +6,11 @@
 //! [`QuantError::CudaUnavailable`] with the reason when there is no driver, no NVRTC or no device.
 //!
 //! Submodules: [`dense`] (dense weights resident on the device and their GEMM), [`moe`] (the MXFP4 routed-expert
-//! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the upload stream),
-//! `host_pins` (host buffers page-locked in place, so uploads from them need no staging), `kernel_cache` (the
-//! compiled kernels kept on disk per architecture),
-//! [`rows`] (a layer's activation rows up and down through reused pinned buffers), [`copy_rate`] (event timing and
-//! the device copy rate benchmarks are held against).
+//! kernels, all experts of a layer per launch), `upload` (large uploads through pinned staging on the weights'
+//! upload stream), `host_pins` (host buffers page-locked in place, so uploads from them need no staging),
+//! `kernel_cache` (the compiled kernels kept on disk per architecture), [`rows`] (a layer's activation rows up and
+//! down through reused pinned buffers), [`copy_rate`] (event timing and the device copy rate benchmarks are held
+//! against).
 
 pub mod copy_rate;
 pub mod dense;
@@ -188,11 +188,16 @@ pub fn probe_libraries() -> Result<()> {
     Ok(())
 }
 
-/// One CUDA device with its context, a compute stream, an upload stream and the compiled kernels.
+/// One CUDA device with its context, a compute stream, two upload streams (experts, weights) and the compiled
+/// kernels.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     copy_stream: Arc<CudaStream>,
+    /// Weights' uploads ([`Self::upload_large`], [`Self::upload_ahead`]). Apart from the experts' stream, which waits
+    /// for the compute stream before it overwrites a cache slot: a streamed layer's uploads queued behind such a
+    /// wait would start only when the layer before it had computed.
+    weights_stream: Arc<CudaStream>,
     _module: Arc<CudaModule>,
     functions: HashMap<&'static str, CudaFunction>,
     name: String,
@@ -332,10 +337,14 @@ impl Gpu {
         let copy_stream = ctx
             .new_stream()
             .map_err(|e| driver_err("creating the upload stream", e))?;
+        let weights_stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating the weights' upload stream", e))?;
         Ok(Gpu {
             ctx,
             stream,
             copy_stream,
+            weights_stream,
             _module: module,
             functions,
             name: format!("{name} (sm_{major}{minor})"),
@@ -389,6 +398,11 @@ impl Gpu {
         &self.copy_stream
     }
 
+    /// The stream weights are uploaded, and their device buffers allocated and freed, on.
+    pub fn weights_stream(&self) -> &Arc<CudaStream> {
+        &self.weights_stream
+    }
+
     /// The compute capability, (9, 0) on Hopper.
     pub fn arch(&self) -> (i32, i32) {
         self.arch
@@ -420,22 +434,22 @@ impl Gpu {
             .map_err(|e| driver_err("host-to-device copy", e))
     }
 
-    /// Copies `src` to a new device buffer on the upload stream, for weights built on the host while the compute
-    /// stream may still be busy (a streamed layer is built one ahead of the compute). A copy on the compute stream
-    /// would queue behind its kernels, and a copy from pageable memory larger than the driver's staging returns
-    /// only once its DMA has run: the builder would wait for the layer before its own. The compute stream must wait
-    /// for [`Self::uploads_done`]'s event before it reads the buffer; the buffer is freed on the upload stream, so
-    /// its last reader must be done by then, as for [`Self::upload_large`]'s.
+    /// Copies `src` to a new device buffer on the weights' upload stream, for weights built on the host while the
+    /// compute stream may still be busy (a streamed layer is built one ahead of the compute). A copy on the compute
+    /// stream would queue behind its kernels, and a copy from pageable memory larger than the driver's staging
+    /// returns only once its DMA has run: the builder would wait for the layer before its own. The compute stream
+    /// must wait for [`Self::uploads_done`]'s event before it reads the buffer; the buffer is freed on the weights'
+    /// stream, so its last reader must be done by then, as for [`Self::upload_large`]'s.
     pub fn upload_ahead<T: DeviceRepr>(&self, src: &[T]) -> Result<CudaSlice<T>> {
-        self.copy_stream
+        self.weights_stream
             .clone_htod(src)
-            .map_err(|e| driver_err("host-to-device copy on the upload stream", e))
+            .map_err(|e| driver_err("host-to-device copy on the weights' upload stream", e))
     }
 
-    /// An event recorded on the upload stream: complete once every upload queued there before it
+    /// An event recorded on the weights' upload stream: complete once every upload queued there before it
     /// ([`Self::upload_ahead`], [`Self::upload_large`]) has landed.
     pub fn uploads_done(&self) -> Result<cudarc::driver::CudaEvent> {
-        self.copy_stream
+        self.weights_stream
             .record_event(None)
             .map_err(|e| driver_err("recording an upload", e))
     }

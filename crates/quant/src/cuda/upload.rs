@@ -1,10 +1,10 @@
-//! Large host-to-device uploads (spine matrices) on the upload stream, so that an upload runs at the link's rate and
-//! beside the kernels of the compute stream instead of between them.
+//! Large host-to-device uploads (spine matrices) on the weights' upload stream, so that an upload runs at the link's
+//! rate and beside the kernels of the compute stream instead of between them.
 //!
 //! Bytes that lie in page-locked memory (a read buffer registered by [`Gpu::pin_host`]) go up in one copy straight
 //! from there, and the call waits for it, so the caller may reuse the bytes once it returns. Other bytes go in pieces
 //! of [`PIECE`] through two pinned staging buffers: while one piece is in flight the next is copied into the other
-//! buffer (by the CPU threads). The destination is allocated on the upload stream and the upload
+//! buffer (by the CPU threads). The destination is allocated on that stream and the upload
 //! ends with an event; whoever reads the buffer on another stream waits for that event first
 //! ([`super::dense::DeviceMatrix`] does before each product). Where pinned memory cannot be had, the upload falls
 //! back to a plain copy on the compute stream (no event needed).
@@ -61,8 +61,8 @@ pub struct StagingStats {
 impl Gpu {
     /// Copies `src` to a new device buffer, returning it with the event that marks the end of the copy (`None`
     /// when the copy ran on the compute stream). The caller must wait for the event on any other stream before
-    /// reading the buffer; the buffer is freed on the upload stream, so its last reader must be done by then (every
-    /// product here ends with a download that waits for it). `src` is no longer read once this returns.
+    /// reading the buffer; the buffer is freed on the weights' upload stream, so its last reader must be done by then
+    /// (every product here ends with a download that waits for it). `src` is no longer read once this returns.
     pub fn upload_large(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
         if self.is_pinned(src) {
             return self.upload_pinned(src);
@@ -94,7 +94,7 @@ impl Gpu {
         let Some(Some(stages)) = guard.as_mut() else {
             return Ok((self.upload(src)?, None));
         };
-        let copy = &self.copy_stream;
+        let copy = &self.weights_stream;
         let t = Instant::now();
         // SAFETY: every byte of the buffer is written by the piece copies below before anyone reads it.
         let mut dst = unsafe { copy.alloc::<u8>(src.len().max(1)) }
@@ -146,10 +146,10 @@ impl Gpu {
         Ok((dst, Some(done)))
     }
 
-    /// [`Self::upload_large`] of bytes inside a page-locked range: one copy on the upload stream, waited for.
+    /// [`Self::upload_large`] of bytes inside a page-locked range: one copy on the weights' upload stream, waited for.
     fn upload_pinned(&self, src: &[u8]) -> Result<(CudaSlice<u8>, Option<CudaEvent>)> {
         let started = Instant::now();
-        let copy = &self.copy_stream;
+        let copy = &self.weights_stream;
         // SAFETY: every byte of the buffer is written by the copy below before anyone reads it.
         let mut dst = unsafe { copy.alloc::<u8>(src.len().max(1)) }
             .map_err(|e| driver_err("device allocation", e))?;
