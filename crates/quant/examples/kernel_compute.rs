@@ -123,7 +123,7 @@ fn main() {
     let bf_rate = rate(b.len() * 2, || {
         (0..rows)
             .step_by(2)
-            .map(|r| unsafe { bf16_rows::<2>([&b[span(r)], &b[span(r + 1)]], &xp, 0) }[0])
+            .map(|r| unsafe { bf16_rows::<2>([&b[span(r)], &b[span(r + 1)]], &xp, deltafin_quant::bf16_contract::Prefetch::Off) }[0])
             .sum()
     });
     match i8_rate {

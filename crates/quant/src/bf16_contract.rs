@@ -77,23 +77,47 @@ pub fn dot_bf16_ref(w: &[u16], x: &[f32]) -> f32 {
     dot_ref(w, &permute_input(x))
 }
 
-/// How far ahead of each row the one-input bf16 kernels (AVX-512 and AVX2) prefetch (0: not at all), chosen once from
-/// the CPU and the cores this process may use, unless `DELTAFIN_BF16_PREFETCH_KIB` gives it (in KiB). Intel's cores
-/// and AMD's Zen 5 cores keep too few lines in flight for their share of memory bandwidth without the hint, at any core
-/// count; on older AMD cores (family 25: Zen 3 and Zen 4) it made decode on two cores slower, so they prefetch from
-/// [`PREFETCH_MIN_CORES`] up only. The measurements behind the rule: docs/performance-log.md ("Decode on 2-vCPU
-/// machines", "Session 18").
-pub fn prefetch_bytes() -> usize {
-    static AHEAD: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *AHEAD.get_or_init(|| {
-        std::env::var("DELTAFIN_BF16_PREFETCH_KIB")
+/// How the one-input bf16 kernels (AVX-512 and AVX2) prefetch a call's rows; the arithmetic is the same either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefetch {
+    /// Not at all.
+    Off,
+    /// Each row `n` bytes past its own read point (interleaved streams, one a row).
+    PerRow(usize),
+    /// The rows' span (neighbouring rows of one matrix: row `r + 1` starts where row `r` ends) in address order, `n`
+    /// bytes past where one reader going through it at the rows' pace would be: one stream.
+    Span(usize),
+}
+
+/// How the one-input bf16 kernels prefetch, chosen once from the CPU and the cores this process may use, unless
+/// `DELTAFIN_BF16_PREFETCH_KIB` gives the distance (in KiB, 0: off) or `DELTAFIN_BF16_PREFETCH_FORM` the form (`row`
+/// or `span`). Intel's cores and AMD's Zen 5 cores keep too few lines in flight for their share of memory bandwidth
+/// without the hint, at any core count; on older AMD cores (family 25: Zen 3 and Zen 4) it made decode on two cores
+/// slower, so they prefetch from [`PREFETCH_MIN_CORES`] up only. 16 KiB ahead; on AMD's cores as a span (as the int8
+/// and f32 kernels prefetch), on Intel's a row at a time, where it was measured (a span there has not been shown
+/// to be faster). The measurements behind the rule: docs/performance-log.md ("Decode on 2-vCPU machines", "Session
+/// 18", "Session 22").
+pub fn prefetch() -> Prefetch {
+    static HOW: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *HOW.get_or_init(|| {
+        let bytes = std::env::var("DELTAFIN_BF16_PREFETCH_KIB")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .map_or_else(prefetch_rule, |kib| kib << 10)
+            .map_or_else(prefetch_rule, |kib| kib << 10);
+        let span = match std::env::var("DELTAFIN_BF16_PREFETCH_FORM").as_deref() {
+            Ok("span") => true,
+            Ok("row") => false,
+            _ => !crate::simd::is_intel(),
+        };
+        match (bytes, span) {
+            (0, _) => Prefetch::Off,
+            (n, true) => Prefetch::Span(n),
+            (n, false) => Prefetch::PerRow(n),
+        }
     })
 }
 
-/// [`prefetch_bytes`]'s choice from the CPU and the core count.
+/// [`prefetch`]'s distance from the CPU and the core count.
 fn prefetch_rule() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let helped = crate::simd::is_intel() || crate::simd::cpu_family() >= ZEN5_FAMILY;
@@ -107,7 +131,7 @@ fn prefetch_rule() -> usize {
 /// AMD's CPU family of Zen 5 (26); later families are taken to keep its need for a software prefetch.
 const ZEN5_FAMILY: u32 = 0x1a;
 
-/// Cores from which the bf16 kernels prefetch on CPUs other than Intel's ([`prefetch_bytes`]).
+/// Cores from which the bf16 kernels prefetch on CPUs other than Intel's ([`prefetch`]).
 pub const PREFETCH_MIN_CORES: usize = 8;
 
 /// `Σ w·x` against the permuted input `xp`, on the fastest path this CPU has (bit-identical to [`dot_ref`]).
@@ -118,12 +142,12 @@ pub fn dot(w: &[u16], xp: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx512() {
         // SAFETY: AVX-512F/BW present; `xp` covers the row's chunks (checked above).
-        return unsafe { crate::simd::avx512::bf16_rows::<1>([w], xp, prefetch_bytes())[0] };
+        return unsafe { crate::simd::avx512::bf16_rows::<1>([w], xp, prefetch())[0] };
     }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; `xp` covers the row's chunks (checked above).
-        return unsafe { crate::simd::avx2::bf16_rows::<1>([w], xp, prefetch_bytes())[0] };
+        return unsafe { crate::simd::avx2::bf16_rows::<1>([w], xp, prefetch())[0] };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -141,12 +165,12 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx512() {
         // SAFETY: AVX-512F/BW present; equal rows and an input that covers their chunks (checked above).
-        return unsafe { crate::simd::avx512::bf16_rows::<2>([w0, w1], xp, prefetch_bytes()) };
+        return unsafe { crate::simd::avx512::bf16_rows::<2>([w0, w1], xp, prefetch()) };
     }
     #[cfg(target_arch = "x86_64")]
     if crate::simd::has_avx2_fma() {
         // SAFETY: AVX2 and FMA present; equal rows and an input that covers their chunks (checked above).
-        return unsafe { crate::simd::avx2::bf16_rows::<2>([w0, w1], xp, prefetch_bytes()) };
+        return unsafe { crate::simd::avx2::bf16_rows::<2>([w0, w1], xp, prefetch()) };
     }
     #[cfg(target_arch = "aarch64")]
     if crate::simd::has_neon() {
@@ -459,7 +483,18 @@ mod tests {
         let given = std::env::var("DELTAFIN_BF16_PREFETCH_KIB")
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok());
-        assert_eq!(prefetch_bytes(), given.map_or(want, |kib| kib << 10));
+        let bytes = given.map_or(want, |kib| kib << 10);
+        let span = match std::env::var("DELTAFIN_BF16_PREFETCH_FORM").as_deref() {
+            Ok("span") => true,
+            Ok("row") => false,
+            _ => !crate::simd::is_intel(),
+        };
+        let expected = match (bytes, span) {
+            (0, _) => Prefetch::Off,
+            (n, true) => Prefetch::Span(n),
+            (n, false) => Prefetch::PerRow(n),
+        };
+        assert_eq!(prefetch(), expected);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
-use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
+use deltafin_quant::bf16_contract::{self, Prefetch, dot_bf16, dot_bf16_ref};
 use deltafin_quant::dense::{DenseData, DenseMatrix, OutputLayout};
 use deltafin_quant::dot::{dot_f32, dot_f32_ref, dot_f32_tiles};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
@@ -1324,7 +1324,7 @@ fn dense_row_pairs_match_twins() {
             unsafe {
                 same_bits(avx2::dot_f32(&w0, &x), dot_f32_ref(&w0, &x), "avx2 f32");
                 same_bits(
-                    avx2::bf16_rows::<1>([&b0], &xp, 0)[0],
+                    avx2::bf16_rows::<1>([&b0], &xp, Prefetch::Off)[0],
                     dot_bf16_ref(&b0, &x),
                     "avx2 bf16",
                 );
@@ -1334,7 +1334,7 @@ fn dense_row_pairs_match_twins() {
                         [dot_f32_ref(&w0, &x), dot_f32_ref(&w1, &x)],
                     ),
                     (
-                        avx2::bf16_rows::<2>([&b0, &b1], &xp, 16 << 10),
+                        avx2::bf16_rows::<2>([&b0, &b1], &xp, Prefetch::Span(16 << 10)),
                         [dot_bf16_ref(&b0, &x), dot_bf16_ref(&b1, &x)],
                     ),
                 ];
@@ -1390,21 +1390,35 @@ fn bf16_rows_match_their_twin_on_every_kernel_set() {
                 // SAFETY: each kernel runs only where its features are detected; `xp` is the padded input.
                 unsafe {
                     if has_avx512() {
-                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp, 0)[0]));
-                        got.push(("avx512 pair", avx512::bf16_rows::<2>([w, w], &xp, 0)[0]));
-                        // Prefetching ahead (as on many cores) changes no bit.
+                        got.push(("avx512", avx512::bf16_rows::<1>([w], &xp, Prefetch::Off)[0]));
+                        got.push((
+                            "avx512 pair",
+                            avx512::bf16_rows::<2>([w, w], &xp, Prefetch::Off)[0],
+                        ));
+                        // Prefetching ahead, either form, changes no bit.
                         got.push((
                             "avx512 prefetched",
-                            avx512::bf16_rows::<2>([w, w], &xp, 16 << 10)[1],
+                            avx512::bf16_rows::<2>([w, w], &xp, Prefetch::Span(16 << 10))[1],
+                        ));
+                        got.push((
+                            "avx512 prefetched by row",
+                            avx512::bf16_rows::<2>([w, w], &xp, Prefetch::PerRow(16 << 10))[0],
                         ));
                     }
                     if has_avx2_fma() {
-                        got.push(("avx2", avx2::bf16_rows::<1>([w], &xp, 0)[0]));
-                        got.push(("avx2 pair", avx2::bf16_rows::<2>([w, w], &xp, 0)[1]));
+                        got.push(("avx2", avx2::bf16_rows::<1>([w], &xp, Prefetch::Off)[0]));
+                        got.push((
+                            "avx2 pair",
+                            avx2::bf16_rows::<2>([w, w], &xp, Prefetch::Off)[1],
+                        ));
                         // Prefetching ahead changes no bit here either.
                         got.push((
                             "avx2 prefetched",
-                            avx2::bf16_rows::<1>([w], &xp, 16 << 10)[0],
+                            avx2::bf16_rows::<1>([w], &xp, Prefetch::Span(16 << 10))[0],
+                        ));
+                        got.push((
+                            "avx2 pair prefetched by row",
+                            avx2::bf16_rows::<2>([w, w], &xp, Prefetch::PerRow(16 << 10))[1],
                         ));
                     }
                 }

@@ -185,16 +185,20 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 
 /// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: each
 /// chunk of 32 weights is two 32-byte loads a row, each widened to exact f32 by a shift (even weights) and a mask
-/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here. The rows are neighbours (row
-/// `r + 1` starts where row `r` ends) and their span is prefetched `ahead` bytes ahead in address order (0: not at
-/// all), as the AVX-512 kernel does ([`crate::bf16_contract::prefetch_bytes`]).
+/// (odd weights); the contract's 16-lane accumulators are two 8-lane halves here. The rows' lines are prefetched as
+/// `how` says, as the AVX-512 kernel does ([`crate::bf16_contract::prefetch`]; a span's prefetch needs neighbouring
+/// rows: row `r + 1` starts where row `r` ends).
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA; every row has the same length `n`, and `xp` holds at least
 /// `bf16_contract::padded_len(n)` values.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: usize) -> [f32; R] {
-    use crate::bf16_contract::CHUNK;
+pub unsafe fn bf16_rows<const R: usize>(
+    rows: [&[u16]; R],
+    xp: &[f32],
+    how: crate::bf16_contract::Prefetch,
+) -> [f32; R] {
+    use crate::bf16_contract::{CHUNK, Prefetch};
     let n = rows[0].len();
     let whole = n / CHUNK;
     let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
@@ -218,13 +222,22 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: us
         }
     };
     for c in 0..whole {
-        if ahead > 0 {
-            // The rows are neighbours: their span is prefetched in address order, one stream at the rows' pace.
-            prefetch_ahead(
+        match how {
+            Prefetch::Off => {}
+            Prefetch::PerRow(ahead) => {
+                for w in &rows {
+                    prefetch_ahead(
+                        w.as_ptr().wrapping_add(c * CHUNK),
+                        CHUNK * size_of::<u16>(),
+                        ahead,
+                    );
+                }
+            }
+            Prefetch::Span(ahead) => prefetch_ahead(
                 rows[0].as_ptr().wrapping_add(R * c * CHUNK),
                 R * CHUNK * size_of::<u16>(),
                 ahead,
-            );
+            ),
         }
         // Chunk c < whole lies whole in every row.
         step(c, rows.map(|w| w[c * CHUNK..].as_ptr()));

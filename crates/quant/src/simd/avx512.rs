@@ -282,18 +282,20 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 
 /// `R` bf16 rows of equal length against one permuted input ([`crate::bf16_contract`]), sharing its loads: per
 /// chunk of 32 weights and row, one 64-byte load, a shift (even weights) and a mask (odd weights) to exact f32, and
-/// two FMAs. With `ahead > 0`, the rows' span (they are neighbours: row `r + 1` starts where row `r` ends) is
-/// prefetched into L1 `ahead` bytes past the point one reader going through it at the rows' pace would be, as the
-/// other dense kernels do ([`PREFETCH_BYTES`]; [`crate::bf16_contract::prefetch_bytes`] says when that pays); the
-/// arithmetic is the same either way.
+/// two FMAs. The rows' lines are prefetched into L1 as `how` says ([`crate::bf16_contract::prefetch`] chooses:
+/// each row at its own read point, or the rows' span as one stream, as the other dense kernels do,
+/// [`PREFETCH_BYTES`]); the arithmetic is the same either way.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and BW; every row has the same length `n` (neighbouring rows of one matrix, for
-/// the prefetch to fetch theirs), and `xp` holds at least
-/// `bf16_contract::padded_len(n)` values.
+/// The CPU must support AVX-512F and BW; every row has the same length `n` (neighbouring rows of one matrix, for a
+/// span's prefetch to fetch theirs), and `xp` holds at least `bf16_contract::padded_len(n)` values.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
-pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: usize) -> [f32; R] {
-    use crate::bf16_contract::CHUNK;
+pub unsafe fn bf16_rows<const R: usize>(
+    rows: [&[u16]; R],
+    xp: &[f32],
+    how: crate::bf16_contract::Prefetch,
+) -> [f32; R] {
+    use crate::bf16_contract::{CHUNK, Prefetch};
     let n = rows[0].len();
     let whole = n / CHUNK;
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
@@ -313,14 +315,18 @@ pub unsafe fn bf16_rows<const R: usize>(rows: [&[u16]; R], xp: &[f32], ahead: us
         }
     };
     for c in 0..whole {
-        if ahead > 0 {
-            // The rows are neighbours: their span is prefetched in address order, one stream at the rows' pace
-            // (see PREFETCH_BYTES).
-            prefetch(
+        match how {
+            Prefetch::Off => {}
+            Prefetch::PerRow(ahead) => {
+                for w in &rows {
+                    prefetch(w.as_ptr().wrapping_add(c * CHUNK), CHUNK * 2, ahead);
+                }
+            }
+            Prefetch::Span(ahead) => prefetch(
                 rows[0].as_ptr().wrapping_add(R * c * CHUNK),
                 R * CHUNK * 2,
                 ahead,
-            );
+            ),
         }
         // SAFETY: chunk c < whole lies whole in every row.
         let words =

@@ -71,7 +71,7 @@ pub fn has_avx512_vnni() -> bool {
 }
 
 /// Whether the CPU is Intel's (`GenuineIntel` in CPUID leaf 0); read once. Where the best memory access pattern
-/// differs between vendors ([`crate::bf16_contract::prefetch_bytes`]), the kernels ask.
+/// differs between vendors ([`crate::bf16_contract::prefetch`]), the kernels ask.
 pub fn is_intel() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
