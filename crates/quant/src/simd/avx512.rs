@@ -284,7 +284,7 @@ pub unsafe fn dot_f32_x2(w0: &[f32], w1: &[f32], x: &[f32]) -> [f32; 2] {
 /// chunk of 32 weights and row, one 64-byte load, a shift (even weights) and a mask (odd weights) to exact f32, and
 /// two FMAs. The rows' lines are prefetched into L1 as `how` says ([`crate::bf16_contract::prefetch`] chooses:
 /// each row at its own read point, or the rows' span as one stream, as the other dense kernels do,
-/// [`PREFETCH_BYTES`]); the arithmetic is the same either way.
+/// `PREFETCH_BYTES`); the arithmetic is the same either way.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and BW; every row has the same length `n` (neighbouring rows of one matrix, for a
