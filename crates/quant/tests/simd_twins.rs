@@ -1,6 +1,8 @@
 //! Every fast kernel against its scalar twin, bit for bit, on random and edge inputs.
 
-use deltafin_quant::bf16_contract::{self, Prefetch, dot_bf16, dot_bf16_ref};
+#[cfg(target_arch = "x86_64")]
+use deltafin_quant::bf16_contract::Prefetch;
+use deltafin_quant::bf16_contract::{self, dot_bf16, dot_bf16_ref};
 use deltafin_quant::dense::{DenseData, DenseMatrix, OutputLayout};
 use deltafin_quant::dot::{dot_f32, dot_f32_ref, dot_f32_tiles};
 use deltafin_quant::int8_contract::{self, QuantizedInput};
