@@ -153,7 +153,7 @@ pub(crate) struct KdaParams {
     dt_bias: CudaSlice<f32>,
     a_exp: CudaSlice<f32>,
     o_norm: CudaSlice<f32>,
-    /// Complete once the vectors above have landed (they go up on the upload stream).
+    /// Complete once the vectors above have landed (they go up on the weights' upload stream).
     ready: CudaEvent,
 }
 
@@ -165,7 +165,7 @@ impl std::fmt::Debug for KdaParams {
 
 impl KdaParams {
     /// Uploads a layer's conv taps (q, k, v, each `[C, K]`), `dt_bias` `[C]`, `exp(A_log)` `[H]` and the output
-    /// norm's weight `[D]` on the upload stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer
+    /// norm's weight `[D]` on the weights' stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer
     /// before it computes, and must not wait for it).
     pub(crate) fn upload(
         gpu: &Arc<Gpu>,

@@ -86,7 +86,7 @@ pub(crate) struct MlaGpu {
     kv_norm: CudaSlice<f32>,
     /// The low-rank query's norm `[q_lora]`.
     q_norm: Option<CudaSlice<f32>>,
-    /// Complete once the buffers above have landed (they go up on the upload stream).
+    /// Complete once the buffers above have landed (they go up on the weights' upload stream).
     ready: CudaEvent,
     heads: usize,
     nope: usize,
@@ -107,8 +107,8 @@ pub(crate) type MlaDims = (usize, usize, usize, usize);
 
 impl MlaGpu {
     /// Uploads the stacked per-head matrices (`heads` of each: `[kv_lora, nope]` and `[v, kv_lora]`) with the
-    /// norms' weights, on the upload stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer before
-    /// it computes, and must not wait for it).
+    /// norms' weights, on the weights' stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer
+    /// before it computes, and must not wait for it).
     pub(crate) fn new(
         gpu: &Arc<Gpu>,
         scratch: &Arc<MlaScratch>,
