@@ -233,11 +233,13 @@ pub unsafe fn bf16_rows<const R: usize>(
                     );
                 }
             }
-            Prefetch::Span(ahead) => prefetch_ahead(
-                rows[0].as_ptr().wrapping_add(R * c * CHUNK),
-                R * CHUNK * size_of::<u16>(),
-                ahead,
-            ),
+            Prefetch::Span(ahead) => {
+                let p = rows[0].as_ptr().wrapping_add(R * c * CHUNK) as *const i8;
+                for off in (0..R * CHUNK * size_of::<u16>()).step_by(64) {
+                    // Read once: the non-temporal hint, as the AVX-512 kernel's span (`prefetch_once` there).
+                    _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(ahead + off));
+                }
+            }
         }
         // Chunk c < whole lies whole in every row.
         step(c, rows.map(|w| w[c * CHUNK..].as_ptr()));
