@@ -31,9 +31,16 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn prefetch_ahead<T>(p: *const T, len: usize, distance: usize) {
+    prefetch_hinted::<_MM_HINT_T0, T>(p, len, distance)
+}
+
+/// The lines `distance` bytes ahead of `p` covering `len` bytes, prefetched with hint `HINT` (a hint: never faults).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn prefetch_hinted<const HINT: i32, T>(p: *const T, len: usize, distance: usize) {
     let ahead = (p as *const i8).wrapping_add(distance);
     for off in (0..len).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
+        _mm_prefetch::<HINT>(ahead.wrapping_add(off));
     }
 }
 
@@ -233,13 +240,12 @@ pub unsafe fn bf16_rows<const R: usize>(
                     );
                 }
             }
-            Prefetch::Span(ahead) => {
-                let p = rows[0].as_ptr().wrapping_add(R * c * CHUNK) as *const i8;
-                for off in (0..R * CHUNK * size_of::<u16>()).step_by(64) {
-                    // Read once: the non-temporal hint, as the AVX-512 kernel's span (`prefetch_once` there).
-                    _mm_prefetch::<_MM_HINT_NTA>(p.wrapping_add(ahead + off));
-                }
-            }
+            // Read once: the non-temporal hint, as the AVX-512 kernel's span (`prefetch_once` there).
+            Prefetch::Span(ahead) => prefetch_hinted::<_MM_HINT_NTA, u16>(
+                rows[0].as_ptr().wrapping_add(R * c * CHUNK),
+                R * CHUNK * size_of::<u16>(),
+                ahead,
+            ),
         }
         // Chunk c < whole lies whole in every row.
         step(c, rows.map(|w| w[c * CHUNK..].as_ptr()));

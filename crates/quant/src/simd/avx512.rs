@@ -71,17 +71,11 @@ pub(crate) const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 /// go through 28 KB of codes.
 const SCALE_LEAD_ROWS: usize = 16;
 
-/// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes (a hint: never faults).
+/// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes into L1 (a hint: never faults).
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn prefetch<T>(p: *const T, len: usize, dist: usize) {
-    let ahead = (p as *const i8).wrapping_add(dist);
-    let mut off = 0;
-    while off < len {
-        // A hint: it does not access memory architecturally, even past an allocation, so it is safe.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off));
-        off += 64;
-    }
+    prefetch_hinted::<_MM_HINT_T0, T>(p, len, dist)
 }
 
 /// [`prefetch`] with the non-temporal hint, for lines read once (a GEMV's weights): on the AMD Zen 5 cores measured
@@ -89,11 +83,18 @@ fn prefetch<T>(p: *const T, len: usize, dist: usize) {
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn prefetch_once<T>(p: *const T, len: usize, dist: usize) {
+    prefetch_hinted::<_MM_HINT_NTA, T>(p, len, dist)
+}
+
+/// The lines `dist` bytes ahead of `p` covering `len` bytes, prefetched with hint `HINT`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn prefetch_hinted<const HINT: i32, T>(p: *const T, len: usize, dist: usize) {
     let ahead = (p as *const i8).wrapping_add(dist);
     let mut off = 0;
     while off < len {
         // A hint: it does not access memory architecturally, even past an allocation, so it is safe.
-        _mm_prefetch::<_MM_HINT_NTA>(ahead.wrapping_add(off));
+        _mm_prefetch::<HINT>(ahead.wrapping_add(off));
         off += 64;
     }
 }
