@@ -28,20 +28,9 @@ pub(crate) fn reduce(a0: __m256, a1: __m256, a2: __m256, a3: __m256) -> f32 {
 /// [`MXFP4_PREFETCH_BYTES`](crate::simd::avx512::MXFP4_PREFETCH_BYTES) for MXFP4 ones. The AVX-512 kernels read the
 /// same way; without a software prefetch the hardware prefetchers keep too few lines in flight on this project's
 /// machine (`docs/performance-log.md`).
-#[inline]
-#[target_feature(enable = "avx2")]
+#[inline(always)]
 fn prefetch_ahead<T>(p: *const T, len: usize, distance: usize) {
-    prefetch_hinted::<_MM_HINT_T0, T>(p, len, distance)
-}
-
-/// The lines `distance` bytes ahead of `p` covering `len` bytes, prefetched with hint `HINT` (a hint: never faults).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn prefetch_hinted<const HINT: i32, T>(p: *const T, len: usize, distance: usize) {
-    let ahead = (p as *const i8).wrapping_add(distance);
-    for off in (0..len).step_by(64) {
-        _mm_prefetch::<HINT>(ahead.wrapping_add(off));
-    }
+    super::prefetch_ahead::<_MM_HINT_T0, T>(p, len, distance)
 }
 
 /// `R` neighbouring rows of the dot contract ([`crate::dot`]) against one input, sharing its loads: the whole
@@ -241,7 +230,7 @@ pub unsafe fn bf16_rows<const R: usize>(
                 }
             }
             // Read once: the non-temporal hint, as the AVX-512 kernel's span (`prefetch_once` there).
-            Prefetch::Span(ahead) => prefetch_hinted::<_MM_HINT_NTA, u16>(
+            Prefetch::Span(ahead) => super::prefetch_ahead::<_MM_HINT_NTA, u16>(
                 rows[0].as_ptr().wrapping_add(R * c * CHUNK),
                 R * CHUNK * size_of::<u16>(),
                 ahead,

@@ -72,31 +72,16 @@ pub(crate) const MXFP4_PREFETCH_BYTES: usize = 8 << 10;
 const SCALE_LEAD_ROWS: usize = 16;
 
 /// Prefetches the cache lines `dist` bytes ahead of `p` covering `len` bytes into L1 (a hint: never faults).
-#[inline]
-#[target_feature(enable = "avx512f")]
+#[inline(always)]
 fn prefetch<T>(p: *const T, len: usize, dist: usize) {
-    prefetch_hinted::<_MM_HINT_T0, T>(p, len, dist)
+    super::prefetch_ahead::<_MM_HINT_T0, T>(p, len, dist)
 }
 
 /// [`prefetch`] with the non-temporal hint, for lines read once (a GEMV's weights): on the AMD Zen 5 cores measured
 /// the bf16 rows' span read 2–4% faster this way at either memory speed (`docs/performance-log.md`, "Session 22").
-#[inline]
-#[target_feature(enable = "avx512f")]
+#[inline(always)]
 fn prefetch_once<T>(p: *const T, len: usize, dist: usize) {
-    prefetch_hinted::<_MM_HINT_NTA, T>(p, len, dist)
-}
-
-/// The lines `dist` bytes ahead of `p` covering `len` bytes, prefetched with hint `HINT`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn prefetch_hinted<const HINT: i32, T>(p: *const T, len: usize, dist: usize) {
-    let ahead = (p as *const i8).wrapping_add(dist);
-    let mut off = 0;
-    while off < len {
-        // A hint: it does not access memory architecturally, even past an allocation, so it is safe.
-        _mm_prefetch::<HINT>(ahead.wrapping_add(off));
-        off += 64;
-    }
+    super::prefetch_ahead::<_MM_HINT_NTA, T>(p, len, dist)
 }
 
 /// Two rows of the dense contract against one input.

@@ -211,11 +211,20 @@ pub fn prefetch_slice_for_write<T>(v: &[T]) {
 /// `_mm_prefetch` with hint `HINT` of every 64-byte line of `v`.
 #[cfg(target_arch = "x86_64")]
 fn prefetch_lines<const HINT: i32, T>(v: &[T]) {
-    let p = v.as_ptr() as *const i8;
-    for off in (0..std::mem::size_of_val(v)).step_by(64) {
-        // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint that never faults (a CPU without
-        // `prefetchw` runs that hint as a no-op).
-        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p.wrapping_add(off)) };
+    prefetch_ahead::<HINT, T>(v.as_ptr(), std::mem::size_of_val(v), 0);
+}
+
+/// `_mm_prefetch` with hint `HINT` of the 64-byte lines covering `len` bytes from `dist` bytes past `p`: the
+/// streaming kernels' prefetch ahead of their reads (the addresses may lie past any allocation: a prefetch is only
+/// a hint).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_ahead<const HINT: i32, T>(p: *const T, len: usize, dist: usize) {
+    let ahead = (p as *const i8).wrapping_add(dist);
+    for off in (0..len).step_by(64) {
+        // SAFETY: SSE is part of every x86-64 CPU, and a prefetch is a hint that never faults, wherever it points
+        // (a CPU without `prefetchw` runs that hint as a no-op).
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(ahead.wrapping_add(off)) };
     }
 }
 
