@@ -24,6 +24,9 @@
 #   tier     the host tier: on the dense real-width K3 of `int8` (bf16 spine) under a GPU budget of $INT8_VRAM GiB,
 #            `bench-decode --dev cuda` with the layers the GPU streams kept in RAM (`--pin-layers auto`) and read from
 #            storage at every pass (`--pin-layers none`), alternated, $RUNS times
+#   pin      `deltafin-cudabench pin-rate`: page-locking fresh host buffers, their pages untouched or faulted in
+#            first, on 1 and 8 threads; then `upload-from`: the link's rate from each kind of page-locked source, on
+#            one stream and several
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
 #            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
@@ -141,6 +144,12 @@ if "open_read_wait_s" in d:
 PY
     done
   done
+  done
+fi
+if has pin; then
+  step "pin-rate"
+  timeout 200 bin/deltafin-cudabench pin-rate --mib 44 --gib ${PIN_GIB:-8} --threads 1,8 | tee "$OUT/pin_rate.txt"
+  for m in 1024 17; do timeout 100 bin/deltafin-cudabench upload-from --mib $m --streams 1,2,8 | tee -a "$OUT/pin_rate.txt"
   done
 fi
 if has contend; then

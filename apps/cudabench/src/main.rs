@@ -8,6 +8,8 @@
 //! - `synth`: writes a synthetic K3-architecture model (`large` has K3's real expert shape).
 //! - `decode`: decode seconds per token on the CPU and on CUDA, alternating, in one process.
 //! - `read-into`: direct reads of expert-sized spans into pageable, registered and driver-allocated pinned buffers.
+//! - `pin-rate`: how fast fresh host buffers are page-locked, with and without faulting their pages in first.
+//! - `upload-from`: host-to-device copy rates from driver-allocated and registered pinned memory, one stream or more.
 //!
 //! Built without the `cuda` feature it only says so.
 
@@ -15,6 +17,8 @@
 mod bench;
 #[cfg(feature = "cuda")]
 mod kda;
+#[cfg(all(feature = "cuda", target_os = "linux"))]
+mod pin_rate;
 #[cfg(all(feature = "cuda", target_os = "linux"))]
 mod read_into;
 
@@ -99,6 +103,45 @@ enum Cmd {
         #[arg(long, default_value_t = 2)]
         rounds: usize,
     },
+    /// Page-locking (`cuMemHostRegister`) fresh host buffers as the read pools' GPU hook does (Linux): untouched
+    /// pages, pages faulted in first, and faulting in alone.
+    PinRate {
+        /// MiB per buffer (a streamed spine's buffers average about 45).
+        #[arg(long, default_value_t = 44)]
+        mib: usize,
+        /// GiB per mode and thread count.
+        #[arg(long, default_value_t = 8.0)]
+        gib: f64,
+        /// Thread counts.
+        #[arg(long, default_value = "1,8", value_delimiter = ',')]
+        threads: Vec<usize>,
+        /// Modes: fresh, prefault, touch.
+        #[arg(long, default_value = "fresh,prefault,touch", value_delimiter = ',')]
+        modes: Vec<String>,
+        /// Rounds over all modes.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+    },
+    /// Host-to-device copy rates from driver-allocated pinned memory and from registered mappings (huge-page
+    /// advised or on 4 KiB pages), on one stream and on several at once (Linux).
+    UploadFrom {
+        /// MiB per copy.
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+        /// Timed copies per kind (median reported).
+        #[arg(long, default_value_t = 9)]
+        reps: usize,
+        /// Sources: hostalloc, registered, registered-4k.
+        #[arg(
+            long,
+            default_value = "hostalloc,registered,registered-4k",
+            value_delimiter = ','
+        )]
+        kinds: Vec<String>,
+        /// Streams copying at once.
+        #[arg(long, default_value = "1,2", value_delimiter = ',')]
+        streams: Vec<usize>,
+    },
     /// Write a synthetic model.
     Synth {
         /// Preset name (demo, large, ...).
@@ -181,6 +224,25 @@ fn main() -> anyhow::Result<()> {
             } => read_into::read_into(&file, span, &threads, gib, rounds),
             #[cfg(not(target_os = "linux"))]
             Cmd::ReadInto { .. } => anyhow::bail!("read-into runs on Linux only"),
+            #[cfg(target_os = "linux")]
+            Cmd::PinRate {
+                mib,
+                gib,
+                threads,
+                modes,
+                rounds,
+            } => pin_rate::pin_rate(mib, gib, &threads, &modes, rounds),
+            #[cfg(not(target_os = "linux"))]
+            Cmd::PinRate { .. } => anyhow::bail!("pin-rate runs on Linux only"),
+            #[cfg(target_os = "linux")]
+            Cmd::UploadFrom {
+                mib,
+                reps,
+                kinds,
+                streams,
+            } => pin_rate::upload_from(mib, reps, &kinds, &streams),
+            #[cfg(not(target_os = "linux"))]
+            Cmd::UploadFrom { .. } => anyhow::bail!("upload-from runs on Linux only"),
             Cmd::Synth { .. } => Ok(()),
         }
     }
