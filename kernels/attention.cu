@@ -281,6 +281,29 @@ extern "C" __global__ void __launch_bounds__(1024)
     block_copy(sh, s, d * d, tid, nthreads);
 }
 
+// MLA's absorbed matrices laid out from `kv_b` `[heads * (nope + v), kvl]` as uploaded (bf16 bits when `bf16` is
+// non-zero, else f32): per head its nope key rows, then its value rows. Writes every head's `W_UK,h` transposed,
+// `uk_t [heads][kvl][nope]`, and every head's `W_UV,h` as stored, `uv [heads][v][kvl]`: the host's `gpu_absorbed`,
+// value for value (a bf16 value widens to f32 exactly). One thread per element of `kv_b`, grid-strided.
+extern "C" __global__ void mla_absorb(const void* kv_b, int bf16, int heads, int nope, int vd, int kvl, float* uk_t,
+                                      float* uv) {
+    const long long per_head = (long long)(nope + vd) * kvl;
+    const long long total = per_head * heads;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        float x = bf16 ? __uint_as_float((unsigned)((const unsigned short*)kv_b)[i] << 16) : ((const float*)kv_b)[i];
+        long long h = i / per_head;
+        long long within = i - h * per_head;
+        int r = (int)(within / kvl);
+        int c = (int)(within - (long long)r * kvl);
+        if (r < nope) {
+            uk_t[(h * kvl + c) * nope + r] = x;
+        } else {
+            uv[h * vd * kvl + within - (long long)nope * kvl] = x;
+        }
+    }
+}
+
 // MLA's RMSNorms on rows (the CPU's `ops::rms_norm_row`): one block per row t; the row's first `normed` values
 // become x * inv_rms(those values) * w, the next `copied` values are copied unchanged. src: rows of `src_stride`
 // floats; dst: rows of `dst_stride` (it may be src itself: every value is read before the reduction and written

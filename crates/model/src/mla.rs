@@ -79,27 +79,39 @@ impl Mla {
         let kvl = cfg.kv_lora_rank;
         let per_head = cfg.nope_dim + cfg.v_dim;
         let kv_b_name = name("kv_b_proj.weight");
-        // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
-        let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
-        // Per head: its nope key rows `[nope, kv_lora]`, then its value rows `[v, kv_lora]`.
-        let head = |h: usize| {
-            kv_b[h * per_head * kvl..(h + 1) * per_head * kvl].split_at(cfg.nope_dim * kvl)
-        };
         let gate = if cfg.output_gate {
             Some(ld.matrix(&name("g_proj.weight"), nh * cfg.v_dim, hidden)?)
         } else {
             None
         };
         let kv_a_norm = ld.vec(&name("kv_a_layernorm.weight"), &[kvl])?;
-        // The GPU takes `W_UK,hᵀ` `[kv_lora, nope]` and `W_UV,h` `[v, kv_lora]`.
+        // The GPU takes `W_UK,hᵀ` `[kv_lora, nope]` and `W_UV,h` `[v, kv_lora]`, laid out on the device from `kv_b`
+        // as stored (bf16 or f32): a streamed layer is built again at every pass, and converting and stacking 50 MB
+        // on the host there cost more than its upload. Int8 rows are dequantised and laid out on the host.
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
             Some(g) => {
-                let (uk_t, uv) = gpu_absorbed(&kv_b, nh, (cfg.nope_dim, cfg.v_dim, kvl));
+                let rows = nh * per_head;
+                let stored = ld.host_matrix(&kv_b_name, rows, kvl)?;
+                let device_kv_b = match stored.data() {
+                    deltafin_quant::DenseData::Int8 { .. } => None,
+                    _ => deltafin_quant::cuda::dense::DeviceMatrix::upload(&g.gpu, &stored)
+                        .map_err(|e| ModelError::Device(format!("{kv_b_name}: {e}")))?,
+                };
+                let device_values = device_kv_b.as_ref().and_then(|m| m.float_values());
+                let host;
+                let absorbed = match device_values {
+                    Some((buf, bf16)) => crate::gpu::Absorbed::Device(buf, bf16),
+                    None => {
+                        let vals: Vec<f32> = (0..rows).flat_map(|r| stored.row_f32(r)).collect();
+                        host = gpu_absorbed(&vals, nh, (cfg.nope_dim, cfg.v_dim, kvl));
+                        crate::gpu::Absorbed::Host(&host.0, &host.1)
+                    }
+                };
                 Some(crate::gpu::MlaGpu::new(
                     &g.gpu,
                     &g.mla,
-                    (nh, &uk_t, &uv),
+                    (nh, absorbed),
                     (
                         &kv_a_norm,
                         match &q {
@@ -127,8 +139,11 @@ impl Mla {
             })
         };
         if !on_gpu {
+            // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
+            let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
             for h in 0..nh {
-                let (k, v) = head(h);
+                let (k, v) =
+                    kv_b[h * per_head * kvl..(h + 1) * per_head * kvl].split_at(cfg.nope_dim * kvl);
                 w_uk.push(absorbed(cfg.nope_dim, kvl, k)?);
                 w_uv_t.push(absorbed(kvl, cfg.v_dim, &transposed(v, cfg.v_dim, kvl))?);
             }
@@ -330,7 +345,7 @@ impl Mla {
 /// `[v, kv_lora]`. Written straight into the two stacks, the heads on every thread: a streamed MLA layer is laid
 /// out again at every pass, by the reader that builds the next layer while this one computes.
 #[cfg(any(feature = "cuda", test))]
-fn gpu_absorbed(
+pub(crate) fn gpu_absorbed(
     kv_b: &[f32],
     heads: usize,
     (nope, vd, kvl): (usize, usize, usize),

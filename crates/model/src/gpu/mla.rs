@@ -102,31 +102,104 @@ impl std::fmt::Debug for MlaGpu {
     }
 }
 
+/// Where an MLA layer's absorbed matrices come from.
+pub(crate) enum Absorbed<'a> {
+    /// Laid out on the host: every head's `W_UK,hᵀ` `[kv_lora, nope]`, then every head's `W_UV,h` `[v, kv_lora]`.
+    Host(&'a [f32], &'a [f32]),
+    /// `kv_b` `[heads * (nope + v), kv_lora]` as uploaded on the weights' stream (bf16 bits when the flag is set,
+    /// else f32; `DeviceMatrix::float_values`).
+    Device(&'a CudaSlice<u8>, bool),
+}
+
+/// Threads per block of `mla_absorb`.
+const ABSORB_THREADS: u32 = 256;
+
+/// The absorbed matrices `(uk_t, uv)` laid out from `kv_b` on the device by `mla_absorb`, on the weights' upload
+/// stream (after `kv_b`'s upload, which that stream already holds or waits for).
+fn absorb_on_device(
+    gpu: &Arc<Gpu>,
+    (kv_b, bf16): (&CudaSlice<u8>, bool),
+    heads: usize,
+    (nope, vd, kvl): (usize, usize, usize),
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    let values = heads * (nope + vd) * kvl;
+    let bytes = values * if bf16 { 2 } else { 4 };
+    if kv_b.len() < bytes || values == 0 {
+        return Err(ModelError::Device(format!(
+            "MLA's kv_b on the device holds {} bytes, {heads} heads of ({nope} + {vd}) x {kvl} need {bytes}",
+            kv_b.len()
+        )));
+    }
+    let stream = gpu.weights_stream();
+    let alloc = |n: usize| {
+        // SAFETY: `mla_absorb` writes every element below (each of kv_b's values lands in exactly one of them).
+        unsafe { stream.alloc::<f32>(n) }
+            .map_err(|e| ModelError::Device(format!("cuda: MLA's absorbed matrices: {e}")))
+    };
+    let (mut uk_t, mut uv) = (alloc(heads * kvl * nope)?, alloc(heads * vd * kvl)?);
+    let f = gpu.function("mla_absorb").map_err(cuda_err)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            values.div_ceil(ABSORB_THREADS as usize).min(1 << 16) as u32,
+            1,
+            1,
+        ),
+        block_dim: (ABSORB_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let dims = [
+        bf16 as i32,
+        heads as i32,
+        nope as i32,
+        vd as i32,
+        kvl as i32,
+    ];
+    let mut b = stream.launch_builder(f);
+    b.arg(kv_b);
+    for d in &dims {
+        b.arg(d);
+    }
+    b.arg(&mut uk_t).arg(&mut uv);
+    // SAFETY: the arguments match `mla_absorb`'s signature; kv_b holds `values` elements of its kind (checked above)
+    // and the outputs `heads * kvl * nope` and `heads * vd * kvl` floats.
+    unsafe { b.launch(cfg) }.map_err(|e| ModelError::Device(format!("cuda: mla_absorb: {e}")))?;
+    Ok((uk_t, uv))
+}
+
 /// The sizes of an MLA layer: `(nope, rope, kv_lora, v)`.
 pub(crate) type MlaDims = (usize, usize, usize, usize);
 
 impl MlaGpu {
-    /// Uploads the stacked per-head matrices (`heads` of each: `[kv_lora, nope]` and `[v, kv_lora]`) with the
+    /// Uploads the absorbed per-head matrices (`heads` of each: `[kv_lora, nope]` and `[v, kv_lora]`) with the
     /// norms' weights, on the weights' stream ([`Gpu::upload_ahead`]: a streamed layer is built while the layer
-    /// before it computes, and must not wait for it).
+    /// before it computes, and must not wait for it). From [`Absorbed::Device`] they are laid out on the device
+    /// (`mla_absorb`, on the weights' stream after `kv_b`'s upload), so the host converts and copies nothing.
     pub(crate) fn new(
         gpu: &Arc<Gpu>,
         scratch: &Arc<MlaScratch>,
-        (heads, w_uk_t, w_uv): (usize, &[f32], &[f32]),
+        (heads, absorbed): (usize, Absorbed<'_>),
         (kv_norm, q_norm): (&[f32], Option<&[f32]>),
         (nope, rope, kvl, vd): MlaDims,
     ) -> Result<Self> {
-        if w_uk_t.len() != heads * kvl * nope || w_uv.len() != heads * vd * kvl {
-            return Err(ModelError::Device(format!(
-                "MLA's absorbed matrices hold {} and {} values, {heads} heads need {} and {}",
-                w_uk_t.len(),
-                w_uv.len(),
-                heads * kvl * nope,
-                heads * vd * kvl
-            )));
-        }
         let up = |v: &[f32]| gpu.upload_ahead(v).map_err(cuda_err);
-        let (w_uk_t, w_uv, kv_norm) = (up(w_uk_t)?, up(w_uv)?, up(kv_norm)?);
+        let (w_uk_t, w_uv) = match absorbed {
+            Absorbed::Host(w_uk_t, w_uv) => {
+                if w_uk_t.len() != heads * kvl * nope || w_uv.len() != heads * vd * kvl {
+                    return Err(ModelError::Device(format!(
+                        "MLA's absorbed matrices hold {} and {} values, {heads} heads need {} and {}",
+                        w_uk_t.len(),
+                        w_uv.len(),
+                        heads * kvl * nope,
+                        heads * vd * kvl
+                    )));
+                }
+                (up(w_uk_t)?, up(w_uv)?)
+            }
+            Absorbed::Device(kv_b, bf16) => {
+                absorb_on_device(gpu, (kv_b, bf16), heads, (nope, vd, kvl))?
+            }
+        };
+        let kv_norm = up(kv_norm)?;
         let q_norm = q_norm.map(up).transpose()?;
         Ok(Self {
             gpu: gpu.clone(),
@@ -458,4 +531,55 @@ fn sync_mirror(
     }
     m.blocks = blocks.to_vec();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use deltafin_quant::cuda::dense::DeviceMatrix;
+    use deltafin_quant::{DenseData, DenseMatrix};
+
+    /// `mla_absorb` lays out every head's matrices from `kv_b` as uploaded, bf16 or f32, bit for bit as the host's
+    /// `gpu_absorbed` does from the same values widened to f32 (heads, widths and `kv_lora` all different; values
+    /// of both signs, tiny and large).
+    #[test]
+    fn device_absorption_matches_the_host_layout_bit_for_bit() {
+        let gpu = Gpu::shared().expect("a CUDA GPU (these tests run on the device machine)");
+        let (heads, nope, vd, kvl) = (3, 8, 16, 24);
+        let n = heads * (nope + vd) * kvl;
+        let bits: Vec<u16> = (0..n)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761) >> 16)
+            .map(|b| (b as u16 & 0x7fff).min(0x7f00) | (b as u16 & 0x8000))
+            .collect();
+        let widened: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        let host = crate::mla::gpu_absorbed(&widened, heads, (nope, vd, kvl));
+        let as_bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        for data in [
+            DenseData::Bf16(bits.clone().into()),
+            DenseData::F32(widened.clone()),
+        ] {
+            let bf16 = matches!(data, DenseData::Bf16(_));
+            let m = DenseMatrix::new(heads * (nope + vd), kvl, data).expect("matrix");
+            let dev = DeviceMatrix::upload(&gpu, &m)
+                .expect("upload")
+                .expect("a shape the device takes");
+            let (buf, is_bf16) = dev
+                .float_values()
+                .expect("bf16 or f32, staged on the weights' stream");
+            assert_eq!(is_bf16, bf16);
+            let (uk_t, uv) = absorb_on_device(&gpu, (buf, is_bf16), heads, (nope, vd, kvl))
+                .expect("mla_absorb runs");
+            gpu.wait_uploaded(&gpu.uploads_done().expect("event"))
+                .expect("wait");
+            let (uk_t, uv) = (
+                gpu.download(&uk_t).expect("download"),
+                gpu.download(&uv).expect("download"),
+            );
+            assert_eq!(as_bits(&uk_t), as_bits(&host.0), "W_UKᵀ, bf16 {bf16}");
+            assert_eq!(as_bits(&uv), as_bits(&host.1), "W_UV, bf16 {bf16}");
+        }
+    }
 }

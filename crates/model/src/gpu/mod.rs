@@ -33,7 +33,7 @@ use crate::error::{ModelError, Result};
 
 pub use experts::{ExpertCacheStats, GpuExperts, MoeSplit};
 pub use kda::DeviceKdaState;
-pub(crate) use mla::MlaGpu;
+pub(crate) use mla::{Absorbed, MlaGpu};
 pub(crate) use vram::VramPlan;
 pub use vram::vram_budget;
 

@@ -175,6 +175,19 @@ impl DeviceMatrix {
         }))
     }
 
+    /// The values as uploaded, for a kernel that lays them out anew on the weights' upload stream (after the
+    /// upload, in stream order; the buffer is freed on that stream too): the buffer and whether it holds bf16 bits
+    /// (else f32). `None` for int8 values, and when the upload ran on the compute stream (no pinned staging
+    /// memory), where a kernel on the weights' stream would not be ordered after it.
+    pub fn float_values(&self) -> Option<(&CudaSlice<u8>, bool)> {
+        let bf16 = match self.kind {
+            Kind::Bf16 => true,
+            Kind::F32 => false,
+            Kind::Int8 => return None,
+        };
+        self.ready.as_ref().map(|_| (&self.buf, bf16))
+    }
+
     /// 16-byte words of a row.
     fn words(&self) -> usize {
         self.cols / self.kind.lanes()

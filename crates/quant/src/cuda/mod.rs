@@ -45,7 +45,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 58] = [
+pub(crate) const KERNELS: [(&str, bool); 59] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -104,6 +104,7 @@ pub(crate) const KERNELS: [(&str, bool); 58] = [
     ("kda_layer", true),
     ("mla_norm_rows", false),
     ("mla_attend", false),
+    ("mla_absorb", false),
 ];
 
 /// Whether `name` is an entry point of [`KERNELS`] that takes more than 48 KiB of shared memory.
