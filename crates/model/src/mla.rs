@@ -79,6 +79,9 @@ impl Mla {
         let kvl = cfg.kv_lora_rank;
         let per_head = cfg.nope_dim + cfg.v_dim;
         let kv_b_name = name("kv_b_proj.weight");
+        // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows. Read first, so that ranks in the
+        // config that do not match the checkpoint are reported on this tensor; kept in its stored precision.
+        let kv_b = ld.host_matrix(&kv_b_name, nh * per_head, kvl)?;
         let gate = if cfg.output_gate {
             Some(ld.matrix(&name("g_proj.weight"), nh * cfg.v_dim, hidden)?)
         } else {
@@ -91,11 +94,9 @@ impl Mla {
         #[cfg(feature = "cuda")]
         let gpu = match &ld.gpu {
             Some(g) => {
-                let rows = nh * per_head;
-                let stored = ld.host_matrix(&kv_b_name, rows, kvl)?;
-                let device_kv_b = match stored.data() {
+                let device_kv_b = match kv_b.data() {
                     deltafin_quant::DenseData::Int8 { .. } => None,
-                    _ => deltafin_quant::cuda::dense::DeviceMatrix::upload(&g.gpu, &stored)
+                    _ => deltafin_quant::cuda::dense::DeviceMatrix::upload(&g.gpu, &kv_b)
                         .map_err(|e| ModelError::Device(format!("{kv_b_name}: {e}")))?,
                 };
                 let device_values = device_kv_b.as_ref().and_then(|m| m.float_values());
@@ -103,7 +104,8 @@ impl Mla {
                 let absorbed = match device_values {
                     Some((buf, bf16)) => crate::gpu::Absorbed::Device(buf, bf16),
                     None => {
-                        let vals: Vec<f32> = (0..rows).flat_map(|r| stored.row_f32(r)).collect();
+                        let vals: Vec<f32> =
+                            (0..kv_b.rows()).flat_map(|r| kv_b.row_f32(r)).collect();
                         host = gpu_absorbed(&vals, nh, (cfg.nope_dim, cfg.v_dim, kvl));
                         crate::gpu::Absorbed::Host(&host.0, &host.1)
                     }
@@ -139,8 +141,11 @@ impl Mla {
             })
         };
         if !on_gpu {
-            // [heads * (nope + v), kv_lora]: per head, nope key rows then value rows.
-            let kv_b = ld.vec(&kv_b_name, &[nh * per_head, kvl])?;
+            // The stored matrix goes once widened (the same values `Loader::vec` gives).
+            let kv_b: Vec<f32> = {
+                let stored = kv_b;
+                (0..stored.rows()).flat_map(|r| stored.row_f32(r)).collect()
+            };
             for h in 0..nh {
                 let (k, v) =
                     kv_b[h * per_head * kvl..(h + 1) * per_head * kvl].split_at(cfg.nope_dim * kvl);
@@ -342,8 +347,8 @@ impl Mla {
 
 /// The GPU's absorbed matrices from `kv_b` `[heads * (nope + v), kv_lora]` (per head its nope key rows, then its
 /// value rows): every head's `W_UK,hᵀ` `[kv_lora, nope]` one after another, and every head's `W_UV,h`
-/// `[v, kv_lora]`. Written straight into the two stacks, the heads on every thread: a streamed MLA layer is laid
-/// out again at every pass, by the reader that builds the next layer while this one computes.
+/// `[v, kv_lora]`. Written straight into the two stacks, the heads on every thread. Used for int8 rows (dequantised
+/// on the host); bf16 and f32 `kv_b` is laid out on the device by `mla_absorb`, whose test holds it to these bits.
 #[cfg(any(feature = "cuda", test))]
 pub(crate) fn gpu_absorbed(
     kv_b: &[f32],
