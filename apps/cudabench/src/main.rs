@@ -15,6 +15,8 @@
 
 #[cfg(feature = "cuda")]
 mod bench;
+#[cfg(all(feature = "cuda", target_os = "linux"))]
+mod host_map;
 #[cfg(feature = "cuda")]
 mod kda;
 #[cfg(all(feature = "cuda", target_os = "linux"))]

@@ -14,6 +14,8 @@ use std::time::Instant;
 use cudarc::driver::sys;
 use deltafin_quant::cuda::Gpu;
 
+use crate::host_map::map_anonymous;
+
 /// One host buffer: a mapping, unregistered (when registered) and unmapped on drop, or driver-allocated pinned
 /// memory, freed by the driver.
 struct Mapping {
@@ -57,20 +59,7 @@ fn prefault(p: *mut libc::c_void, len: usize) {
 /// Maps (huge-page advised), optionally faults in and registers one buffer; seconds spent faulting and
 /// registering.
 fn one(len: usize, mode: &str) -> anyhow::Result<(Mapping, f64, f64)> {
-    // SAFETY: a fresh private anonymous mapping.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    anyhow::ensure!(p != libc::MAP_FAILED, "mmap failed");
-    // SAFETY: the range is the mapping above; the advice is a hint.
-    unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+    let p = map_anonymous(len, true)?;
     let mut m = Mapping {
         ptr: p,
         len,
@@ -206,25 +195,7 @@ fn source(kind: &str, len: usize) -> anyhow::Result<Mapping> {
             hostalloc: true,
         });
     }
-    // SAFETY: a fresh private anonymous mapping.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    anyhow::ensure!(p != libc::MAP_FAILED, "mmap failed");
-    let advice = if kind == "registered-4k" {
-        libc::MADV_NOHUGEPAGE
-    } else {
-        libc::MADV_HUGEPAGE
-    };
-    // SAFETY: the range is the mapping above; the advice is a hint.
-    unsafe { libc::madvise(p, len, advice) };
+    let p = map_anonymous(len, kind != "registered-4k")?;
     // SAFETY: `p` is valid for `len` writable bytes.
     unsafe { std::ptr::write_bytes(p.cast::<u8>(), 1, len) };
     // SAFETY: the range stays mapped until the mapping drops, which unregisters it first.

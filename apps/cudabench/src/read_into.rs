@@ -35,20 +35,8 @@ impl HostBuf {
                 .map_err(|e| anyhow::anyhow!("cuMemHostAlloc: {e:?}"))?;
             p.cast::<u8>()
         } else {
-            // SAFETY: a fresh private anonymous mapping, unmapped in Drop.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            anyhow::ensure!(p != libc::MAP_FAILED, "mmap failed");
-            // SAFETY: the range is the mapping above; the advice is a hint.
-            unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+            // Unmapped in Drop.
+            let p = crate::host_map::map_anonymous(len, true)?;
             if kind == "registered" {
                 // SAFETY: the range is mapped until Drop, which unregisters it first.
                 unsafe { sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
