@@ -27,6 +27,10 @@
 #   pin      `deltafin-cudabench pin-rate`: page-locking fresh host buffers, their pages untouched or faulted in
 #            first, on 1 and 8 threads; then `upload-from`: the link's rate from each kind of page-locked source, on
 #            one stream and several
+#   perf     `bench-decode --dev cuda` at the first of $VRAMS under a carried perf (cpu-clock, 299 Hz; target/devperf:
+#            perf.tgz, perf and its libraries, and deltafin-sym.gz, deltafin stripped of debug info only): every
+#            sample's thread, time and symbol into $OUT/perf_script.txt.gz (the spine reader is a new thread per
+#            forward pass); analysed on the development machine (docs/performance-log.md, session 23)
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
 #            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
@@ -151,6 +155,17 @@ if has pin; then
   timeout 200 bin/deltafin-cudabench pin-rate --mib 44 --gib ${PIN_GIB:-8} --threads 1,8 | tee "$OUT/pin_rate.txt"
   for m in 1024 17; do timeout 100 bin/deltafin-cudabench upload-from --mib $m --streams 1,2,8 | tee -a "$OUT/pin_rate.txt"
   done
+fi
+if has perf; then
+  step "perf of bench-decode"
+  mkdir -p /tmp/p && tar xzf target/devperf/perf.tgz -C /tmp/p && gunzip -c target/devperf/deltafin-sym.gz > bin/deltafin-sym
+  chmod +x bin/deltafin-sym
+  v=${VRAMS%% *}; vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
+  PERF=(env LD_LIBRARY_PATH=/tmp/p/devperf/lib /tmp/p/devperf/perf)
+  K3_RAM_GB=$RAM timeout 300 "${PERF[@]}" record -e cpu-clock -F 299 -o /tmp/perf.data -- bin/deltafin-sym bench-decode \
+    --dev cuda "${vram[@]}" --model "$DATA/k3s" --ram-gb "$RAM" --tokens "${TOKENS_BD:-8}" --prompt-len 3 --membw-gib 0 \
+    > "$OUT/perf_bench.json"
+  "${PERF[@]}" script -i /tmp/perf.data -F tid,time,ip,sym,dso | gzip > "$OUT/perf_script.txt.gz"
 fi
 if has contend; then
   step "read pool alone and beside pinned uploads"
