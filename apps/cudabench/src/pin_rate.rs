@@ -28,6 +28,28 @@ struct Mapping {
 // SAFETY: a mapping is owned by one thread at a time.
 unsafe impl Send for Mapping {}
 
+impl Mapping {
+    /// A fresh anonymous mapping of `len` bytes ([`map_anonymous`]), not registered.
+    fn mapped(len: usize, huge: bool) -> anyhow::Result<Self> {
+        Ok(Self {
+            ptr: map_anonymous(len, huge)?,
+            len,
+            registered: false,
+            hostalloc: false,
+        })
+    }
+
+    /// Page-locks the mapping in place (`cuMemHostRegister`); dropping it unregisters it.
+    fn register(&mut self) -> anyhow::Result<()> {
+        // SAFETY: the range stays mapped until `self` drops, which unregisters it first.
+        unsafe { sys::cuMemHostRegister_v2(self.ptr, self.len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(|e| anyhow::anyhow!("cuMemHostRegister: {e:?}"))?;
+        self.registered = true;
+        Ok(())
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: freed once, as it was made.
@@ -59,25 +81,15 @@ fn prefault(p: *mut libc::c_void, len: usize) {
 /// Maps (huge-page advised), optionally faults in and registers one buffer; seconds spent faulting and
 /// registering.
 fn one(len: usize, mode: &str) -> anyhow::Result<(Mapping, f64, f64)> {
-    let p = map_anonymous(len, true)?;
-    let mut m = Mapping {
-        ptr: p,
-        len,
-        registered: false,
-        hostalloc: false,
-    };
+    let mut m = Mapping::mapped(len, true)?;
     let t = Instant::now();
     if mode != "fresh" {
-        prefault(p, len);
+        prefault(m.ptr, len);
     }
     let faulted = t.elapsed().as_secs_f64();
     let t = Instant::now();
     if mode != "touch" {
-        // SAFETY: the range stays mapped until `m` drops, which unregisters it first.
-        unsafe { sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-            .result()
-            .map_err(|e| anyhow::anyhow!("cuMemHostRegister: {e:?}"))?;
-        m.registered = true;
+        m.register()?;
     }
     Ok((m, faulted, t.elapsed().as_secs_f64()))
 }
@@ -195,19 +207,11 @@ fn source(kind: &str, len: usize) -> anyhow::Result<Mapping> {
             hostalloc: true,
         });
     }
-    let p = map_anonymous(len, kind != "registered-4k")?;
-    // SAFETY: `p` is valid for `len` writable bytes.
-    unsafe { std::ptr::write_bytes(p.cast::<u8>(), 1, len) };
-    // SAFETY: the range stays mapped until the mapping drops, which unregisters it first.
-    unsafe { sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-        .result()
-        .map_err(|e| anyhow::anyhow!("cuMemHostRegister: {e:?}"))?;
-    Ok(Mapping {
-        ptr: p,
-        len,
-        registered: true,
-        hostalloc: false,
-    })
+    let mut m = Mapping::mapped(len, kind != "registered-4k")?;
+    // SAFETY: the mapping is valid for `len` writable bytes.
+    unsafe { std::ptr::write_bytes(m.ptr.cast::<u8>(), 1, len) };
+    m.register()?;
+    Ok(m)
 }
 
 /// Host-to-device rates from each kind of page-locked source: `mib` MiB a copy, medians of `reps` wall-timed

@@ -104,9 +104,7 @@ impl Mla {
                 let absorbed = match device_values {
                     Some((buf, bf16)) => crate::gpu::Absorbed::Device(buf, bf16),
                     None => {
-                        let vals: Vec<f32> =
-                            (0..kv_b.rows()).flat_map(|r| kv_b.row_f32(r)).collect();
-                        host = gpu_absorbed(&vals, nh, (cfg.nope_dim, cfg.v_dim, kvl));
+                        host = gpu_absorbed(&kv_b.to_f32(), nh, (cfg.nope_dim, cfg.v_dim, kvl));
                         crate::gpu::Absorbed::Host(&host.0, &host.1)
                     }
                 };
@@ -141,10 +139,10 @@ impl Mla {
             })
         };
         if !on_gpu {
-            // The stored matrix goes once widened (the same values `Loader::vec` gives).
-            let kv_b: Vec<f32> = {
+            // Widened once (the values `Loader::vec` gives); the stored matrix is dropped here.
+            let kv_b = {
                 let stored = kv_b;
-                (0..stored.rows()).flat_map(|r| stored.row_f32(r)).collect()
+                stored.to_f32()
             };
             for h in 0..nh {
                 let (k, v) =

@@ -347,7 +347,7 @@ impl<'a> Loader<'a> {
         let mut m = self.host_matrix(name, rows, cols)?;
         #[cfg(feature = "cuda")]
         if self.gpu.is_some() && matches!(m.data(), DenseData::Int8 { .. }) {
-            let vals = (0..rows).flat_map(|r| m.row_f32(r)).collect();
+            let vals = m.to_f32();
             m = Self::f32_matrix(name, rows, cols, vals)?;
         }
         self.on_device(name, m)

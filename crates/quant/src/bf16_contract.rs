@@ -104,17 +104,23 @@ pub fn prefetch() -> Prefetch {
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok())
             .map_or_else(prefetch_rule, |kib| kib << 10);
-        let span = match std::env::var("DELTAFIN_BF16_PREFETCH_FORM").as_deref() {
-            Ok("span") => true,
-            Ok("row") => false,
-            _ => !crate::simd::is_intel(),
-        };
-        match (bytes, span) {
-            (0, _) => Prefetch::Off,
-            (n, true) => Prefetch::Span(n),
-            (n, false) => Prefetch::PerRow(n),
-        }
+        let form = std::env::var("DELTAFIN_BF16_PREFETCH_FORM").ok();
+        prefetch_form(bytes, form.as_deref(), crate::simd::is_intel())
     })
+}
+
+/// The prefetch `bytes` ahead (0: off) in the form `form` names (`span`, `row`), else a span except on Intel's cores.
+fn prefetch_form(bytes: usize, form: Option<&str>, intel: bool) -> Prefetch {
+    let span = match form {
+        Some("span") => true,
+        Some("row") => false,
+        _ => !intel,
+    };
+    match (bytes, span) {
+        (0, _) => Prefetch::Off,
+        (n, true) => Prefetch::Span(n),
+        (n, false) => Prefetch::PerRow(n),
+    }
 }
 
 /// [`prefetch`]'s distance from the CPU and the core count.
@@ -484,17 +490,26 @@ mod tests {
             .ok()
             .and_then(|v| v.trim().parse::<usize>().ok());
         let bytes = given.map_or(want, |kib| kib << 10);
-        let span = match std::env::var("DELTAFIN_BF16_PREFETCH_FORM").as_deref() {
-            Ok("span") => true,
-            Ok("row") => false,
-            _ => !crate::simd::is_intel(),
-        };
-        let expected = match (bytes, span) {
-            (0, _) => Prefetch::Off,
-            (n, true) => Prefetch::Span(n),
-            (n, false) => Prefetch::PerRow(n),
-        };
-        assert_eq!(prefetch(), expected);
+        let form = std::env::var("DELTAFIN_BF16_PREFETCH_FORM").ok();
+        assert_eq!(
+            prefetch(),
+            prefetch_form(bytes, form.as_deref(), crate::simd::is_intel())
+        );
+        // The forms: a distance of 0 is off whatever the form; otherwise as named, else by vendor.
+        assert_eq!(prefetch_form(0, Some("span"), false), Prefetch::Off);
+        assert_eq!(
+            prefetch_form(4096, Some("span"), true),
+            Prefetch::Span(4096)
+        );
+        assert_eq!(
+            prefetch_form(4096, Some("row"), false),
+            Prefetch::PerRow(4096)
+        );
+        assert_eq!(prefetch_form(4096, None, true), Prefetch::PerRow(4096));
+        assert_eq!(
+            prefetch_form(4096, Some("other"), false),
+            Prefetch::Span(4096)
+        );
     }
 
     #[test]

@@ -142,6 +142,19 @@ impl DenseMatrix {
         }
     }
 
+    /// Every value as f32, row after row: [`Self::row_f32`] of each row, in one vector.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match &self.data {
+            DenseData::F32(v) => v.to_vec(),
+            DenseData::Bf16(v) => v.iter().map(|&b| bf16_to_f32(b)).collect(),
+            DenseData::Int8 { q, scales } => q
+                .chunks_exact(self.cols.max(1))
+                .zip(scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&v| v as f32 * s))
+                .collect(),
+        }
+    }
+
     /// `w[r] · x` on the fastest path. A bf16 matrix permutes `x`, an f32 one copies it onto whole cache lines and an
     /// int8 one quantises it, for this one row;
     /// [`Self::dot_rows`] and [`Self::gemm`] prepare each input once for all rows.
@@ -677,6 +690,33 @@ fn par_row_blocks(y: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The whole matrix widened is every row's [`DenseMatrix::row_f32`], bit for bit, for each kind of value.
+    #[test]
+    fn to_f32_is_every_row_widened() {
+        let (rows, cols) = (3, 5);
+        let f: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.37 - 2.0).collect();
+        let bits: Vec<u16> = f.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+        let q: Vec<i8> = (0..rows * cols)
+            .map(|i| (i as i32 * 37 % 255 - 127) as i8)
+            .collect();
+        for data in [
+            DenseData::F32(f),
+            DenseData::Bf16(bits.into()),
+            DenseData::Int8 {
+                q: q.into(),
+                scales: vec![0.5, -1.25e-3, 3.0],
+            },
+        ] {
+            let m = DenseMatrix::new(rows, cols, data).expect("matrix");
+            let by_rows: Vec<u32> = (0..rows)
+                .flat_map(|r| m.row_f32(r))
+                .map(f32::to_bits)
+                .collect();
+            let whole: Vec<u32> = m.to_f32().into_iter().map(f32::to_bits).collect();
+            assert_eq!(whole, by_rows);
+        }
+    }
 
     #[test]
     fn short_products_on_many_threads_get_smaller_tasks() {

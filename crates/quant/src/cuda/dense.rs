@@ -157,7 +157,7 @@ impl DeviceMatrix {
                 gpu.upload_large(le_bytes(q))?
             }
             (DenseData::Int8 { .. }, _) => {
-                let vals: Vec<f32> = (0..m.rows()).flat_map(|r| m.row_f32(r)).collect();
+                let vals = m.to_f32();
                 gpu.upload_large(le_bytes(&vals))?
             }
         };
