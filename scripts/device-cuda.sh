@@ -32,7 +32,9 @@
 #            sample's thread, time and symbol into $OUT/perf_script.txt.gz (the spine reader is a new thread per
 #            forward pass); analysed on the development machine (docs/performance-log.md, session 23)
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
-#            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads
+#            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads; then
+#            the reads into cold buffers (last written 7 GB of reads ago, as the RAM expert cache hands them back),
+#            alone and beside expert-sized uploads from registered pages (upload-from): host memory's share of both
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
 # and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
 set -u
@@ -177,6 +179,17 @@ if has contend; then
     | tee -a "$OUT/contend.txt"
   # The uploads alone after (a bare `wait` would also wait for the log's tee).
   wait "$up"; cat "$OUT/contend_up.txt"; bin/deltafin-cudabench upload-bw --mib 1024 --reps 20
+  # The link the other way round: expert-sized copies from registered 4 KiB pages while $t threads zero holes into
+  # buffers last written 400 spans (7 GB) ago, as the engine's RAM expert cache hands them back (rpb's HOLD), and
+  # those reads alone.
+  for t in 8 16; do echo "alone, $t threads, cold buffers: $(bin/rpb "$f" 17547264 $t 3 layer 4194304 400)"; done \
+    | tee -a "$OUT/contend.txt"
+  for t in 0 8 16; do
+    r=; [ "$t" = 0 ] || { bin/rpb "$f" 17547264 "$t" 5 layer 4194304 400 > "$OUT/rpb_bg_$t.txt" & r=$!; sleep 3; }
+    echo "uploads beside $t reading threads: $(bin/deltafin-cudabench upload-from --mib 17 --reps 301 \
+      --kinds registered-4k --streams 1 | tr '\n' ' ')"
+    [ -z "$r" ] || { wait "$r"; echo "  its reads: $(cat "$OUT/rpb_bg_$t.txt")"; }
+  done | tee -a "$OUT/contend.txt"
 fi
 if has cpu; then
   step "cpu run, K3_RAM_GB=96"

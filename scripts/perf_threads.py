@@ -6,6 +6,9 @@ time into waiting in the driver (libcuda and clock_gettime: spinning on copies' 
 program's own code.
 
     python3 scripts/perf_threads.py perf_script.txt.gz --hz 299 [--after SECONDS [--min-cpu 1]] [--top 12]
+        [--until SECONDS]
+
+`--until` keeps only the samples of the first SECONDS (the open, when it ran first: `bench-decode`'s `open_s`).
 """
 import argparse
 import collections
@@ -44,11 +47,15 @@ def main():
     ap.add_argument("--min-cpu", type=float, default=1.0,
                     help="with --after: only threads with at least this many seconds on CPU (the readers)")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--until", type=float, default=None,
+                    help="only samples taken this many seconds after the first one or earlier")
     args = ap.parse_args()
     rows = list(samples(args.dump))
     if not rows:
         raise SystemExit("no samples")
     t0 = min(r[1] for r in rows)
+    if args.until is not None:
+        rows = [r for r in rows if r[1] - t0 <= args.until]
     life = {}
     for tid, t, _ in rows:
         lo, hi = life.get(tid, (t, t))

@@ -1,9 +1,12 @@
 //! Read-pool throughput on expert-sized spans at random offsets of a large file, for
 //! `scripts/bench-read-pool.sh` (which runs fio on the same file for comparison).
 //!
-//! `read_pool_bench FILE SPAN_LEN THREADS SECONDS [MODE [PIECE_BYTES]]`: MODE `stream` (default) keeps 2 × THREADS
-//! reads queued, like fio's constant queue depth; `layer` submits batches of 16 spans (a K3 layer's experts)
-//! and waits for each batch. Offsets are random and not aligned (real expert spans are not), so every
+//! `read_pool_bench FILE SPAN_LEN THREADS SECONDS [MODE [PIECE_BYTES [HOLD]]]`: MODE `stream` (default) keeps
+//! 2 × THREADS reads queued, like fio's constant queue depth; `layer` submits batches of 16 spans (a K3 layer's
+//! experts) and waits for each batch. HOLD (`layer` mode, default 0) keeps the last HOLD spans read before their
+//! buffers go back to the pool, as the engine's RAM expert cache does, so each read lands in a buffer last written
+//! HOLD spans ago (out of every CPU cache once HOLD spans exceed it) instead of one just freed; timing starts once HOLD
+//! spans are held. Offsets are random and not aligned (real expert spans are not), so every
 //! read covers up to one extra 4 KiB block; only span bytes are counted. PIECE_BYTES (default 0: whole spans, one
 //! request each, like fio's reads) splits spans over the workers as the engine does. Prints one line:
 //! `GB/s=<x> reads=<n> bytes=<n> direct=<bool>`, in `layer` mode also the mean time from a batch's submission to its
@@ -32,6 +35,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let seconds: f64 = args[3].parse()?;
     let layer_mode = args.get(4).is_some_and(|m| m == "layer");
     let piece_bytes: usize = args.get(5).map_or(Ok(0), |p| p.parse())?;
+    let hold: usize = args.get(6).map_or(Ok(0), |h| h.parse())?;
     let file = Arc::new(PoolFile::open(&path, true)?);
     let file_len = std::fs::metadata(&path)?.len();
     if file_len <= span {
@@ -58,6 +62,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         expect_crc: None,
     };
     let limit = Duration::from_secs_f64(seconds);
+    // Spans held back from the pool (`HOLD`), oldest first.
+    let mut held = std::collections::VecDeque::with_capacity(hold + LAYER_BATCH);
+    if layer_mode {
+        while held.len() < hold {
+            let batch = (0..LAYER_BATCH)
+                .map(|t| request(t, next_offset()))
+                .collect();
+            for done in pool.submit(batch) {
+                held.push_back(done.result?);
+            }
+        }
+    }
     let start = Instant::now();
     let mut bytes = 0u64;
     let mut reads = 0u64;
@@ -69,11 +85,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .collect();
             let submitted = Instant::now();
             for (i, done) in pool.submit(batch).enumerate() {
-                bytes += done.result?.len() as u64;
+                let span = done.result?;
+                bytes += span.len() as u64;
                 reads += 1;
                 if i == 0 {
                     first_s += submitted.elapsed().as_secs_f64();
                 }
+                if hold > 0 {
+                    held.push_back(span);
+                }
+            }
+            while held.len() > hold {
+                held.pop_front();
             }
             last_s += submitted.elapsed().as_secs_f64();
             batches += 1;
