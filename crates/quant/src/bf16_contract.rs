@@ -186,6 +186,41 @@ pub fn dot_x2(w0: &[u16], w1: &[u16], xp: &[f32]) -> [f32; 2] {
     [dot_ref(w0, xp), dot_ref(w1, xp)]
 }
 
+/// Four rows of equal length against the permuted input `xp`: each result bit-identical to [`dot_ref`] (each row
+/// keeps its own accumulators; the rows only share the input's loads). Without AVX-512, or for rows of unequal
+/// length, two pairs.
+pub fn dot_x4(w: [&[u16]; 4], xp: &[f32]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let n = w[0].len();
+        if crate::simd::has_avx512() && w.iter().all(|r| r.len() == n) && xp.len() >= padded_len(n)
+        {
+            // SAFETY: AVX-512F/BW present; equal rows and an input that covers their chunks (checked above).
+            return unsafe { crate::simd::avx512::bf16_rows::<4>(w, xp, prefetch()) };
+        }
+    }
+    let ([a, b], [c, d]) = (dot_x2(w[0], w[1], xp), dot_x2(w[2], w[3], xp));
+    [a, b, c, d]
+}
+
+/// Rows per kernel call of the one-input products (`DenseMatrix::dot_rows`): four with AVX-512 on AMD's cores before
+/// Zen 5 (family 25, whose AVX-512 parts are Zen 4), two elsewhere. With four rows' streams one Zen 4 core keeps more
+/// lines in flight and reads a larger share of memory bandwidth than with two (docs/performance-log.md, "Session
+/// 24"); the other cores run two, as measured when their kernels were tuned (not re-measured with four).
+pub fn rows_per_call() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::has_avx512()
+            && !crate::simd::is_intel()
+            && crate::simd::cpu_family() < ZEN5_FAMILY
+        {
+            return 4;
+        }
+        2
+    })
+}
+
 /// `Σ w·x` against the plain input `x` on the fastest path (permutes `x` first; for one-off rows).
 pub fn dot_bf16(w: &[u16], x: &[f32]) -> f32 {
     dot(w, &permute_input(x))
@@ -533,6 +568,50 @@ mod tests {
             .map(|i| ((i % 7) as f32 - 3.0) * (i % 5) as f32)
             .sum();
         assert_eq!(dot_bf16_ref(&w, &x), exact);
+    }
+
+    /// Four rows at once give each row's bits of the reference, for lengths around the 32-weight chunk and K3's
+    /// width, and for rows of unequal length (two pairs then).
+    #[test]
+    fn four_rows_match_the_reference() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for n in [1usize, 31, 32, 33, 95, 7168] {
+            let rows: Vec<Vec<u16>> = (0..4)
+                .map(|_| (0..n).map(|_| next() as u16 & 0x7f7f | 0x3c00).collect())
+                .collect();
+            let x: Vec<f32> = (0..n)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let xp = permute_input(&x);
+            let got = dot_x4(std::array::from_fn(|r| &rows[r][..]), &xp);
+            for (r, row) in rows.iter().enumerate() {
+                assert_eq!(
+                    got[r].to_bits(),
+                    dot_ref(row, &xp).to_bits(),
+                    "n={n} row {r}"
+                );
+            }
+            if n > 1 {
+                let short = &rows[3][..n - 1];
+                let got = dot_x4([&rows[0], &rows[1], &rows[2], short], &xp);
+                assert_eq!(
+                    got[3].to_bits(),
+                    dot_ref(short, &xp).to_bits(),
+                    "n={n}, short row"
+                );
+                assert_eq!(
+                    got[0].to_bits(),
+                    dot_ref(&rows[0], &xp).to_bits(),
+                    "n={n}, row 0"
+                );
+            }
+        }
     }
 
     /// bf16 bits of a value that bf16 holds exactly.

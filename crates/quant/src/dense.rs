@@ -163,8 +163,8 @@ impl DenseMatrix {
         self.row_with(r, &self.prepare(x))
     }
 
-    /// `out[i] = w[r0 + i] · x` on the fastest path, two rows per kernel call where the CPU allows (each result
-    /// bit-identical to [`Self::dot_row`]).
+    /// `out[i] = w[r0 + i] · x` on the fastest path, two rows per kernel call where the CPU allows (bf16 rows:
+    /// [`bf16_contract::rows_per_call`]), each result bit-identical to [`Self::dot_row`].
     pub fn dot_rows(&self, r0: usize, x: &[f32], out: &mut [f32]) {
         self.rows_with(r0, &self.prepare(x), out);
     }
@@ -192,7 +192,7 @@ impl DenseMatrix {
         }
     }
 
-    /// Rows `r0 .. r0 + out.len()` against a prepared input, two rows per kernel call where the CPU allows.
+    /// Rows `r0 .. r0 + out.len()` against a prepared input, several rows per kernel call where the CPU allows.
     fn rows_with(&self, r0: usize, x: &Prepared, out: &mut [f32]) {
         let c = self.cols;
         let one = |r: usize| self.row_with(r, x);
@@ -203,12 +203,25 @@ impl DenseMatrix {
                 |r| dot_f32_x2(row(v, r, c), row(v, r + 1, c), &x[..c]),
                 one,
             ),
-            (DenseData::Bf16(v), Prepared::Bf16(xp)) => by_pairs(
-                out,
-                r0,
-                |r| bf16_contract::dot_x2(row(v, r, c), row(v, r + 1, c), xp),
-                one,
-            ),
+            (DenseData::Bf16(v), Prepared::Bf16(xp)) => {
+                let by_four = if bf16_contract::rows_per_call() == 4 {
+                    out.len() / 4 * 4
+                } else {
+                    0
+                };
+                let (fours, rest) = out.split_at_mut(by_four);
+                for (i, four) in fours.chunks_exact_mut(4).enumerate() {
+                    let r = r0 + 4 * i;
+                    let rows = std::array::from_fn(|k| row(v, r + k, c));
+                    four.copy_from_slice(&bf16_contract::dot_x4(rows, xp));
+                }
+                by_pairs(
+                    rest,
+                    r0 + by_four,
+                    |r| bf16_contract::dot_x2(row(v, r, c), row(v, r + 1, c), xp),
+                    one,
+                );
+            }
             (DenseData::Int8 { q, scales }, Prepared::Int8(xq)) => {
                 crate::simd::prefetch_slice(scales.get(r0..r0 + out.len()).unwrap_or(&[]));
                 let pair = |r: usize| {
@@ -715,6 +728,33 @@ mod tests {
                 .collect();
             let whole: Vec<u32> = m.to_f32().into_iter().map(f32::to_bits).collect();
             assert_eq!(whole, by_rows);
+        }
+    }
+
+    /// Runs of bf16 rows of every length up to nine, from several first rows, give each row's own bits: the
+    /// four-row calls ([`bf16_contract::rows_per_call`]), the pairs after them and a last single row.
+    #[test]
+    fn bf16_runs_of_rows_match_row_by_row() {
+        let (rows, cols) = (23, 7168 + 7);
+        let bits: Vec<u16> = (0..rows * cols)
+            .map(|i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u16 & 0x7f7f | 0x3c00)
+            .collect();
+        let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("matrix");
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        for r0 in [0, 1, 3, 6] {
+            for len in 1..=9 {
+                let mut out = vec![f32::NAN; len];
+                m.dot_rows(r0, &x, &mut out);
+                for (i, y) in out.iter().enumerate() {
+                    assert_eq!(
+                        y.to_bits(),
+                        m.dot_row(r0 + i, &x).to_bits(),
+                        "rows {r0}+{i} of {len}"
+                    );
+                }
+            }
         }
     }
 
