@@ -737,7 +737,13 @@ mod tests {
     fn bf16_runs_of_rows_match_row_by_row() {
         let (rows, cols) = (23, 7168 + 7);
         let bits: Vec<u16> = (0..rows * cols)
-            .map(|i: usize| (i.wrapping_mul(2_654_435_761) >> 7) as u16 & 0x7f7f | 0x3c00)
+            .map(|i: usize| {
+                // Either sign, magnitudes between 2^-16 and 2^16: sums stay finite and show their order.
+                let h = i.wrapping_mul(2_654_435_761);
+                ((h >> 9) as u16 & 0x8000)
+                    | (((0x6f + (h >> 3) % 32) as u16) << 7)
+                    | ((h >> 17) as u16 & 0x7f)
+            })
             .collect();
         let m = DenseMatrix::new(rows, cols, DenseData::Bf16(bits.into())).expect("matrix");
         let x: Vec<f32> = (0..cols)
@@ -748,6 +754,7 @@ mod tests {
                 let mut out = vec![f32::NAN; len];
                 m.dot_rows(r0, &x, &mut out);
                 for (i, y) in out.iter().enumerate() {
+                    assert!(y.is_finite(), "rows {r0}+{i} of {len}: {y}");
                     assert_eq!(
                         y.to_bits(),
                         m.dot_row(r0 + i, &x).to_bits(),
