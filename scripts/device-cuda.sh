@@ -36,7 +36,9 @@
 #            the reads into cold buffers (last written 7 GB of reads ago, as the RAM expert cache hands them back),
 #            alone and beside expert-sized uploads from registered pages (upload-from): host memory's share of both
 # Binaries are built on the development machine and carried gzip-compressed in target/devcuda; results go to $OUT,
-# and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call).
+# and all of them also into $OUT/results.tgz after every step (the device hands back at most eight files a call, and
+# none past the eighth: a run that leaves more ends its command with
+# `cd $OUT && ls | grep -vE '^(results.tgz|log.txt)$' | xargs rm -f`, results.tgz holding them all).
 set -u
 OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-kernels fixtures moebw}
