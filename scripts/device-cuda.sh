@@ -31,6 +31,9 @@
 #            perf.tgz, perf and its libraries, and deltafin-sym.gz, deltafin stripped of debug info only): every
 #            sample's thread, time and symbol into $OUT/perf_script.txt.gz (the spine reader is a new thread per
 #            forward pass); analysed on the development machine (docs/performance-log.md, session 23)
+#   offcpu   `bench-decode --dev cuda` (one token) at the first of $VRAMS under the carried perf's `sched record -g`:
+#            every run and wait of every thread with the kernel stack it left the CPU in, into $OUT/offcpu.txt.gz, and
+#            the open's waits summed by that stack (scripts/offcpu_waits.py): what a thread waits on when none is busy
 #   contend  the read pool alone on a file of holes (target/devcuda/rpb.gz: the storage crate's read_pool_bench), then
 #            beside pinned uploads (deltafin-cudabench upload-bw): whether host memory traffic slows the reads; then
 #            the reads into cold buffers (last written 7 GB of reads ago, as the RAM expert cache hands them back),
@@ -170,6 +173,17 @@ if has perf; then
     --dev cuda "${vram[@]}" --model "$DATA/k3s" --ram-gb "$RAM" --tokens "${TOKENS_BD:-8}" --prompt-len 3 --membw-gib 0 \
     > "$OUT/perf_bench.json"
   "${PERF[@]}" script -i /tmp/perf.data -F tid,time,ip,sym,dso | gzip > "$OUT/perf_script.txt.gz"
+fi
+if has offcpu; then
+  step "off-CPU profile of bench-decode"
+  mkdir -p /tmp/p && tar xzf target/devperf/perf.tgz -C /tmp/p
+  v=${VRAMS%% *}; vram=(); [ "$v" = all ] || vram=(--vram-gb "$v")
+  PERF=(env LD_LIBRARY_PATH=/tmp/p/devperf/lib /tmp/p/devperf/perf)
+  K3_RAM_GB=$RAM timeout 300 "${PERF[@]}" sched record -g -o /tmp/sched.data -- bin/deltafin bench-decode --dev cuda \
+    "${vram[@]}" --model "$DATA/k3s" --ram-gb "$RAM" --tokens 1 --prompt-len 3 --membw-gib 0 > "$OUT/offcpu_bench.json"
+  "${PERF[@]}" sched timehist -i /tmp/sched.data -g 2>/dev/null | gzip > "$OUT/offcpu.txt.gz"
+  open_s=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["open_s"])' "$OUT/offcpu_bench.json")
+  python3 scripts/offcpu_waits.py "$OUT/offcpu.txt.gz" --until "$open_s" --long 100 | tee "$OUT/offcpu_summary.txt"
 fi
 if has contend; then
   step "read pool alone and beside pinned uploads"

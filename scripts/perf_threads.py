@@ -6,9 +6,11 @@ time into waiting in the driver (libcuda and clock_gettime: spinning on copies' 
 program's own code.
 
     python3 scripts/perf_threads.py perf_script.txt.gz --hz 299 [--after SECONDS [--min-cpu 1]] [--top 12]
-        [--until SECONDS]
+        [--until SECONDS] [--timeline STEP]
 
 `--until` keeps only the samples of the first SECONDS (the open, when it ran first: `bench-decode`'s `open_s`).
+`--timeline STEP` prints, for every STEP seconds, the CPUs the main thread (the first sampled) and all other threads
+kept busy and their top symbols: where an open waits, and on whom (docs/performance-log.md, session 25).
 """
 import argparse
 import collections
@@ -49,6 +51,8 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--until", type=float, default=None,
                     help="only samples taken this many seconds after the first one or earlier")
+    ap.add_argument("--timeline", type=float, default=None, metavar="STEP",
+                    help="busy CPUs and top symbols of the main thread and the others, every STEP seconds")
     args = ap.parse_args()
     rows = list(samples(args.dump))
     if not rows:
@@ -67,6 +71,8 @@ def main():
         lo, hi = life[tid]
         print(f"thread {tid}: {n / args.hz:.2f} s on CPU, alive {lo - t0:.1f}-{hi - t0:.1f} s; "
               + "; ".join(f"{s[:60]} {k / args.hz:.2f}" for s, k in syms.most_common(4)))
+    if args.timeline:
+        timeline(rows, t0, args.timeline, args.hz)
     born = [tid for tid, (lo, _) in life.items()
             if lo - t0 >= args.after and counts[tid] / args.hz >= args.min_cpu]
     if args.after > 0 and born:
@@ -75,6 +81,25 @@ def main():
         print(f"{len(born)} threads born after {args.after} s with {args.min_cpu} s or more on CPU, per thread:")
         for k, n in by_kind.most_common():
             print(f"  {k}: {n / args.hz / len(born):.3f} s")
+
+
+def timeline(rows, t0, step, hz):
+    """Per `step` seconds: busy CPUs (samples over rate and step) of the main thread, whose sample comes first, and
+    of all the others, each with its three top symbols (a symbol perf could not name stands for its library)."""
+    main_tid = min(rows, key=lambda r: r[1])[0]
+    bins = collections.defaultdict(lambda: (collections.Counter(), collections.Counter()))
+    for tid, t, sym in rows:
+        name, _, dso = sym.partition(" (")
+        if name.startswith("[unknown]"):
+            name = dso.rstrip(")").split("/")[-1]
+        bins[int((t - t0) / step)][0 if tid == main_tid else 1][name] += 1
+    print(f"timeline, {step} s a row: busy CPUs of the main thread {main_tid} | of the other threads")
+    last = max(bins)
+    for b in range(last + 1):
+        main, others = bins[b] if b in bins else (collections.Counter(), collections.Counter())
+        busy = lambda c: sum(c.values()) / hz / step
+        top = lambda c: ", ".join(f"{k[:24]} {v}" for k, v in c.most_common(3))
+        print(f"{b * step:7.2f} s  {busy(main):4.2f} {top(main):<60} | {busy(others):5.2f} {top(others)}")
 
 
 if __name__ == "__main__":
