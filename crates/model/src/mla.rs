@@ -138,7 +138,9 @@ impl Mla {
                 msg: format!("a head's slice is not [{rows}, {cols}]"),
             })
         };
-        if !on_gpu {
+        // A layer only checked (streamed; its values are read at every pass) needs none of them: building them
+        // from its zeros cost the open a widened copy and a transposed one of `kv_b` per MLA layer.
+        if !on_gpu && !ld.checks_only() {
             // Widened once (the values `Loader::vec` gives); the stored matrix is dropped here.
             let kv_b = {
                 let stored = kv_b;
@@ -388,6 +390,60 @@ fn transposed(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::{HostTensor, WeightSource};
+    use std::collections::HashMap;
+
+    /// The headers of one layer: shapes, and no values (reading one fails, as a checked layer must not).
+    struct Headers(HashMap<String, Vec<usize>>);
+
+    impl WeightSource for Headers {
+        fn load(&self, name: &str) -> Result<Option<HostTensor>> {
+            Err(ModelError::Device(format!(
+                "{name}: values read by a load that checks shapes only"
+            )))
+        }
+        fn shape(&self, name: &str) -> Result<Option<Vec<usize>>> {
+            Ok(self.0.get(name).cloned())
+        }
+    }
+
+    /// A layer only checked (streamed) reads no values and builds no absorbed matrices from its zeros, and a
+    /// `kv_b` of another shape is still reported.
+    #[test]
+    fn a_checked_layer_builds_no_absorbed_matrices() {
+        let cfg = MlaConfig {
+            n_heads: 2,
+            q_lora_rank: Some(8),
+            kv_lora_rank: 6,
+            nope_dim: 4,
+            rope_dim: 2,
+            v_dim: 5,
+            output_gate: true,
+        };
+        let hidden = 16;
+        let shapes = |kv_b_rows: usize| {
+            Headers(
+                [
+                    ("q_a_proj.weight", vec![8, hidden]),
+                    ("q_a_layernorm.weight", vec![8]),
+                    ("q_b_proj.weight", vec![2 * 6, 8]),
+                    ("kv_b_proj.weight", vec![kv_b_rows, 6]),
+                    ("g_proj.weight", vec![2 * 5, hidden]),
+                    ("kv_a_layernorm.weight", vec![6]),
+                    ("kv_a_proj_with_mqa.weight", vec![6 + 2, hidden]),
+                    ("o_proj.weight", vec![hidden, 2 * 5]),
+                ]
+                .into_iter()
+                .map(|(n, s)| (format!("l.{n}"), s))
+                .collect(),
+            )
+        };
+        let src = shapes(2 * (4 + 5));
+        let m = Mla::load(&Loader::shapes_only(&src), "l.", &cfg, hidden).expect("shapes match");
+        assert!(m.w_uk.is_empty() && m.w_uv_t.is_empty());
+        let wrong = shapes(2 * (4 + 5) + 1);
+        assert!(Mla::load(&Loader::shapes_only(&wrong), "l.", &cfg, hidden).is_err());
+    }
 
     /// The stacks hold each head's key rows transposed and its value rows as stored, head after head (the plain
     /// per-head construction), at a shape whose heads and widths all differ.

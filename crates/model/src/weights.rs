@@ -301,6 +301,12 @@ impl<'a> Loader<'a> {
         }
     }
 
+    /// Whether this loader only checks names and shapes (`shapes_only`): what a block builds from the values
+    /// (derived matrices, layouts) is then skipped, as the block is dropped unused.
+    pub fn checks_only(&self) -> bool {
+        self.shapes_only
+    }
+
     /// The raw tensor, or `MissingWeight`.
     pub fn host(&self, name: &str) -> Result<HostTensor> {
         if self.shapes_only {
