@@ -78,6 +78,20 @@ pub(crate) fn read_header(path: &Path, file: &File) -> Result<ParsedHeader> {
     // header_len <= MAX_HEADER_LEN (100 MiB) fits in usize on every supported target.
     let mut json = vec![0u8; header_len as usize];
     read_exact_at(file, &mut json, PREFIX_LEN).map_err(io_err)?;
+    let ctx = Ctx {
+        path,
+        data_start,
+        file_len,
+    };
+    // A well-formed header goes through the typed reader; anything it does not take (a malformed entry, a repeated
+    // name) is read again as a JSON tree, which names what is wrong.
+    if let Some(tensors) = fast_entries(&json) {
+        let tensors = tensors
+            .into_iter()
+            .map(|e| ctx.checked(e.name, &e.dtype, e.shape, (e.begin, e.end)))
+            .collect::<Result<Vec<_>>>()?;
+        return finish(path, file_len, data_start, tensors);
+    }
     let value: Value =
         serde_json::from_slice(&json).map_err(|source| StorageError::HeaderJson {
             path: path.to_path_buf(),
@@ -88,11 +102,6 @@ pub(crate) fn read_header(path: &Path, file: &File) -> Result<ParsedHeader> {
             path: path.to_path_buf(),
         });
     };
-    let ctx = Ctx {
-        path,
-        data_start,
-        file_len,
-    };
     let mut tensors = Vec::with_capacity(entries.len());
     for (name, entry) in &entries {
         if name == METADATA_KEY {
@@ -100,6 +109,16 @@ pub(crate) fn read_header(path: &Path, file: &File) -> Result<ParsedHeader> {
         }
         tensors.push(ctx.entry(name, entry)?);
     }
+    finish(path, file_len, data_start, tensors)
+}
+
+/// Sorts validated entries by offset and rejects overlaps.
+fn finish(
+    path: &Path,
+    file_len: u64,
+    data_start: u64,
+    mut tensors: Vec<RawTensor>,
+) -> Result<ParsedHeader> {
     tensors.sort_by_key(|t| (t.offset, t.len));
     check_overlaps(path, &tensors)?;
     Ok(ParsedHeader {
@@ -135,12 +154,12 @@ impl Ctx<'_> {
             Some(Value::String(s)) => s,
             Some(_) => return Err(self.bad(name, "dtype is not a string")),
         };
-        let dtype =
-            Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
-                path: self.path.to_path_buf(),
-                tensor: name.to_string(),
-                dtype: dtype_str.clone(),
-            })?;
+        // Checked here too, so that an unknown dtype is reported before a malformed shape.
+        Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
+            path: self.path.to_path_buf(),
+            tensor: name.to_string(),
+            dtype: dtype_str.clone(),
+        })?;
 
         let shape = match obj.get("shape") {
             None => return Err(self.bad(name, "entry has no shape")),
@@ -162,6 +181,25 @@ impl Ctx<'_> {
             }
             Some(_) => return Err(self.bad(name, "data_offsets is not a list of two integers")),
         };
+        self.checked(name.to_string(), dtype_str, shape, (begin, end))
+    }
+
+    /// Validates one entry's parts (from either reader): a known dtype, offsets inside the data, a byte length that
+    /// matches the shape.
+    fn checked(
+        &self,
+        name: String,
+        dtype_str: &str,
+        shape: Vec<usize>,
+        (begin, end): (i128, i128),
+    ) -> Result<RawTensor> {
+        let name = name.as_str();
+        let dtype =
+            Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
+                path: self.path.to_path_buf(),
+                tensor: name.to_string(),
+                dtype: dtype_str.to_string(),
+            })?;
         let bad_offsets = |reason: String| StorageError::BadOffsets {
             path: self.path.to_path_buf(),
             tensor: name.to_string(),
@@ -212,6 +250,73 @@ impl Ctx<'_> {
     }
 }
 
+/// One entry as the typed reader takes it: every field present and of its type, offsets not negative.
+struct FastEntry {
+    name: String,
+    dtype: String,
+    shape: Vec<usize>,
+    begin: i128,
+    end: i128,
+}
+
+/// The entries of a well-formed header without building a JSON tree (a K3 checkpoint's headers hold half a million
+/// entries, and the tree's allocations were most of the time before the model load), or `None` for anything else:
+/// a value of another type, a missing field, a negative number, a name given twice. The caller then reads the
+/// header as a tree, which reports what is wrong as before.
+fn fast_entries(json: &[u8]) -> Option<Vec<FastEntry>> {
+    use serde::Deserialize;
+    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
+
+    #[derive(Deserialize)]
+    struct Fields<'a> {
+        #[serde(borrow)]
+        dtype: std::borrow::Cow<'a, str>,
+        shape: Vec<usize>,
+        data_offsets: (u64, u64),
+    }
+
+    struct Entries;
+
+    impl<'de> Visitor<'de> for Entries {
+        type Value = Vec<FastEntry>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a safetensors header object")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
+            while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if name == METADATA_KEY {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+                let f: Fields<'de> = map.next_value()?;
+                out.push(FastEntry {
+                    name: name.into_owned(),
+                    dtype: f.dtype.into_owned(),
+                    shape: f.shape,
+                    begin: i128::from(f.data_offsets.0),
+                    end: i128::from(f.data_offsets.1),
+                });
+            }
+            Ok(out)
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let entries = (&mut de).deserialize_map(Entries).ok()?;
+    de.end().ok()?;
+    let mut names = std::collections::HashSet::with_capacity(entries.len());
+    entries
+        .iter()
+        .all(|e| names.insert(e.name.as_str()))
+        .then_some(entries)
+}
+
 /// A JSON integer widened to i128 so negative offsets can be reported as written.
 fn as_int(v: &Value) -> Option<i128> {
     v.as_u64()
@@ -236,4 +341,60 @@ fn check_overlaps(path: &Path, tensors: &[RawTensor]) -> Result<()> {
         last = Some(t);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A valid header: the typed reader gives every tensor entry (metadata skipped, escaped names decoded) with the
+    /// fields the JSON tree holds.
+    #[test]
+    fn typed_reader_takes_what_the_tree_holds() {
+        let json = br#"{"__metadata__":{"format":"pt"},"a.w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},
+            "b\u002ew":{"dtype":"F32","shape":[],"data_offsets":[12,16],"extra":[1]},"c":{"shape":[4],
+            "data_offsets":[16,20],"dtype":"U8"}}"#;
+        let fast = fast_entries(json).expect("a well-formed header");
+        let tree: Value = serde_json::from_slice(json).expect("json");
+        let Value::Object(tree) = tree else {
+            panic!("an object")
+        };
+        let tensors: Vec<_> = tree.iter().filter(|(n, _)| *n != METADATA_KEY).collect();
+        assert_eq!(fast.len(), tensors.len());
+        for (e, (name, v)) in fast.iter().zip(tensors) {
+            assert_eq!(&e.name, name);
+            assert_eq!(Some(e.dtype.as_str()), v["dtype"].as_str());
+            let shape: Vec<usize> = v["shape"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|d| d.as_u64())
+                        .map(|d| d as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            assert_eq!(e.shape, shape);
+            assert_eq!(Some(e.begin), as_int(&v["data_offsets"][0]));
+            assert_eq!(Some(e.end), as_int(&v["data_offsets"][1]));
+        }
+        assert_eq!(fast[1].name, "b.w");
+    }
+
+    /// Anything the typed reader does not take goes to the tree, which names the fault.
+    #[test]
+    fn typed_reader_leaves_malformed_headers_to_the_tree() {
+        for json in [
+            &br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#[..],
+            br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}}"#,
+            br#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
+            br#"{"a":{"dtype":3,"shape":[1],"data_offsets":[0,4]}}"#,
+            br#"{"a":{"shape":[1],"data_offsets":[0,4]}}"#,
+            br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,8]}}"#,
+            br#"{"a":[]}"#,
+            br#"[1,2]"#,
+            br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}} trailing"#,
+        ] {
+            assert!(fast_entries(json).is_none(), "{}", String::from_utf8_lossy(json));
+        }
+    }
 }
