@@ -52,7 +52,7 @@ def main():
         raise SystemExit(f"no task of {args.comm!r} in the dump")
     mine = [r for r in all_rows if r[3] == pid]
     t0 = mine[0][0]
-    last_stack, last_end = {}, {}
+    last_stack = {}
     waits = {"main": collections.Counter(), "others": collections.Counter()}
     long_waits = []
     for t, _, tid, _, wait, stack in mine:
@@ -62,7 +62,7 @@ def main():
             waits["main" if tid == pid else "others"][place] += wait
             if args.long is not None and wait >= args.long:
                 long_waits.append((began, tid, wait, place))
-        last_stack[tid], last_end[tid] = stack, t
+        last_stack[tid] = stack
     for who, counter in waits.items():
         total = sum(counter.values())
         print(f"{who}: {total / 1e3:.2f} s off a CPU" + (" (summed over threads)" if who == "others" else ""))

@@ -88,7 +88,7 @@ pub(crate) fn read_header(path: &Path, file: &File) -> Result<ParsedHeader> {
     if let Some(tensors) = fast_entries(&json) {
         let tensors = tensors
             .into_iter()
-            .map(|e| ctx.checked(e.name, &e.dtype, e.shape, (e.begin, e.end)))
+            .map(|e| ctx.checked(e.name, e.dtype, e.shape, (e.begin, e.end)))
             .collect::<Result<Vec<_>>>()?;
         return finish(path, file_len, data_start, tensors);
     }
@@ -154,12 +154,12 @@ impl Ctx<'_> {
             Some(Value::String(s)) => s,
             Some(_) => return Err(self.bad(name, "dtype is not a string")),
         };
-        // Checked here too, so that an unknown dtype is reported before a malformed shape.
-        Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
-            path: self.path.to_path_buf(),
-            tensor: name.to_string(),
-            dtype: dtype_str.clone(),
-        })?;
+        let dtype =
+            Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
+                path: self.path.to_path_buf(),
+                tensor: name.to_string(),
+                dtype: dtype_str.clone(),
+            })?;
 
         let shape = match obj.get("shape") {
             None => return Err(self.bad(name, "entry has no shape")),
@@ -181,25 +181,18 @@ impl Ctx<'_> {
             }
             Some(_) => return Err(self.bad(name, "data_offsets is not a list of two integers")),
         };
-        self.checked(name.to_string(), dtype_str, shape, (begin, end))
+        self.checked(name.to_string(), dtype, shape, (begin, end))
     }
 
-    /// Validates one entry's parts (from either reader): a known dtype, offsets inside the data, a byte length that
-    /// matches the shape.
+    /// Validates one entry's parts (from either reader): offsets inside the data, a byte length that matches the
+    /// shape. The name moves into the entry.
     fn checked(
         &self,
         name: String,
-        dtype_str: &str,
+        dtype: Dtype,
         shape: Vec<usize>,
         (begin, end): (i128, i128),
     ) -> Result<RawTensor> {
-        let name = name.as_str();
-        let dtype =
-            Dtype::from_safetensors(dtype_str).ok_or_else(|| StorageError::UnknownDtype {
-                path: self.path.to_path_buf(),
-                tensor: name.to_string(),
-                dtype: dtype_str.to_string(),
-            })?;
         let bad_offsets = |reason: String| StorageError::BadOffsets {
             path: self.path.to_path_buf(),
             tensor: name.to_string(),
@@ -231,7 +224,7 @@ impl Ctx<'_> {
             .try_fold(dtype.size_bytes() as u64, |acc, &d| {
                 acc.checked_mul(d as u64)
             })
-            .ok_or_else(|| self.bad(name, "shape overflows a 64-bit byte count"))?;
+            .ok_or_else(|| self.bad(&name, "shape overflows a 64-bit byte count"))?;
         if expected != len {
             return Err(StorageError::ByteLength {
                 path: self.path.to_path_buf(),
@@ -241,7 +234,7 @@ impl Ctx<'_> {
             });
         }
         Ok(RawTensor {
-            name: name.to_string(),
+            name,
             dtype,
             shape,
             offset: self.data_start + begin,
@@ -250,10 +243,11 @@ impl Ctx<'_> {
     }
 }
 
-/// One entry as the typed reader takes it: every field present and of its type, offsets not negative.
+/// One entry as the typed reader takes it: every field present and of its type, a known dtype, offsets not
+/// negative.
 struct FastEntry {
     name: String,
-    dtype: String,
+    dtype: Dtype,
     shape: Vec<usize>,
     begin: i128,
     end: i128,
@@ -261,7 +255,7 @@ struct FastEntry {
 
 /// The entries of a well-formed header without building a JSON tree (a K3 checkpoint's headers hold half a million
 /// entries, and the tree's allocations were most of the time before the model load), or `None` for anything else:
-/// a value of another type, a missing field, a negative number, a name given twice. The caller then reads the
+/// a value of another type, a missing field, an unknown dtype, a negative number, a name given twice. The caller then reads the
 /// header as a tree, which reports what is wrong as before.
 fn fast_entries(json: &[u8]) -> Option<Vec<FastEntry>> {
     use serde::Deserialize;
@@ -295,9 +289,11 @@ fn fast_entries(json: &[u8]) -> Option<Vec<FastEntry>> {
                     continue;
                 }
                 let f: Fields<'de> = map.next_value()?;
+                let dtype = Dtype::from_safetensors(&f.dtype)
+                    .ok_or_else(|| serde::de::Error::custom("unknown dtype"))?;
                 out.push(FastEntry {
                     name: name.into_owned(),
-                    dtype: f.dtype.into_owned(),
+                    dtype,
                     shape: f.shape,
                     begin: i128::from(f.data_offsets.0),
                     end: i128::from(f.data_offsets.1),
@@ -363,7 +359,10 @@ mod tests {
         assert_eq!(fast.len(), tensors.len());
         for (e, (name, v)) in fast.iter().zip(tensors) {
             assert_eq!(&e.name, name);
-            assert_eq!(Some(e.dtype.as_str()), v["dtype"].as_str());
+            assert_eq!(
+                Some(e.dtype),
+                v["dtype"].as_str().and_then(Dtype::from_safetensors)
+            );
             let shape: Vec<usize> = v["shape"]
                 .as_array()
                 .map(|a| {
@@ -388,6 +387,7 @@ mod tests {
             br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}}"#,
             br#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
             br#"{"a":{"dtype":3,"shape":[1],"data_offsets":[0,4]}}"#,
+            br#"{"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}}"#,
             br#"{"a":{"shape":[1],"data_offsets":[0,4]}}"#,
             br#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,8]}}"#,
             br#"{"a":[]}"#,
