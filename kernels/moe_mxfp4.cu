@@ -1164,8 +1164,8 @@ MOE_FOLD_ENTRY(8)
 // Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
 // WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 2 batches ahead (the slot refilled is
 // that of two batches back, which no wgmma reads any more); one barrier a batch. Each group's A fragments are
-// decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused),
-// across batches too unless the batch sums are added into the running sums.
+// decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused);
+// a batch ends with all its wgmmas done, its sums added into the running sums.
 //
 // B tiles: per batch [group q][k-tile t][hi, lo] tiles of 64 tokens x 16 k (2 KB), each in 8x8 core matrices (8
 // tokens x 16 bytes, no swizzle): token n, k-half h at (n / 8) * 256 + h * 128 + (n % 8) * 16. The k order is
@@ -1268,7 +1268,7 @@ __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const uint4* frag, co
     cp_async_commit();
 }
 
-template <bool GATE_UP, int FLUSH>
+template <bool GATE_UP>
 __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
                             float lin_beta) {
@@ -1360,19 +1360,15 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
                     for (int hl = 0; hl < 2; hl++)
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), b % FLUSH + q + t + hl > 0);
+                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), q + t + hl > 0);
             wg_commit();
         }
-        // The batch sums span FLUSH batches (and the last): then they are added into the running sums.
-        if (b % FLUSH == FLUSH - 1 || b == nb - 1) {
-            wg_wait<0>();
+        // The batch's sums are added into the running sums once its wgmmas are done.
+        wg_wait<0>();
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+        for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
-        } else {
-            wg_wait<1>(); // group 2 done: slot 0 is free for the next batch's group 0
-        }
+            for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
     }
     cp_async_wait_all();
 
@@ -1403,7 +1399,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
 // by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
 // mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
-template <bool GATE_UP, int FLUSH>
+template <bool GATE_UP>
 __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1418,7 +1414,7 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
     bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP, FLUSH>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
         return;
     }
 #endif
@@ -1426,19 +1422,14 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
                                                               act_kind, beta, lin_beta);
 }
 
-// Entry points moe_wg_{gate_up,down}_n8<SUFFIX>: 64 tokens a block, 8 warps (two warpgroups), one block a
-// multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, a measurement variant).
-#define MOE_WG_ENTRY(FLUSH, SUFFIX)                                                                             \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_gate_up_n8##SUFFIX(               \
-        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
-        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_wg_impl<true, FLUSH>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);      \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_down_n8##SUFFIX(                  \
-        const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,       \
-        int inter) {                                                                                            \
-        moe_wg_impl<false, FLUSH>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                           \
-    }
-
-MOE_WG_ENTRY(1, )
-MOE_WG_ENTRY(2, _f2)
+// Entry points moe_wg_{gate_up,down}_n8: 64 tokens a block, 8 warps (two warpgroups), one block a multiprocessor.
+extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
+    moe_wg_gate_up_n8(const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,
+                      float* act, int width, int inter, int act_kind, float beta, float lin_beta) {
+    moe_wg_impl<true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);
+}
+extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
+    moe_wg_down_n8(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,
+                   int inter) {
+    moe_wg_impl<false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);
+}

@@ -14,13 +14,12 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 12] = [
+const KERNELS: [MoeKernel; 11] = [
     MoeKernel::Tensor,
     MoeKernel::GEMM,
     MoeKernel::FOLD,
     MoeKernel::Fold { tiles: 4 },
-    MoeKernel::WG,
-    MoeKernel::Wg { flush: 2 },
+    MoeKernel::Wg,
     MoeKernel::Gemm {
         smem: false,
         tiles: 8,

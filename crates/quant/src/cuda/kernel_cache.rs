@@ -130,8 +130,17 @@ fn read_entry(path: &Path) -> Option<Vec<u8>> {
     }
 }
 
-/// Compiles `source` to a cubin for `sm_{major}{minor}` with NVRTC.
-fn compile_cubin(source: &str, opts: &[String]) -> Result<Vec<u8>> {
+/// The lines of a successful compile's NVRTC log that name a performance loss (ptxas serialising Hopper's warpgroup
+/// mmas, for example) or a warning: logged at open, and kept out of the kernels by a test.
+fn performance_warnings(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.contains("Performance Loss") || l.contains("warning"))
+        .collect()
+}
+
+/// Compiles `source` to a cubin for `sm_{major}{minor}` with NVRTC: the cubin and NVRTC's log (empty when the
+/// compiler had nothing to say).
+fn compile_cubin(source: &str, opts: &[String]) -> Result<(Vec<u8>, String)> {
     use cudarc::nvrtc::{result, sys};
     let err = |what: &str, e: &dyn std::fmt::Debug| {
         QuantError::Cuda(format!("compiling kernels/*.cu with NVRTC: {what}: {e:?}"))
@@ -141,6 +150,11 @@ fn compile_cubin(source: &str, opts: &[String]) -> Result<Vec<u8>> {
     // SAFETY: `prog` was created above and is destroyed once, below; the buffers passed to NVRTC are sized by
     // the size queries that precede them.
     unsafe {
+        let log = || {
+            result::get_program_log(prog)
+                .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
         let compiled = match result::compile_program(prog, opts) {
             Ok(()) => {
                 let mut size = 0usize;
@@ -152,18 +166,14 @@ fn compile_cubin(source: &str, opts: &[String]) -> Result<Vec<u8>> {
                         sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char)
                             .result()
                             .map_err(|e| err("reading the cubin", &e))
-                            .map(|()| cubin)
+                            .map(|()| (cubin, log()))
                     })
             }
-            Err(e) => {
-                let log = result::get_program_log(prog)
-                    .map(|l| CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                Err(QuantError::Cuda(format!(
-                    "compiling kernels/*.cu with NVRTC ({}): {e:?}\n{log}",
-                    opts.join(" ")
-                )))
-            }
+            Err(e) => Err(QuantError::Cuda(format!(
+                "compiling kernels/*.cu with NVRTC ({}): {e:?}\n{}",
+                opts.join(" "),
+                log()
+            ))),
         };
         let _ = result::destroy_program(prog);
         compiled
@@ -190,8 +200,11 @@ pub(crate) fn kernels(
         });
     }
     let started = Instant::now();
-    let cubin = compile_cubin(source, &opts)?;
+    let (cubin, log) = compile_cubin(source, &opts)?;
     let compile_secs = started.elapsed().as_secs_f64();
+    for line in performance_warnings(&log) {
+        tracing::warn!("NVRTC ({}): {line}", opts.join(" "));
+    }
     if let Some(path) = &path
         && let Err(e) = write_atomic(path, &encode(&cubin))
     {
@@ -218,6 +231,31 @@ pub(crate) fn forget(source: &str, arch: (i32, i32), cache_dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The engine's own compile for Hopper (`sm_90a`, where the warpgroup mmas are) gives a cubin and a log with no
+    /// performance loss or warning, so a kernel whose `wgmma`s ptxas would serialise fails here rather than run slow
+    /// on the device. NVRTC only (no GPU), but libnvrtc must be on the library path (docs/PLATFORMS.md).
+    #[test]
+    fn hopper_kernels_compile_without_performance_warnings() {
+        let opts = options(9, 0);
+        let (cubin, log) = match compile_cubin(&super::super::kernel_source(), &opts) {
+            Ok(c) => c,
+            Err(e) => panic!("NVRTC for {opts:?}: {e}"),
+        };
+        assert!(cubin.starts_with(b"\x7fELF"), "not a cubin");
+        assert!(performance_warnings(&log).is_empty(), "NVRTC said:\n{log}");
+    }
+
+    #[test]
+    fn performance_losses_and_warnings_are_picked_from_a_log() {
+        let log = "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized \
+                   in the function 'k'\nptxas info    : Used 40 registers\nall.cu(3): warning #177-D: unused\n";
+        let picked = performance_warnings(log);
+        assert_eq!(picked.len(), 2, "{picked:?}");
+        assert!(picked[0].contains("C7518") && picked[1].contains("#177"));
+        assert!(performance_warnings("ptxas info    : Used 40 registers").is_empty());
+        assert!(performance_warnings("").is_empty());
+    }
 
     #[test]
     fn an_entry_round_trips_and_damage_is_refused() {

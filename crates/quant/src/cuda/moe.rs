@@ -92,11 +92,7 @@ pub enum MoeKernel {
     /// four-stage ring of weights and token tiles in shared memory; the `moe_fold_*` blocks, 64 tokens a block),
     /// where the widths are multiples of 128 (the token tiles otherwise). Needs sm_90; elsewhere, and in a block
     /// with a scale outside the folding window, the block runs the mma.sync GEMM with per-group scales.
-    Wg {
-        /// Batches of four groups whose sums chain before they are added into the running sums: 1, or 2 (a
-        /// measurement variant, `wg2`).
-        flush: usize,
-    },
+    Wg,
     /// The tensor-core token tiles at any token count (a measurement variant).
     Tiles,
     /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
@@ -121,8 +117,6 @@ impl MoeKernel {
     };
     /// The folded-scale GEMM [`MoeKernel::Tensor`] uses above [`FOLD_MIN_ROWS`] tokens (`fold`).
     pub const FOLD: MoeKernel = MoeKernel::Fold { tiles: 8 };
-    /// The warpgroup form of the folded GEMM (`wg`).
-    pub const WG: MoeKernel = MoeKernel::Wg { flush: 1 };
 
     /// Ring stages and kernel-name suffix of the tensor-core kernels for token tile `tt`.
     fn tensor_variant(self, tt: usize) -> (usize, &'static str) {
@@ -155,14 +149,13 @@ impl FromStr for MoeKernel {
             }),
             "fold" => Ok(MoeKernel::FOLD),
             "fold4" => Ok(MoeKernel::Fold { tiles: 4 }),
-            "wg" => Ok(MoeKernel::WG),
-            "wg2" => Ok(MoeKernel::Wg { flush: 2 }),
+            "wg" => Ok(MoeKernel::Wg),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, wg2, tiles, \
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, tiles, \
                  tensor-s4, tensor-nohint or simt)"
             )),
         }
@@ -378,7 +371,7 @@ pub fn run_experts_with(
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
         MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
-        MoeKernel::Wg { flush } if gemm_fits => Some(GemmFamily::wg(flush)),
+        MoeKernel::Wg if gemm_fits => Some(GemmFamily::wg()),
         MoeKernel::Tensor if gemm_fits && max_rows > FOLD_MIN_ROWS => Some(GemmFamily::fold(8)),
         MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => {
             Some(GemmFamily::plain(GEMM_DEFAULT.0, GEMM_DEFAULT.1))
@@ -622,10 +615,10 @@ impl GemmFamily {
     }
 
     /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens.
-    fn wg(flush: usize) -> GemmFamily {
+    fn wg() -> GemmFamily {
         GemmFamily {
             prefix: "moe_wg",
-            suffix: if flush == 2 { "_f2" } else { "" },
+            suffix: "",
             tiles: &[8],
             cap: 8,
             smem: |_| WG_STAGES * WG_STAGE_BYTES,
@@ -871,7 +864,7 @@ mod tests {
             (14, 16, 1)
         );
         // The warpgroup form: the same blocks, 64 tokens a token tile, a four-stage ring within the H200's limit.
-        let wg = GemmFamily::wg(1);
+        let wg = GemmFamily::wg();
         assert_eq!(wg.tiles_for(17), 8);
         let g = wg.launch((3072, wg.rows.0), 16, 100, 8);
         assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
@@ -884,8 +877,7 @@ mod tests {
             GemmFamily::plain(false, 8),
             GemmFamily::plain(true, 8),
             GemmFamily::fold(8),
-            GemmFamily::wg(1),
-            GemmFamily::wg(2),
+            GemmFamily::wg(),
         ] {
             for &nt in family.tiles {
                 for name in [family.kernel("gate_up", nt), family.kernel("down", nt)] {
@@ -917,8 +909,7 @@ mod tests {
             ("tiles", MoeKernel::Tiles),
             ("fold", MoeKernel::FOLD),
             ("fold4", MoeKernel::Fold { tiles: 4 }),
-            ("wg", MoeKernel::WG),
-            ("wg2", MoeKernel::Wg { flush: 2 }),
+            ("wg", MoeKernel::Wg),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),
