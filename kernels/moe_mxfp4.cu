@@ -1251,24 +1251,36 @@ __device__ __forceinline__ void wgmma_rs(float d[32], u32 a0, u32 a1, u32 a2, u3
 // lane's weight chunk (group 4b + c of each of its four stream rows) and scale word (stream row c). A warp's copy
 // instruction takes four chunks (64 bytes) of eight tokens, each eight lanes one chunk of the eight: whole sectors
 // from global memory, eight distinct bank quads in shared memory (a token's chunks all land in its quad n % 8).
-__device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const uint4* frag, const int* rows, int groups, int b,
-                                         const u8* const wrow[4], const u8* srow, int c) {
+// Copy `it` (0..8) of thread (warp w, lane l) moves chunk k8 = ((l >> 3) & 3) | ((w & 1) << 2) of group 4b + q, q =
+// (w >> 1) & 3, of token 8 it + (l & 7) (the B tiles' layout: above): `WgCopies` holds what of that does not change
+// from batch to batch.
+struct WgCopies {
+    const uint4* src; // frag + q * 8 + k8: add the token's row times `rstride` and 32 b
+    const int* rows;  // rows_sm + (l & 7): the tile's token rows, 8 it further for copy it
+    size_t rstride;   // uint4 a frag row: groups * 8
+    u32 dst;          // bytes into a ring slot's B tiles for copy 0; copy it lies 256 bytes further
+};
+
+__device__ __forceinline__ WgCopies wg_copies(const uint4* frag, const int* rows, int groups) {
+    static_assert(FOLD_WARPS == 8, "a copy's token is 8 it + (l & 7) with eight warps");
+    const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int q = (w >> 1) & 3, k8 = ((l >> 3) & 3) | ((w & 1) << 2), hl = k8 >> 2, s = k8 & 3;
+    return WgCopies{frag + q * 8 + k8, rows + (l & 7), (size_t)groups * 8,
+                    (u32)((((q * 2 + (s >> 1)) * 2 + hl) * 128 + (s & 1) * 8 + (l & 7)) * 16)};
+}
+
+__device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, int b, const u8* const wrow[4],
+                                         const u8* srow, int c) {
 #pragma unroll
-    for (int it = 0; it < 64 * 32 / (FOLD_WARPS * WARP); it++) {
-        int idx = it * FOLD_WARPS * WARP + threadIdx.x, l = idx & 31, w = idx >> 5;
-        int tok = (w >> 3) * 8 + (l & 7), q = (w >> 1) & 3, k8 = ((l >> 3) & 3) | ((w & 1) << 2);
-        int hl = k8 >> 2, s = k8 & 3;
-        const uint4* src = frag + ((size_t)rows[tok] * groups + 4 * b + q) * 8 + k8;
-        u32 dst = bsm + ((((q * 2 + (s >> 1)) * 2 + hl) * 128) + (tok >> 3) * 16 + (s & 1) * 8 + (tok & 7)) * 16;
-        cp_async16<false>(dst, src, 16);
-    }
+    for (int it = 0; it < 8; it++)
+        cp_async16<false>(bsm + cp.dst + it * 256, cp.src + cp.rows[8 * it] * cp.rstride + 32 * b, 16);
 #pragma unroll
     for (int k = 0; k < 4; k++) cp_async16<true>(wsm + (k * 4 + c) * 16, wrow[k] + (4 * b + c) * 16, 16);
     cp_async4(wsm + 256 + 4 * c, srow + 4 * b, 4);
     cp_async_commit();
 }
 
-template <bool GATE_UP>
+template <bool GATE_UP, int FLUSH>
 __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
                             float lin_beta) {
@@ -1295,10 +1307,11 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
     const u32 b_base = smem_addr(bsm);
     const u32 w_base = b_base + WG_STAGES * WG_B_UNITS * 16 + (warp * 8 + g) * WG_QUAD_BYTES;
     constexpr u32 W_STAGE = WG_W_BYTES;
+    const WgCopies copies = wg_copies(frag, rows_sm, groups);
 #pragma unroll
     for (int st = 0; st < WG_STAGES - 2; st++) {
         if (st < nb)
-            wg_stage(b_base + st * WG_B_UNITS * 16, w_base + st * W_STAGE, frag, rows_sm, groups, st, wrow, srow, c);
+            wg_stage(b_base + st * WG_B_UNITS * 16, w_base + st * W_STAGE, copies, st, wrow, srow, c);
         else
             cp_async_commit();
     }
@@ -1309,7 +1322,12 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
         for (int k = 0; k < 32; k++) acc[i][k] = 0.f, tmp[i][k] = 0.f;
 
-    for (int b = 0; b < nb; b++) {
+    // FLUSH batches a round (nb a multiple of FLUSH: the host's choice), unrolled, so that the last batch's wait
+    // for all its wgmmas is no branch (ptxas serialises the wgmmas of a kernel that waits in a divergent path).
+    for (int b0 = 0; b0 < nb; b0 += FLUSH)
+#pragma unroll
+    for (int u = 0; u < FLUSH; u++) {
+        const int b = b0 + u;
         const int slot = b % WG_STAGES;
         cp_async_wait<WG_STAGES - 3>();
         fence_proxy_async();
@@ -1318,11 +1336,14 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
         __syncthreads();
         const int nxt = b + WG_STAGES - 2;
         if (nxt < nb)
-            wg_stage(b_base + (nxt % WG_STAGES) * WG_B_UNITS * 16, w_base + (nxt % WG_STAGES) * W_STAGE, frag,
-                     rows_sm, groups, nxt, wrow, srow, c);
+            wg_stage(b_base + (nxt % WG_STAGES) * WG_B_UNITS * 16, w_base + (nxt % WG_STAGES) * W_STAGE, copies, nxt,
+                     wrow, srow, c);
         else
             cp_async_commit();
         const u32 bs = b_base + slot * WG_B_UNITS * 16, ws = w_base + slot * W_STAGE;
+        // The slot's first B tile; tile (q, t, hl) lies 2 KB a step further (the descriptor's address field counts
+        // 16-byte units and stays below its 2^14 limit in shared memory).
+        const unsigned long long bdesc = wg_desc(bs);
         u32 e4[4];
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(e4[0]), "=r"(e4[1]), "=r"(e4[2]), "=r"(e4[3])
@@ -1360,15 +1381,19 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
                     for (int hl = 0; hl < 2; hl++)
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 wg_desc(bs + ((q * 2 + t) * 2 + hl) * 2048), q + t + hl > 0);
+                                 bdesc + ((q * 2 + t) * 2 + hl) * (2048 >> 4), u + q + t + hl > 0);
             wg_commit();
         }
-        // The batch's sums are added into the running sums once its wgmmas are done.
-        wg_wait<0>();
+        // The round's sums are added into the running sums once its wgmmas are done.
+        if (u == FLUSH - 1) {
+            wg_wait<0>();
 #pragma unroll
-        for (int i = 0; i < 2; i++)
+            for (int i = 0; i < 2; i++)
 #pragma unroll
-            for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+                for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+        } else {
+            wg_wait<1>(); // group 2 done: slot 0 is free for the next batch's group 0
+        }
     }
     cp_async_wait_all();
 
@@ -1399,7 +1424,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
 // by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
 // mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
-template <bool GATE_UP>
+template <bool GATE_UP, int FLUSH>
 __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1414,7 +1439,7 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
     bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP, FLUSH>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
         return;
     }
 #endif
@@ -1422,14 +1447,19 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
                                                               act_kind, beta, lin_beta);
 }
 
-// Entry points moe_wg_{gate_up,down}_n8: 64 tokens a block, 8 warps (two warpgroups), one block a multiprocessor.
-extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
-    moe_wg_gate_up_n8(const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,
-                      float* act, int width, int inter, int act_kind, float beta, float lin_beta) {
-    moe_wg_impl<true>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);
-}
-extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1)
-    moe_wg_down_n8(const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,
-                   int inter) {
-    moe_wg_impl<false>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);
-}
+// Entry points moe_wg_{gate_up,down}_n8<SUFFIX>: 64 tokens a block, 8 warps (two warpgroups), one block a
+// multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, for inputs whose batch count is even).
+#define MOE_WG_ENTRY(FLUSH, SUFFIX)                                                                             \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_gate_up_n8##SUFFIX(               \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
+        moe_wg_impl<true, FLUSH>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);      \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_down_n8##SUFFIX(                  \
+        const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,       \
+        int inter) {                                                                                            \
+        moe_wg_impl<false, FLUSH>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                           \
+    }
+
+MOE_WG_ENTRY(1, )
+MOE_WG_ENTRY(2, _f2)

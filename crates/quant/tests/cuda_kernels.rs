@@ -14,12 +14,13 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 11] = [
+const KERNELS: [MoeKernel; 12] = [
     MoeKernel::Tensor,
     MoeKernel::GEMM,
     MoeKernel::FOLD,
     MoeKernel::Fold { tiles: 4 },
-    MoeKernel::Wg,
+    MoeKernel::Wg { pairs: true },
+    MoeKernel::Wg { pairs: false },
     MoeKernel::Gemm {
         smem: false,
         tiles: 8,

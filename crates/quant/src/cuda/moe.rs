@@ -92,7 +92,11 @@ pub enum MoeKernel {
     /// four-stage ring of weights and token tiles in shared memory; the `moe_fold_*` blocks, 64 tokens a block),
     /// where the widths are multiples of 128 (the token tiles otherwise). Needs sm_90; elsewhere, and in a block
     /// with a scale outside the folding window, the block runs the mma.sync GEMM with per-group scales.
-    Wg,
+    Wg {
+        /// Chain the sums of two batches of four groups before adding them into the running sums, where an
+        /// input's batches pair up (`wg`); `false`: every batch (`wg1`, a measurement variant).
+        pairs: bool,
+    },
     /// The tensor-core token tiles at any token count (a measurement variant).
     Tiles,
     /// As [`MoeKernel::Tensor`] with 4 ring stages at one token (a measurement variant).
@@ -149,13 +153,14 @@ impl FromStr for MoeKernel {
             }),
             "fold" => Ok(MoeKernel::FOLD),
             "fold4" => Ok(MoeKernel::Fold { tiles: 4 }),
-            "wg" => Ok(MoeKernel::Wg),
+            "wg" => Ok(MoeKernel::Wg { pairs: true }),
+            "wg1" => Ok(MoeKernel::Wg { pairs: false }),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, tiles, \
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, wg1, tiles, \
                  tensor-s4, tensor-nohint or simt)"
             )),
         }
@@ -371,7 +376,7 @@ pub fn run_experts_with(
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
         MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
-        MoeKernel::Wg if gemm_fits => Some(GemmFamily::wg()),
+        MoeKernel::Wg { pairs } if gemm_fits => Some(GemmFamily::wg(pairs)),
         MoeKernel::Tensor if gemm_fits && max_rows > FOLD_MIN_ROWS => Some(GemmFamily::fold(8)),
         MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => {
             Some(GemmFamily::plain(GEMM_DEFAULT.0, GEMM_DEFAULT.1))
@@ -579,6 +584,8 @@ struct GemmFamily {
     prefix: &'static str,
     /// Name suffix (`_s`: B fragments through shared memory).
     suffix: &'static str,
+    /// Whether an input whose batches of four groups pair up takes the `_f2` kernels (two batches a chain).
+    pairs: bool,
     /// n-tiles the family is instantiated for, ascending.
     tiles: &'static [usize],
     /// At most this many n-tiles a block.
@@ -605,6 +612,7 @@ impl GemmFamily {
         GemmFamily {
             prefix: "moe_fold",
             suffix: "",
+            pairs: false,
             tiles: &FOLD_TILES,
             cap,
             threads: 256,
@@ -615,10 +623,11 @@ impl GemmFamily {
     }
 
     /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens.
-    fn wg() -> GemmFamily {
+    fn wg(pairs: bool) -> GemmFamily {
         GemmFamily {
             prefix: "moe_wg",
             suffix: "",
+            pairs,
             tiles: &[8],
             cap: 8,
             smem: |_| WG_STAGES * WG_STAGE_BYTES,
@@ -632,6 +641,7 @@ impl GemmFamily {
         GemmFamily {
             prefix: "moe_gemm",
             suffix: if smem { "_s" } else { "" },
+            pairs: false,
             tiles: &GEMM_TILES,
             cap,
             threads: GEMM_THREADS,
@@ -642,8 +652,13 @@ impl GemmFamily {
     }
 
     /// The entry point of `part` (`gate_up` or `down`) at `nt` n-tiles.
-    fn kernel(&self, part: &str, nt: usize) -> String {
-        format!("{}_{part}_n{nt}{}", self.prefix, self.suffix)
+    fn kernel(&self, part: &str, nt: usize, cols: usize) -> String {
+        let f2 = if self.pairs && (cols / GEMM_COLS).is_multiple_of(2) {
+            "_f2"
+        } else {
+            ""
+        };
+        format!("{}_{part}_n{nt}{}{f2}", self.prefix, self.suffix)
     }
 
     /// Dynamic shared memory at `nt` n-tiles.
@@ -710,7 +725,7 @@ fn run_gemm(
         .collect();
     for (table, n_slots, max_rows) in &tables {
         let nt = family.tiles_for(*max_rows);
-        let name = family.kernel("gate_up", nt);
+        let name = family.kernel("gate_up", nt, width);
         let f = gpu.function(&name)?;
         let cfg = family.launch((inter, family.rows.0), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
@@ -732,7 +747,7 @@ fn run_gemm(
     let (afrag, adown) = split_hilo(gpu, family.split, act, end, inter)?;
     for (table, n_slots, max_rows) in &tables {
         let nt = family.tiles_for(*max_rows);
-        let name = family.kernel("down", nt);
+        let name = family.kernel("down", nt, inter);
         let f = gpu.function(&name)?;
         let cfg = family.launch((width, family.rows.1), *n_slots, *max_rows, nt);
         let mut b = gpu.stream().launch_builder(f);
@@ -864,7 +879,7 @@ mod tests {
             (14, 16, 1)
         );
         // The warpgroup form: the same blocks, 64 tokens a token tile, a four-stage ring within the H200's limit.
-        let wg = GemmFamily::wg();
+        let wg = GemmFamily::wg(true);
         assert_eq!(wg.tiles_for(17), 8);
         let g = wg.launch((3072, wg.rows.0), 16, 100, 8);
         assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
@@ -877,10 +892,16 @@ mod tests {
             GemmFamily::plain(false, 8),
             GemmFamily::plain(true, 8),
             GemmFamily::fold(8),
-            GemmFamily::wg(),
+            GemmFamily::wg(true),
         ] {
             for &nt in family.tiles {
-                for name in [family.kernel("gate_up", nt), family.kernel("down", nt)] {
+                let names = [128, 256].map(|cols| {
+                    [
+                        family.kernel("gate_up", nt, cols),
+                        family.kernel("down", nt, cols),
+                    ]
+                });
+                for name in names.concat() {
                     // Dynamic shared memory above 48 KiB needs the raised limit.
                     let big = family.smem_bytes(nt) > 48 * 1024;
                     assert!(
@@ -909,7 +930,8 @@ mod tests {
             ("tiles", MoeKernel::Tiles),
             ("fold", MoeKernel::FOLD),
             ("fold4", MoeKernel::Fold { tiles: 4 }),
-            ("wg", MoeKernel::Wg),
+            ("wg", MoeKernel::Wg { pairs: true }),
+            ("wg1", MoeKernel::Wg { pairs: false }),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),
