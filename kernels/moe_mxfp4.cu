@@ -1167,18 +1167,21 @@ MOE_FOLD_ENTRY(8)
 // decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused);
 // a batch ends with all its wgmmas done, its sums added into the running sums.
 //
-// B tiles: per batch [group q][k-tile t][hi, lo] tiles of 64 tokens x 16 k (2 KB), each in 8x8 core matrices (8
-// tokens x 16 bytes, no swizzle): token n, k-half h at (n / 8) * 256 + h * 128 + (n % 8) * 16. The k order is
-// mma.sync's (k slots 2c, 2c + 1 of k-tile t, half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t =
-// 1; half 1 (2, 6) and (3, 7)), so a 16-byte row of a core matrix is one component of the group's four words:
-// `moe_split_hilo_k` writes exactly those rows.
+// B tiles: per batch and half (hi, lo: 16 KB each) the 64 tokens' 128 k (eight k-tiles of 16: k-tile 2q + t is k-tile
+// t of group q) in the 128-byte swizzled K-major layout, which the tensor cores read without the bank conflicts of the
+// unswizzled one: two atom columns of 64 k (8 KB),
+// each eight 1 KB atoms of 8 tokens, token n's 128-byte row at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte chunk
+// j (k block j / 2, half j % 2) at ((j ^ (n % 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
+// half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t = 1; half 1 (2, 6) and (3, 7)), so a 16-byte
+// chunk is one component of the group's four words: `moe_split_hilo_k` writes exactly those chunks.
 //
 // A block whose rows have a scale outside the folding window anywhere runs `moe_gemm_impl` (the mma.sync folded
 // GEMM with its per-group fallback) instead: a barrier-wide vote over the block's scale bytes before the loop.
 
 #define WG_STAGES 4
-// uint4 per batch of B tiles: 4 groups x 2 k-tiles x hi/lo x 128 uint4.
+// uint4 per batch of B tiles: 4 groups x 2 k-tiles x hi/lo x 128 uint4; bytes of one half (hi or lo).
 #define WG_B_UNITS (4 * 2 * 2 * 128)
+#define WG_B_HALF (WG_B_UNITS * 8)
 // Bytes per quad and stage of the weight ring: 4 stream rows x 4 group chunks of 16 bytes, 4 scale words, padded
 // so that the eight quads of a warp read distinct banks.
 #define WG_QUAD_BYTES 272
@@ -1224,11 +1227,12 @@ __device__ __forceinline__ void wg_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-// The descriptor of a 64-token B tile at shared address `a`: no swizzle, core matrices 128 bytes apart along k
-// (leading offset) and 256 along the tokens (stride offset).
+// The descriptor of a 64-token B tile at shared address `a` in the 128-byte swizzled K-major layout: 8-token atoms
+// 1 KB apart (stride offset), the leading offset unused; `a` lies in a 1 KB-aligned atom column, 32 bytes a k block
+// into it.
 __device__ __forceinline__ unsigned long long wg_desc(u32 a) {
-    return (unsigned long long)((a & 0x3ffffu) >> 4) | ((unsigned long long)(128 >> 4) << 16) |
-           ((unsigned long long)(256 >> 4) << 32);
+    return (unsigned long long)((a & 0x3ffffu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 // d = A . B (+ d when `acc`) for one m64n64k16 tile; A from registers (this warp's 16 rows), B at descriptor `b`.
@@ -1258,22 +1262,24 @@ struct WgCopies {
     const uint4* src; // frag + q * 8 + k8: add the token's row times `rstride` and 32 b
     const int* rows;  // rows_sm + (l & 7): the tile's token rows, 8 it further for copy it
     size_t rstride;   // uint4 a frag row: groups * 8
-    u32 dst;          // bytes into a ring slot's B tiles for copy 0; copy it lies 256 bytes further
+    u32 dst;          // bytes into a ring slot's B tiles for copy 0; copy it lies 1 KB (one atom) further
 };
 
 __device__ __forceinline__ WgCopies wg_copies(const uint4* frag, const int* rows, int groups) {
     static_assert(FOLD_WARPS == 8, "a copy's token is 8 it + (l & 7) with eight warps");
-    const int l = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int l = threadIdx.x & 31, w = threadIdx.x >> 5, r = l & 7;
     const int q = (w >> 1) & 3, k8 = ((l >> 3) & 3) | ((w & 1) << 2), hl = k8 >> 2, s = k8 & 3;
-    return WgCopies{frag + q * 8 + k8, rows + (l & 7), (size_t)groups * 8,
-                    (u32)((((q * 2 + (s >> 1)) * 2 + hl) * 128 + (s & 1) * 8 + (l & 7)) * 16)};
+    // k-tile 2q + (s >> 1) of the batch: atom column kt >> 2, k block kt & 3 in it; chunk j of the token's row.
+    const int kt = 2 * q + (s >> 1), j = 2 * (kt & 3) + (s & 1);
+    return WgCopies{frag + q * 8 + k8, rows + r, (size_t)groups * 8,
+                    (u32)(hl * WG_B_HALF + (kt >> 2) * 8192 + r * 128 + ((j ^ r) << 4))};
 }
 
 __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, int b, const u8* const wrow[4],
                                          const u8* srow, int c) {
 #pragma unroll
     for (int it = 0; it < 8; it++)
-        cp_async16<false>(bsm + cp.dst + it * 256, cp.src + cp.rows[8 * it] * cp.rstride + 32 * b, 16);
+        cp_async16<false>(bsm + cp.dst + it * 1024, cp.src + cp.rows[8 * it] * cp.rstride + 32 * b, 16);
 #pragma unroll
     for (int k = 0; k < 4; k++) cp_async16<true>(wsm + (k * 4 + c) * 16, wrow[k] + (4 * b + c) * 16, 16);
     cp_async4(wsm + 256 + 4 * c, srow + 4 * b, 4);
@@ -1304,7 +1310,8 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
         const u8* sc = (const u8*)(GATE_UP ? (i ? s.s3 : s.s1) : s.s2);
         srow = sc + (size_t)min(row0 + (GATE_UP ? 0 : 64 * i) + g + 8 * r, nrows - 1) * groups;
     }
-    const u32 b_base = smem_addr(bsm);
+    // The B tiles' atoms are 1 KB-aligned (the swizzle pattern repeats every 1 KB of shared addresses).
+    const u32 b_base = (smem_addr(bsm) + 1023u) & ~1023u;
     const u32 w_base = b_base + WG_STAGES * WG_B_UNITS * 16 + (warp * 8 + g) * WG_QUAD_BYTES;
     constexpr u32 W_STAGE = WG_W_BYTES;
     const WgCopies copies = wg_copies(frag, rows_sm, groups);
@@ -1341,8 +1348,8 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
         else
             cp_async_commit();
         const u32 bs = b_base + slot * WG_B_UNITS * 16, ws = w_base + slot * W_STAGE;
-        // The slot's first B tile; tile (q, t, hl) lies 2 KB a step further (the descriptor's address field counts
-        // 16-byte units and stays below its 2^14 limit in shared memory).
+        // The slot's first B tile; tile (q, t, hl) at its half, atom column and k block (the descriptor's address
+        // field counts 16-byte units and stays below its 2^14 limit in shared memory).
         const unsigned long long bdesc = wg_desc(bs);
         u32 e4[4];
         asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -1381,7 +1388,8 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
                     for (int hl = 0; hl < 2; hl++)
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 bdesc + ((q * 2 + t) * 2 + hl) * (2048 >> 4), u + q + t + hl > 0);
+                                 bdesc + (hl * WG_B_HALF + ((2 * q + t) >> 2) * 8192 + ((2 * q + t) & 3) * 32) / 16,
+                                 u + q + t + hl > 0);
             wg_commit();
         }
         // The round's sums are added into the running sums once its wgmmas are done.

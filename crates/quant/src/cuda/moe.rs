@@ -64,6 +64,8 @@ pub const FOLD_MIN_ROWS: usize = 16;
 /// Ring stages of the warpgroup GEMM (`WG_STAGES`): B tiles of 32 KiB and weight chunks of 17 KiB a stage.
 const WG_STAGE_BYTES: usize = 4 * 2 * 2 * 2048 + 8 * 8 * 272;
 const WG_STAGES: usize = 4;
+/// Room to align the warpgroup GEMM's ring to 1 KiB (its B tiles' swizzle atoms).
+const WG_ALIGN: usize = 1024;
 
 /// Which kernels multiply the MXFP4 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -630,7 +632,7 @@ impl GemmFamily {
             pairs,
             tiles: &[8],
             cap: 8,
-            smem: |_| WG_STAGES * WG_STAGE_BYTES,
+            smem: |_| WG_STAGES * WG_STAGE_BYTES + WG_ALIGN,
             split: "moe_split_hilo_k",
             ..GemmFamily::fold(8)
         }
@@ -883,7 +885,7 @@ mod tests {
         assert_eq!(wg.tiles_for(17), 8);
         let g = wg.launch((3072, wg.rows.0), 16, 100, 8);
         assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
-        assert_eq!(g.shared_mem_bytes as usize, 4 * (32 * 1024 + 17408));
+        assert_eq!(g.shared_mem_bytes as usize, 4 * (32 * 1024 + 17408) + 1024);
         assert!(g.shared_mem_bytes as usize + 1024 <= 227 * 1024);
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
