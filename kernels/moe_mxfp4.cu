@@ -1157,15 +1157,15 @@ MOE_FOLD_ENTRY(8)
 // Each warpgroup owns 64 rows of two streams (gate/up: rows r .. r + 64 of W1 and of W3; down: two consecutive
 // 64-row tiles of W2) and multiplies them by all 64 tokens with `wgmma.mma_async.m64n64k16` (A, the folded fp16
 // weights, from registers in mma.sync's fragment layout: lane (g, c) of warp w holds word c of rows 16w + g and
-// 16w + g + 8; B, one k-tile of the tokens' hi or lo halves, from shared memory). Per batch of four groups the
-// sixteen wgmmas of a stream chain into batch sums that start from zero (as `fold_batch_q`), added into the f32
-// running sums once the batch's wgmmas are done.
+// 16w + g + 8; B, one k-tile of the tokens' hi or lo halves, from shared memory). Per FLUSH batches of four groups
+// (one, or two in the `_f2` kernels) the wgmmas of a stream chain into batch sums that start from zero (as
+// `fold_batch_q`), added into the f32 running sums once those wgmmas are done.
 //
 // Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
 // WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 2 batches ahead (the slot refilled is
 // that of two batches back, which no wgmma reads any more); one barrier a batch. Each group's A fragments are
-// decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused);
-// a batch ends with all its wgmmas done, its sums added into the running sums.
+// decoded while the previous group's wgmmas run (two register slots, `wgmma.wait_group 1` before a slot is reused),
+// across the batches of a chain too; a chain's last batch ends with all its wgmmas done.
 //
 // B tiles: per batch and half (hi, lo: 16 KB each) the 64 tokens' 128 k (eight k-tiles of 16: k-tile 2q + t is k-tile
 // t of group q) in the 128-byte swizzled K-major layout, which the tensor cores read without the bank conflicts of the
