@@ -1169,9 +1169,9 @@ MOE_FOLD_ENTRY(8)
 //
 // B tiles: per batch and half (hi, lo: 16 KB each) the 64 tokens' 128 k (eight k-tiles of 16: k-tile 2q + t is k-tile
 // t of group q) in the 128-byte swizzled K-major layout, which the tensor cores read without the bank conflicts of the
-// unswizzled one: two atom columns of 64 k (8 KB),
-// each eight 1 KB atoms of 8 tokens, token n's 128-byte row at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte chunk
-// j (k block j / 2, half j % 2) at ((j ^ (n % 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
+// unswizzled one: two atom columns of 64 k (8 KB; `wg_b_column`), each eight 1 KB atoms of 8 tokens, token n's
+// 128-byte row at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte chunk j (k block j / 2, half j % 2) at ((j ^ (n %
+// 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
 // half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t = 1; half 1 (2, 6) and (3, 7)), so a 16-byte
 // chunk is one component of the group's four words: `moe_split_hilo_k` writes exactly those chunks.
 //
@@ -1182,6 +1182,9 @@ MOE_FOLD_ENTRY(8)
 // uint4 per batch of B tiles: 4 groups x 2 k-tiles x hi/lo x 128 uint4; bytes of one half (hi or lo).
 #define WG_B_UNITS (4 * 2 * 2 * 128)
 #define WG_B_HALF (WG_B_UNITS * 8)
+
+// Bytes from a ring slot's B tiles to the atom column holding k-tile kt (0..8) of half hl (0: hi, 1: lo).
+__device__ __forceinline__ u32 wg_b_column(int hl, int kt) { return hl * WG_B_HALF + (kt >> 2) * 8192; }
 // Bytes per quad and stage of the weight ring: 4 stream rows x 4 group chunks of 16 bytes, 4 scale words, padded
 // so that the eight quads of a warp read distinct banks.
 #define WG_QUAD_BYTES 272
@@ -1254,7 +1257,7 @@ __device__ __forceinline__ void wgmma_rs(float d[32], u32 a0, u32 a1, u32 a2, u3
 // Queues batch b's copies into ring slot `slot`: the block's B tiles (64 tokens x 4 groups x 8 chunks), and this
 // lane's weight chunk (group 4b + c of each of its four stream rows) and scale word (stream row c). A warp's copy
 // instruction takes four chunks (64 bytes) of eight tokens, each eight lanes one chunk of the eight: whole sectors
-// from global memory, eight distinct bank quads in shared memory (a token's chunks all land in its quad n % 8).
+// from global memory, eight distinct bank quads in shared memory (token n's chunk j lands in quad j ^ n % 8).
 // Copy `it` (0..8) of thread (warp w, lane l) moves chunk k8 = ((l >> 3) & 3) | ((w & 1) << 2) of group 4b + q, q =
 // (w >> 1) & 3, of token 8 it + (l & 7) (the B tiles' layout: above): `WgCopies` holds what of that does not change
 // from batch to batch.
@@ -1272,7 +1275,7 @@ __device__ __forceinline__ WgCopies wg_copies(const uint4* frag, const int* rows
     // k-tile 2q + (s >> 1) of the batch: atom column kt >> 2, k block kt & 3 in it; chunk j of the token's row.
     const int kt = 2 * q + (s >> 1), j = 2 * (kt & 3) + (s & 1);
     return WgCopies{frag + q * 8 + k8, rows + r, (size_t)groups * 8,
-                    (u32)(hl * WG_B_HALF + (kt >> 2) * 8192 + r * 128 + ((j ^ r) << 4))};
+                    wg_b_column(hl, kt) + r * 128 + ((j ^ r) << 4)};
 }
 
 __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, int b, const u8* const wrow[4],
@@ -1388,7 +1391,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
                     for (int hl = 0; hl < 2; hl++)
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 bdesc + (hl * WG_B_HALF + ((2 * q + t) >> 2) * 8192 + ((2 * q + t) & 3) * 32) / 16,
+                                 bdesc + (wg_b_column(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
                                  u + q + t + hl > 0);
             wg_commit();
         }
