@@ -7,6 +7,10 @@
 #   kda      the model's GPU unit tests (bin/model_lib: the KDA heads' kernel against an f64 reference, passes cut
 #            anywhere) and `kda-bw` (the kernel alone at K3's shape, hot and with L2 cleared) at $KTOKENS tokens
 #   moebw    the MoE kernels on 16 experts of K3's shape at several token counts, against a device copy
+#   ncu      Nsight Compute on the warpgroup GEMM's gate/up kernel at T = 64, one launch of each MoE kernel family
+#            in $NCU_KERNELS (default "wg"; `moe-bw --kernels K --tokens 64`): `--set full` into
+#            $OUT/ncu_K_details.csv (every section's metrics) and, for the last family, its SASS with each
+#            instruction's stall samples into $OUT/ncu_K_sass.csv.gz
 #   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS and the
 #            weight kinds in $KINDS (bf16, int8)
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
@@ -78,6 +82,16 @@ if has moebw; then
   step "moe-bw"
   timeout 200 bin/deltafin-cudabench moe-bw --reps ${REPS:-50} --kernels ${KERNELS:-tensor,tiles,gemm} \
     --tokens ${TOKENS:-1,2,4,8,16,32,64} | tee "$OUT/moe_bw.txt"
+fi
+if has ncu; then
+  step "ncu"
+  NCU=${NCU:-/usr/local/cuda/bin/ncu}
+  for k in ${NCU_KERNELS:-wg}; do
+    timeout 200 "$NCU" -k "regex:moe_${k}_gate_up_n8_f2" -c 1 --set full --import-source no -o "/tmp/ncu_$k" -f \
+      bin/deltafin-cudabench moe-bw --reps 1 --kernels "$k" --tokens 64 2>&1 | tail -3
+    "$NCU" -i "/tmp/ncu_$k.ncu-rep" --page details --csv > "$OUT/ncu_${k}_details.csv"
+  done
+  "$NCU" -i "/tmp/ncu_$k.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT/ncu_${k}_sass.csv.gz"
 fi
 if has densebw; then
   step "dense-bw"
