@@ -211,13 +211,14 @@ pub fn moe_bw(
     // Issue 20 item 4: each kernel's time at 64 tokens against the first kernel's (the default's) at one.
     let time_at =
         |t: usize, k: MoeKernel| rows_out.iter().find(|r| r.0 == t && r.1 == k).map(|r| r.2);
-    let item4: Vec<String> = kernels
-        .iter()
-        .filter_map(|&k| {
-            let one = time_at(1, kernels[0])?;
-            Some(format!("{k:?} {:.2}x", time_at(64, k)? / one))
+    let item4: Vec<String> = time_at(1, kernels[0])
+        .map(|one| {
+            kernels
+                .iter()
+                .filter_map(|&k| Some(format!("{k:?} {:.2}x", time_at(64, k)? / one)))
+                .collect()
         })
-        .collect();
+        .unwrap_or_default();
     for (t, kernel, ms, b2b_ms, diff) in rows_out {
         let bw = weight_bytes as f64 / (ms * 1e-3);
         let bw2 = weight_bytes as f64 / (b2b_ms * 1e-3);
