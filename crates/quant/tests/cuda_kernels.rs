@@ -187,13 +187,26 @@ fn check_situ_experts(
     seed: u64,
     scales: Scales,
 ) {
+    check_situ_routes(width, inter, n_experts, t_len, seed, scales, None);
+}
+
+/// As [`check_situ_experts`], with the tokens of each expert given (`routes`, one list an expert) instead of drawn.
+fn check_situ_routes(
+    width: usize,
+    inter: usize,
+    n_experts: usize,
+    t_len: usize,
+    seed: u64,
+    scales: Scales,
+    routes: Option<Vec<Vec<usize>>>,
+) {
     let gpu = gpu();
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let host: Vec<HostExpert> = (0..n_experts)
         .map(|_| host_expert(&mut rng, width, inter, scales))
         .collect();
     let dev: Vec<DevExpert> = host.iter().map(|h| upload(&gpu, h)).collect();
-    let routes = routing(&mut rng, n_experts, t_len);
+    let routes = routes.unwrap_or_else(|| routing(&mut rng, n_experts, t_len));
     let x: Vec<f32> = (0..t_len * width)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -287,6 +300,28 @@ fn moe_matches_scalar_reference_folding_scales() {
     check_situ_experts(384, 640, 3, 70, 17, Scales::Folding);
     check_situ_experts(3584, 3072, 2, 40, 18, Scales::Folding);
     check_situ_experts(3584, 3072, 2, 64, 19, Scales::Folding);
+}
+
+/// One launch whose experts fall on both sides of `moe::WG_MIN_ROWS`: on Hopper the default runs the larger ones on
+/// the warpgroup GEMM and the others on the kernels their counts choose, in separate launches into one output.
+#[test]
+fn moe_matches_scalar_reference_with_experts_on_both_sides_of_the_warpgroup_threshold() {
+    let t_len = 80;
+    let counts = [80, 3, moe::WG_MIN_ROWS + 1, moe::WG_MIN_ROWS, 20, 1];
+    let routes: Vec<Vec<usize>> = counts
+        .iter()
+        .enumerate()
+        .map(|(e, &n)| (0..n).map(|i| (i * 7 + e) % t_len).collect())
+        .collect();
+    check_situ_routes(
+        256,
+        384,
+        counts.len(),
+        t_len,
+        20,
+        Scales::Folding,
+        Some(routes),
+    );
 }
 
 /// Each MXFP4 product on its own (gate and up through the production kernel with the identity activation),

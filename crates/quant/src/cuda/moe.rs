@@ -61,6 +61,10 @@ const FOLD_TILES: [usize; 2] = [4, 8];
 /// [`MoeKernel::Tensor`] runs the folded-scale GEMM when an expert of the launch has more tokens than this
 /// (measured on the H200: docs/PERFORMANCE.md, "CUDA at real size").
 pub const FOLD_MIN_ROWS: usize = 16;
+/// On Hopper [`MoeKernel::Tensor`] runs the experts with more tokens than this on the warpgroup GEMM
+/// ([`MoeKernel::Wg`]), whose 64-token tile costs the same at any count and beats the folded GEMM above about 48
+/// (measured on an H100: docs/PERFORMANCE.md, "CUDA at real size").
+pub const WG_MIN_ROWS: usize = 48;
 /// Ring stages of the warpgroup GEMM (`WG_STAGES`): B tiles of 32 KiB and weight chunks of 17 KiB a stage.
 const WG_STAGE_BYTES: usize = 4 * 2 * 2 * 2048 + 8 * 8 * 272;
 const WG_STAGES: usize = 4;
@@ -373,8 +377,28 @@ pub fn run_experts_with(
             ));
         }
     }
-    let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
+    // On Hopper the default sends the experts with more than WG_MIN_ROWS tokens to the warpgroup GEMM, in a launch
+    // of their own (their pairs are disjoint from the others'), and the rest on by the rules below.
+    let wg = GemmFamily::wg(true);
+    let slots = if kernel == MoeKernel::Tensor
+        && gemm_fits
+        && gpu.arch() == (9, 0)
+        && wg.smem_bytes(8) <= gpu.smem_limit()
+    {
+        let (big, small): (Vec<SlotRef>, Vec<SlotRef>) =
+            slots.into_iter().partition(|s| s.n_rows > WG_MIN_ROWS);
+        if !big.is_empty() {
+            run_gemm(gpu, shape, &big, pair_row, x, act, y, &wg)?;
+        }
+        if small.is_empty() {
+            return Ok(());
+        }
+        small
+    } else {
+        slots
+    };
+    let max_rows = slots.iter().map(|s| s.n_rows).max().unwrap_or(1);
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
         MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
