@@ -13,7 +13,8 @@
 //! into the fp16 weights where fp16 holds the product exactly, a weight read once per 64 tokens; for more than
 //! [`FOLD_MIN_ROWS`] tokens per expert). [`MoeKernel::Tensor`], the default, picks between them by the largest
 //! expert's token count ([`GEMM_MIN_ROWS`], [`FOLD_MIN_ROWS`]). On Hopper the folded GEMM also comes in a
-//! warpgroup form ([`MoeKernel::Wg`]: `wgmma` with a pipelined ring of weights and tokens). The CUDA-core kernels
+//! warpgroup form ([`MoeKernel::Wg`]: `wgmma` with a pipelined ring of weights and tokens), which the default runs
+//! for the experts of more than [`WG_MIN_ROWS`] tokens, in a launch of their own. The CUDA-core kernels
 //! ([`MoeKernel::Simt`]: one f32 FMA per weight and token) are kept as a reference and fallback.
 //! `DELTAFIN_MOE_KERNEL=tensor|gemm|simt` (or a measurement variant of `tensor`, see [`MoeKernel`]) picks one for
 //! a whole process.
