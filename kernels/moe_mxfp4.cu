@@ -1184,7 +1184,8 @@ MOE_FOLD_ENTRY(8)
 #define WG_B_HALF (WG_B_UNITS * 8)
 
 // Bytes from a ring slot's B tiles to the atom column holding k-tile kt (0..8) of half hl (0: hi, 1: lo).
-__device__ __forceinline__ u32 wg_b_column(int hl, int kt) { return hl * WG_B_HALF + (kt >> 2) * 8192; }
+// The hi and lo atoms of an atom column lie next to each other (16 KB), so that one 128-token descriptor reads both.
+__device__ __forceinline__ u32 wg_b_column(int hl, int kt) { return (kt >> 2) * 16384 + hl * 8192; }
 // Bytes per quad and stage of the weight ring: 4 stream rows x 4 group chunks of 16 bytes, 4 scale words, padded
 // so that the eight quads of a warp read distinct banks.
 #define WG_QUAD_BYTES 272
@@ -1254,6 +1255,29 @@ __device__ __forceinline__ void wgmma_rs(float d[32], u32 a0, u32 a1, u32 a2, u3
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(acc));
 }
 
+// d = A . B (+ d when `acc`) for one m64n128k16 tile: the 64 tokens' hi halves (d[0..32]) and lo halves (d[32..64]).
+__device__ __forceinline__ void wgmma_rs128(float d[64], u32 a0, u32 a1, u32 a2, u32 a3, unsigned long long b,
+                                            int acc) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+                   "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+                   "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+                   "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+                   "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+                   "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+                   "+f"(d[63])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b), "r"(acc));
+}
+
 // Queues batch b's copies into ring slot `slot`: the block's B tiles (64 tokens x 4 groups x 8 chunks), and this
 // lane's weight chunk (group 4b + c of each of its four stream rows) and scale word (stream row c). A warp's copy
 // instruction takes four chunks (64 bytes) of eight tokens, each eight lanes one chunk of the eight: whole sectors
@@ -1289,7 +1313,7 @@ __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, i
     cp_async_commit();
 }
 
-template <bool GATE_UP, int FLUSH>
+template <bool GATE_UP, int FLUSH, bool WIDE>
 __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
                             float lin_beta) {
@@ -1326,11 +1350,16 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
             cp_async_commit();
     }
 
-    float acc[2][32], tmp[2][32];
+    // WIDE: one m64n128 wgmma takes the hi and the lo halves (tmp[i][k], tmp[i][32 + k]: the same output).
+    constexpr int NT = WIDE ? 64 : 32;
+    float acc[2][32], tmp[2][NT];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 2; i++) {
 #pragma unroll
-        for (int k = 0; k < 32; k++) acc[i][k] = 0.f, tmp[i][k] = 0.f;
+        for (int k = 0; k < 32; k++) acc[i][k] = 0.f;
+#pragma unroll
+        for (int k = 0; k < NT; k++) tmp[i][k] = 0.f;
+    }
 
     // FLUSH batches a round (nb a multiple of FLUSH: the host's choice), unrolled, so that the last batch's wait
     // for all its wgmmas is no branch (ptxas serialises the wgmmas of a kernel that waits in a divergent path).
@@ -1387,12 +1416,18 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int t = 0; t < 2; t++)
+                for (int t = 0; t < 2; t++) {
+                    if (WIDE) {
+                        wgmma_rs128(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
+                                    bdesc + (wg_b_column(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16, u + q + t > 0);
+                    } else {
 #pragma unroll
-                    for (int hl = 0; hl < 2; hl++)
-                        wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 bdesc + (wg_b_column(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
-                                 u + q + t + hl > 0);
+                        for (int hl = 0; hl < 2; hl++)
+                            wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
+                                     bdesc + (wg_b_column(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
+                                     u + q + t + hl > 0);
+                    }
+                }
             wg_commit();
         }
         // The round's sums are added into the running sums once its wgmmas are done.
@@ -1401,7 +1436,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int k = 0; k < 32; k++) acc[i][k] += tmp[i][k];
+                for (int k = 0; k < 32; k++) acc[i][k] += WIDE ? tmp[i][k] + tmp[i][k + NT - 32] : tmp[i][k];
         } else {
             wg_wait<1>(); // group 2 done: slot 0 is free for the next batch's group 0
         }
@@ -1435,7 +1470,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
 // by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
 // mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
-template <bool GATE_UP, int FLUSH>
+template <bool GATE_UP, int FLUSH, bool WIDE>
 __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1450,7 +1485,7 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
     bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP, FLUSH>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP, FLUSH, WIDE>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
         return;
     }
 #endif
@@ -1460,17 +1495,19 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
 
 // Entry points moe_wg_{gate_up,down}_n8<SUFFIX>: 64 tokens a block, 8 warps (two warpgroups), one block a
 // multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, for inputs whose batch count is even).
-#define MOE_WG_ENTRY(FLUSH, SUFFIX)                                                                             \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_gate_up_n8##SUFFIX(               \
+#define MOE_WG_ENTRY(PREFIX, WIDE, FLUSH, SUFFIX)                                                               \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_gate_up_n8##SUFFIX(             \
         const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
         float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_wg_impl<true, FLUSH>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta);      \
+        moe_wg_impl<true, FLUSH, WIDE>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta); \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) moe_wg_down_n8##SUFFIX(                  \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_down_n8##SUFFIX(                \
         const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,       \
         int inter) {                                                                                            \
-        moe_wg_impl<false, FLUSH>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                           \
+        moe_wg_impl<false, FLUSH, WIDE>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                     \
     }
 
-MOE_WG_ENTRY(1, )
-MOE_WG_ENTRY(2, _f2)
+MOE_WG_ENTRY(moe_wg, false, 1, )
+MOE_WG_ENTRY(moe_wg, false, 2, _f2)
+MOE_WG_ENTRY(moe_wgw, true, 1, )
+MOE_WG_ENTRY(moe_wgw, true, 2, _f2)

@@ -14,13 +14,23 @@ use rand_chacha::ChaCha8Rng;
 const REL_TOL: f64 = 1e-5;
 
 /// Every kernel family is checked on the same data.
-const KERNELS: [MoeKernel; 12] = [
+const KERNELS: [MoeKernel; 13] = [
     MoeKernel::Tensor,
     MoeKernel::GEMM,
     MoeKernel::FOLD,
     MoeKernel::Fold { tiles: 4 },
-    MoeKernel::Wg { pairs: true },
-    MoeKernel::Wg { pairs: false },
+    MoeKernel::Wg {
+        pairs: true,
+        wide: false,
+    },
+    MoeKernel::Wg {
+        pairs: false,
+        wide: false,
+    },
+    MoeKernel::Wg {
+        pairs: true,
+        wide: true,
+    },
     MoeKernel::Gemm {
         smem: false,
         tiles: 8,

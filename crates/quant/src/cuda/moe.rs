@@ -103,6 +103,8 @@ pub enum MoeKernel {
         /// Chain the sums of two batches of four groups before adding them into the running sums, where an
         /// input's batches pair up (`wg`); `false`: every batch (`wg1`, a measurement variant).
         pairs: bool,
+        /// One m64n128 wgmma takes a k-tile's hi and lo token halves (`wgw`, `moe_wgw_*`) instead of two m64n64.
+        wide: bool,
     },
     /// The tensor-core token tiles at any token count (a measurement variant).
     Tiles,
@@ -160,14 +162,24 @@ impl FromStr for MoeKernel {
             }),
             "fold" => Ok(MoeKernel::FOLD),
             "fold4" => Ok(MoeKernel::Fold { tiles: 4 }),
-            "wg" => Ok(MoeKernel::Wg { pairs: true }),
-            "wg1" => Ok(MoeKernel::Wg { pairs: false }),
+            "wg" => Ok(MoeKernel::Wg {
+                pairs: true,
+                wide: false,
+            }),
+            "wg1" => Ok(MoeKernel::Wg {
+                pairs: false,
+                wide: false,
+            }),
+            "wgw" => Ok(MoeKernel::Wg {
+                pairs: true,
+                wide: true,
+            }),
             "tiles" => Ok(MoeKernel::Tiles),
             "tensor-s4" => Ok(MoeKernel::TensorS4),
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, wg1, tiles, \
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, wg1, wgw, tiles, \
                  tensor-s4, tensor-nohint or simt)"
             )),
         }
@@ -381,7 +393,7 @@ pub fn run_experts_with(
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
     // On Hopper the default sends the experts with more than WG_MIN_ROWS tokens to the warpgroup GEMM, in a launch
     // of their own (their pairs are disjoint from the others'), and the rest on by the rules below.
-    let wg = GemmFamily::wg(true);
+    let wg = GemmFamily::wg(true, false);
     let slots = if kernel == MoeKernel::Tensor
         && gemm_fits
         && gpu.arch() == (9, 0)
@@ -403,7 +415,7 @@ pub fn run_experts_with(
     let gemm = match kernel {
         MoeKernel::Gemm { smem, tiles } if gemm_fits => Some(GemmFamily::plain(smem, tiles)),
         MoeKernel::Fold { tiles } if gemm_fits => Some(GemmFamily::fold(tiles)),
-        MoeKernel::Wg { pairs } if gemm_fits => Some(GemmFamily::wg(pairs)),
+        MoeKernel::Wg { pairs, wide } if gemm_fits => Some(GemmFamily::wg(pairs, wide)),
         MoeKernel::Tensor if gemm_fits && max_rows > FOLD_MIN_ROWS => Some(GemmFamily::fold(8)),
         MoeKernel::Tensor if gemm_fits && max_rows > GEMM_SMEM_ROWS => {
             Some(GemmFamily::plain(GEMM_DEFAULT.0, GEMM_DEFAULT.1))
@@ -650,9 +662,9 @@ impl GemmFamily {
     }
 
     /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens.
-    fn wg(pairs: bool) -> GemmFamily {
+    fn wg(pairs: bool, wide: bool) -> GemmFamily {
         GemmFamily {
-            prefix: "moe_wg",
+            prefix: if wide { "moe_wgw" } else { "moe_wg" },
             suffix: "",
             pairs,
             tiles: &[8],
@@ -906,7 +918,7 @@ mod tests {
             (14, 16, 1)
         );
         // The warpgroup form: the same blocks, 64 tokens a token tile, a four-stage ring within the H200's limit.
-        let wg = GemmFamily::wg(true);
+        let wg = GemmFamily::wg(true, false);
         assert_eq!(wg.tiles_for(17), 8);
         let g = wg.launch((3072, wg.rows.0), 16, 100, 8);
         assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
@@ -919,7 +931,9 @@ mod tests {
             GemmFamily::plain(false, 8),
             GemmFamily::plain(true, 8),
             GemmFamily::fold(8),
-            GemmFamily::wg(true),
+            GemmFamily::wg(true, false),
+            GemmFamily::wg(false, false),
+            GemmFamily::wg(true, true),
         ] {
             for &nt in family.tiles {
                 let names = [128, 256].map(|cols| {
@@ -957,8 +971,27 @@ mod tests {
             ("tiles", MoeKernel::Tiles),
             ("fold", MoeKernel::FOLD),
             ("fold4", MoeKernel::Fold { tiles: 4 }),
-            ("wg", MoeKernel::Wg { pairs: true }),
-            ("wg1", MoeKernel::Wg { pairs: false }),
+            (
+                "wg",
+                MoeKernel::Wg {
+                    pairs: true,
+                    wide: false,
+                },
+            ),
+            (
+                "wg1",
+                MoeKernel::Wg {
+                    pairs: false,
+                    wide: false,
+                },
+            ),
+            (
+                "wgw",
+                MoeKernel::Wg {
+                    pairs: true,
+                    wide: true,
+                },
+            ),
             ("tensor-s4", MoeKernel::TensorS4),
             ("tensor-nohint", MoeKernel::TensorNoHint),
             ("simt", MoeKernel::Simt),
