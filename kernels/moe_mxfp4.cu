@@ -1159,7 +1159,9 @@ MOE_FOLD_ENTRY(8)
 // weights, from registers in mma.sync's fragment layout: lane (g, c) of warp w holds word c of rows 16w + g and
 // 16w + g + 8; B, one k-tile of the tokens' hi or lo halves, from shared memory). Per FLUSH batches of four groups
 // (one, or two in the `_f2` kernels) the wgmmas of a stream chain into batch sums that start from zero (as
-// `fold_batch_q`), added into the f32 running sums once those wgmmas are done.
+// `fold_batch_q`), added into the f32 running sums once those wgmmas are done. The `moe_wgw_*` kernels (WIDE) take a
+// k-tile's hi and lo halves in one `m64n128k16` instead (B: the 64 tokens' hi rows, then their lo rows; batch sums
+// of 64 f32 a stream, the hi and lo sums of an output added together into its running sum).
 //
 // Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
 // WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 2 batches ahead (the slot refilled is
