@@ -1171,9 +1171,9 @@ MOE_FOLD_ENTRY(8)
 //
 // B tiles: per batch and half (hi, lo: 16 KB each) the 64 tokens' 128 k (eight k-tiles of 16: k-tile 2q + t is k-tile
 // t of group q) in the 128-byte swizzled K-major layout, which the tensor cores read without the bank conflicts of the
-// unswizzled one: two atom columns of 64 k (8 KB; `wg_b_column`), each eight 1 KB atoms of 8 tokens, token n's
-// 128-byte row at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte chunk j (k block j / 2, half j % 2) at ((j ^ (n %
-// 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
+// unswizzled one: two atom columns of 64 k (16 KB; `wg_b_column`), each eight 1 KB atoms of 8 tokens' hi halves and
+// then eight of their lo halves, token n's 128-byte row of a half at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte
+// chunk j (k block j / 2, half j % 2) at ((j ^ (n % 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
 // half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t = 1; half 1 (2, 6) and (3, 7)), so a 16-byte
 // chunk is one component of the group's four words: `moe_split_hilo_k` writes exactly those chunks.
 //
