@@ -1161,7 +1161,8 @@ MOE_FOLD_ENTRY(8)
 // (one, or two in the `_f2` kernels) the wgmmas of a stream chain into batch sums that start from zero (as
 // `fold_batch_q`), added into the f32 running sums once those wgmmas are done. The `moe_wgw_*` kernels (WIDE) take a
 // k-tile's hi and lo halves in one `m64n128k16` instead (B: the 64 tokens' hi rows, then their lo rows; batch sums
-// of 64 f32 a stream, the hi and lo sums of an output added together into its running sum).
+// of 64 f32 a stream, the hi and lo sums of an output added together into its running sum), and come in 32-token
+// tiles too (`_n4`: one `m64n64k16`, the ring's B tiles half as large).
 //
 // Pipelining: weights (16-byte group chunks, copied by the quad's four lanes) and scale words go through a ring of
 // WG_STAGES batches in shared memory beside the tokens' B tiles, WG_STAGES - 2 batches ahead (the slot refilled is
@@ -1181,13 +1182,15 @@ MOE_FOLD_ENTRY(8)
 // GEMM with its per-group fallback) instead: a barrier-wide vote over the block's scale bytes before the loop.
 
 #define WG_STAGES 4
-// uint4 per batch of B tiles: 4 groups x 2 k-tiles x hi/lo x 128 uint4; bytes of one half (hi or lo).
-#define WG_B_UNITS (4 * 2 * 2 * 128)
-#define WG_B_HALF (WG_B_UNITS * 8)
+// Bytes of a batch's B tiles for a tile of NT n-tiles (8 NT tokens): 8 NT tokens x 128 k x hi/lo x 2 bytes.
+template <int NT>
+__device__ __forceinline__ constexpr u32 wg_b_bytes() { return NT * 4096; }
 
-// Bytes from a ring slot's B tiles to the atom column holding k-tile kt (0..8) of half hl (0: hi, 1: lo).
-// The hi and lo atoms of an atom column lie next to each other (16 KB), so that one 128-token descriptor reads both.
-__device__ __forceinline__ u32 wg_b_column(int hl, int kt) { return (kt >> 2) * 16384 + hl * 8192; }
+// Bytes from a ring slot's B tiles to the atom column holding k-tile kt (0..8) of half hl (0: hi, 1: lo): the hi
+// and lo atoms of an atom column (NT of 1 KB each) lie next to each other, so that one descriptor of 16 NT rows reads
+// both.
+template <int NT>
+__device__ __forceinline__ u32 wg_b_column(int hl, int kt) { return (kt >> 2) * (NT * 2048) + hl * (NT * 1024); }
 // Bytes per quad and stage of the weight ring: 4 stream rows x 4 group chunks of 16 bytes, 4 scale words, padded
 // so that the eight quads of a warp read distinct banks.
 #define WG_QUAD_BYTES 272
@@ -1294,6 +1297,7 @@ struct WgCopies {
     u32 dst;          // bytes into a ring slot's B tiles for copy 0; copy it lies 1 KB (one atom) further
 };
 
+template <int NT>
 __device__ __forceinline__ WgCopies wg_copies(const uint4* frag, const int* rows, int groups) {
     static_assert(FOLD_WARPS == 8, "a copy's token is 8 it + (l & 7) with eight warps");
     const int l = threadIdx.x & 31, w = threadIdx.x >> 5, r = l & 7;
@@ -1301,13 +1305,14 @@ __device__ __forceinline__ WgCopies wg_copies(const uint4* frag, const int* rows
     // k-tile 2q + (s >> 1) of the batch: atom column kt >> 2, k block kt & 3 in it; chunk j of the token's row.
     const int kt = 2 * q + (s >> 1), j = 2 * (kt & 3) + (s & 1);
     return WgCopies{frag + q * 8 + k8, rows + r, (size_t)groups * 8,
-                    wg_b_column(hl, kt) + r * 128 + ((j ^ r) << 4)};
+                    wg_b_column<NT>(hl, kt) + r * 128 + ((j ^ r) << 4)};
 }
 
+template <int NT>
 __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, int b, const u8* const wrow[4],
                                          const u8* srow, int c) {
 #pragma unroll
-    for (int it = 0; it < 8; it++)
+    for (int it = 0; it < NT; it++)
         cp_async16<false>(bsm + cp.dst + it * 1024, cp.src + cp.rows[8 * it] * cp.rstride + 32 * b, 16);
 #pragma unroll
     for (int k = 0; k < 4; k++) cp_async16<true>(wsm + (k * 4 + c) * 16, wrow[k] + (4 * b + c) * 16, 16);
@@ -1315,7 +1320,7 @@ __device__ __forceinline__ void wg_stage(u32 bsm, u32 wsm, const WgCopies& cp, i
     cp_async_commit();
 }
 
-template <bool GATE_UP, int FLUSH, bool WIDE>
+template <bool GATE_UP, int FLUSH, bool WIDE, int NT>
 __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int t0, int count, int act_kind, float beta,
                             float lin_beta) {
@@ -1341,26 +1346,28 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
     }
     // The B tiles' atoms are 1 KB-aligned (the swizzle pattern repeats every 1 KB of shared addresses).
     const u32 b_base = (smem_addr(bsm) + 1023u) & ~1023u;
-    const u32 w_base = b_base + WG_STAGES * WG_B_UNITS * 16 + (warp * 8 + g) * WG_QUAD_BYTES;
-    constexpr u32 W_STAGE = WG_W_BYTES;
-    const WgCopies copies = wg_copies(frag, rows_sm, groups);
+    static_assert(WIDE || NT == 8, "the two-wgmma form takes 64-token tiles only");
+    constexpr u32 B_STAGE = wg_b_bytes<NT>(), W_STAGE = WG_W_BYTES;
+    const u32 w_base = b_base + WG_STAGES * B_STAGE + (warp * 8 + g) * WG_QUAD_BYTES;
+    const WgCopies copies = wg_copies<NT>(frag, rows_sm, groups);
 #pragma unroll
     for (int st = 0; st < WG_STAGES - 2; st++) {
         if (st < nb)
-            wg_stage(b_base + st * WG_B_UNITS * 16, w_base + st * W_STAGE, copies, st, wrow, srow, c);
+            wg_stage<NT>(b_base + st * B_STAGE, w_base + st * W_STAGE, copies, st, wrow, srow, c);
         else
             cp_async_commit();
     }
 
-    // WIDE: one m64n128 wgmma takes the hi and the lo halves (tmp[i][k], tmp[i][32 + k]: the same output).
-    constexpr int NT = WIDE ? 64 : 32;
-    float acc[2][32], tmp[2][NT];
+    // Four sums a thread per n-tile and stream (NACC). WIDE: one wgmma of 16 NT columns takes the hi and the lo halves
+    // (tmp[i][k], tmp[i][NACC + k]: the same output).
+    constexpr int NACC = 4 * NT, NTMP = WIDE ? 2 * NACC : NACC;
+    float acc[2][NACC], tmp[2][NTMP];
 #pragma unroll
     for (int i = 0; i < 2; i++) {
 #pragma unroll
-        for (int k = 0; k < 32; k++) acc[i][k] = 0.f;
+        for (int k = 0; k < NACC; k++) acc[i][k] = 0.f;
 #pragma unroll
-        for (int k = 0; k < NT; k++) tmp[i][k] = 0.f;
+        for (int k = 0; k < NTMP; k++) tmp[i][k] = 0.f;
     }
 
     // FLUSH batches a round (nb a multiple of FLUSH: the host's choice), unrolled, so that the last batch's wait
@@ -1377,11 +1384,11 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
         __syncthreads();
         const int nxt = b + WG_STAGES - 2;
         if (nxt < nb)
-            wg_stage(b_base + (nxt % WG_STAGES) * WG_B_UNITS * 16, w_base + (nxt % WG_STAGES) * W_STAGE, copies, nxt,
-                     wrow, srow, c);
+            wg_stage<NT>(b_base + (nxt % WG_STAGES) * B_STAGE, w_base + (nxt % WG_STAGES) * W_STAGE, copies, nxt,
+                         wrow, srow, c);
         else
             cp_async_commit();
-        const u32 bs = b_base + slot * WG_B_UNITS * 16, ws = w_base + slot * W_STAGE;
+        const u32 bs = b_base + slot * B_STAGE, ws = w_base + slot * W_STAGE;
         // The slot's first B tile; tile (q, t, hl) at its half, atom column and k block (the descriptor's address
         // field counts 16-byte units and stays below its 2^14 limit in shared memory).
         const unsigned long long bdesc = wg_desc(bs);
@@ -1419,14 +1426,19 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int t = 0; t < 2; t++) {
-                    if (WIDE) {
+                    if (WIDE && NT == 8) {
                         wgmma_rs128(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                    bdesc + (wg_b_column(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16, u + q + t > 0);
+                                    bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
+                                    u + q + t > 0);
+                    } else if (WIDE) {
+                        static_assert(!WIDE || NT == 8 || NT == 4, "wide tiles of 32 or 64 tokens");
+                        wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
+                                 bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16, u + q + t > 0);
                     } else {
 #pragma unroll
                         for (int hl = 0; hl < 2; hl++)
                             wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                     bdesc + (wg_b_column(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
+                                     bdesc + (wg_b_column<NT>(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
                                      u + q + t + hl > 0);
                     }
                 }
@@ -1438,7 +1450,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int k = 0; k < 32; k++) acc[i][k] += WIDE ? tmp[i][k] + tmp[i][k + NT - 32] : tmp[i][k];
+                for (int k = 0; k < NACC; k++) acc[i][k] += WIDE ? tmp[i][k] + tmp[i][k + NTMP - NACC] : tmp[i][k];
         } else {
             wg_wait<1>(); // group 2 done: slot 0 is free for the next batch's group 0
         }
@@ -1447,7 +1459,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 
     // Accumulator 4j + k of stream i: row row0 (+ 64 i for down) + g + 8 (k >> 1), token 8j + 2c + (k & 1).
 #pragma unroll
-    for (int j = 0; j < 8; j++)
+    for (int j = 0; j < NT; j++)
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int t = 8 * j + 2 * c + (k & 1);
@@ -1472,44 +1484,47 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
 // GATE_UP: act[pair] = glu(W1 x, W3 x); otherwise y[pair] = W2 act[pair]. `frag`/`sdown` hold the input rows split
 // by `moe_split_hilo_k`. A block with a scale outside the folding window (and every block where the warpgroup
 // mmas do not exist) runs the mma.sync GEMM with per-group scales, its B fragments read from `frag` through L1.
-template <bool GATE_UP, int FLUSH, bool WIDE>
+template <bool GATE_UP, int FLUSH, bool WIDE, int NT>
 __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uint4* frag, const float* sdown,
                             float* dst, int width, int inter, int act_kind, float beta, float lin_beta) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    __shared__ int rows_wg[64];
+    __shared__ int rows_wg[NT * 8];
     const ExpertSlot& s = tab.s[blockIdx.y];
-    const int t0 = blockIdx.z * 64;
+    const int t0 = blockIdx.z * NT * 8;
     if (t0 >= s.n_rows) return;
-    const int count = min(64, s.n_rows - t0);
-    gemm_tile_rows<8, GATE_UP>(s, t0, count, pair_row, rows_wg);
+    const int count = min(NT * 8, s.n_rows - t0);
+    gemm_tile_rows<NT, GATE_UP>(s, t0, count, pair_row, rows_wg);
     const int cols = GATE_UP ? width : inter, nrows = GATE_UP ? inter : width, groups = cols / GROUP;
     const int lo = blockIdx.x * (GATE_UP ? 128 : 256), hi = min(lo + (GATE_UP ? 128 : 256), nrows);
     bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP, FLUSH, WIDE>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP, FLUSH, WIDE, NT>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
         return;
     }
 #endif
-    moe_gemm_impl<8, GATE_UP, false, FOLD_WARPS, false, true>(tab, pair_row, frag, sdown, dst, width, inter,
-                                                              act_kind, beta, lin_beta);
+    moe_gemm_impl<NT, GATE_UP, false, FOLD_WARPS, false, true>(tab, pair_row, frag, sdown, dst, width, inter,
+                                                               act_kind, beta, lin_beta);
 }
 
-// Entry points moe_wg_{gate_up,down}_n8<SUFFIX>: 64 tokens a block, 8 warps (two warpgroups), one block a
-// multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, for inputs whose batch count is even).
-#define MOE_WG_ENTRY(PREFIX, WIDE, FLUSH, SUFFIX)                                                               \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_gate_up_n8##SUFFIX(             \
-        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,      \
-        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                           \
-        moe_wg_impl<true, FLUSH, WIDE>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta); \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_down_n8##SUFFIX(                \
-        const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,       \
-        int inter) {                                                                                            \
-        moe_wg_impl<false, FLUSH, WIDE>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                     \
+// Entry points {moe_wg,moe_wgw}_{gate_up,down}_n<NT><SUFFIX>: 8 NT tokens a block, 8 warps (two warpgroups), one
+// block a multiprocessor; batch sums over FLUSH batches of four groups (suffix _f2: two, for inputs whose batch count
+// is even).
+#define MOE_WG_ENTRY(PREFIX, WIDE, NT, FLUSH, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_gate_up_n##NT##SUFFIX(             \
+        const __grid_constant__ SlotTable tab, const int* pair_row, const uint4* frag, const float* sdown,         \
+        float* act, int width, int inter, int act_kind, float beta, float lin_beta) {                              \
+        moe_wg_impl<true, FLUSH, WIDE, NT>(tab, pair_row, frag, sdown, act, width, inter, act_kind, beta, lin_beta); \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(FOLD_WARPS * WARP, 1) PREFIX##_down_n##NT##SUFFIX(                \
+        const __grid_constant__ SlotTable tab, const uint4* frag, const float* sdown, float* y, int width,          \
+        int inter) {                                                                                               \
+        moe_wg_impl<false, FLUSH, WIDE, NT>(tab, 0, frag, sdown, y, width, inter, 0, 1.f, 1.f);                    \
     }
 
-MOE_WG_ENTRY(moe_wg, false, 1, )
-MOE_WG_ENTRY(moe_wg, false, 2, _f2)
-MOE_WG_ENTRY(moe_wgw, true, 1, )
-MOE_WG_ENTRY(moe_wgw, true, 2, _f2)
+MOE_WG_ENTRY(moe_wg, false, 8, 1, )
+MOE_WG_ENTRY(moe_wg, false, 8, 2, _f2)
+MOE_WG_ENTRY(moe_wgw, true, 8, 1, )
+MOE_WG_ENTRY(moe_wgw, true, 8, 2, _f2)
+MOE_WG_ENTRY(moe_wgw, true, 4, 1, )
+MOE_WG_ENTRY(moe_wgw, true, 4, 2, _f2)

@@ -45,7 +45,7 @@ const SOURCES: [(&str, &str); 4] = [
 
 /// Every kernel entry point of [`SOURCES`], each with whether it takes more than the default 48 KiB of dynamic
 /// shared memory (its opt-in limit is raised at load).
-pub(crate) const KERNELS: [(&str, bool); 63] = [
+pub(crate) const KERNELS: [(&str, bool); 67] = [
     ("moe_mma_gate_up_t1_m2", true),
     ("moe_mma_down_t1_m2", true),
     ("moe_mma_gate_up_t2_m2", true),
@@ -94,6 +94,10 @@ pub(crate) const KERNELS: [(&str, bool); 63] = [
     ("moe_wgw_down_n8", true),
     ("moe_wgw_gate_up_n8_f2", true),
     ("moe_wgw_down_n8_f2", true),
+    ("moe_wgw_gate_up_n4", true),
+    ("moe_wgw_down_n4", true),
+    ("moe_wgw_gate_up_n4_f2", true),
+    ("moe_wgw_down_n4_f2", true),
     ("moe_combine", false),
     ("dense_gemm_f32", false),
     ("dense_gemm_bf16", false),

@@ -66,8 +66,12 @@ pub const FOLD_MIN_ROWS: usize = 16;
 /// ([`MoeKernel::Wg`]), whose 64-token tile costs the same at any count and beats the folded GEMM above about 48
 /// (measured on an H100: docs/PERFORMANCE.md, "CUDA at real size").
 pub const WG_MIN_ROWS: usize = 48;
-/// Ring stages of the warpgroup GEMM (`WG_STAGES`): B tiles of 32 KiB and weight chunks of 17 KiB a stage.
-const WG_STAGE_BYTES: usize = 4 * 2 * 2 * 2048 + 8 * 8 * 272;
+/// Bytes a ring stage of the warpgroup GEMM at `nt` n-tiles: the B tiles (`wg_b_bytes`: 8 nt tokens' 128 k, hi and
+/// lo, 4 KiB an n-tile) and the weight chunks (17 KiB).
+fn wg_stage_bytes(nt: usize) -> usize {
+    nt * 4096 + 8 * 8 * 272
+}
+/// Ring stages of the warpgroup GEMM (`WG_STAGES`).
 const WG_STAGES: usize = 4;
 /// Room to align the warpgroup GEMM's ring to 1 KiB (its B tiles' swizzle atoms).
 const WG_ALIGN: usize = 1024;
@@ -103,7 +107,8 @@ pub enum MoeKernel {
         /// Chain the sums of two batches of four groups before adding them into the running sums, where an
         /// input's batches pair up (`wg`); `false`: every batch (`wg1`, a measurement variant).
         pairs: bool,
-        /// One m64n128 wgmma takes a k-tile's hi and lo token halves (`wgw`, `moe_wgw_*`) instead of two m64n64.
+        /// One wgmma takes a k-tile's hi and lo token halves (`wgw`, `moe_wgw_*`: m64n128 for 64 tokens, m64n64 for
+        /// launches whose experts have at most 32) instead of two m64n64.
         wide: bool,
     },
     /// The tensor-core token tiles at any token count (a measurement variant).
@@ -661,15 +666,16 @@ impl GemmFamily {
         }
     }
 
-    /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens.
+    /// The warpgroup form of the folded GEMM ([`MoeKernel::Wg`]): the blocks of [`GemmFamily::fold`], 64 tokens; the
+    /// wide form (`moe_wgw`) also 32, for launches whose experts have at most 32 tokens.
     fn wg(pairs: bool, wide: bool) -> GemmFamily {
         GemmFamily {
             prefix: if wide { "moe_wgw" } else { "moe_wg" },
             suffix: "",
             pairs,
-            tiles: &[8],
+            tiles: if wide { &FOLD_TILES } else { &[8] },
             cap: 8,
-            smem: |_| WG_STAGES * WG_STAGE_BYTES + WG_ALIGN,
+            smem: |nt| WG_STAGES * wg_stage_bytes(nt) + WG_ALIGN,
             split: "moe_split_hilo_k",
             ..GemmFamily::fold(8)
         }
@@ -924,6 +930,13 @@ mod tests {
         assert_eq!((g.grid_dim, g.block_dim.0), ((24, 16, 2), 256));
         assert_eq!(g.shared_mem_bytes as usize, 4 * (32 * 1024 + 17408) + 1024);
         assert!(g.shared_mem_bytes as usize + 1024 <= 227 * 1024);
+        // The wide form also takes 32-token tiles, where a launch's experts have at most 32 tokens.
+        let wgw = GemmFamily::wg(true, true);
+        assert_eq!((wgw.tiles_for(32), wgw.tiles_for(33)), (4, 8));
+        let g = wgw.launch((3072, wgw.rows.0), 16, 20, 4);
+        assert_eq!(g.grid_dim, (24, 16, 1));
+        assert_eq!(g.shared_mem_bytes as usize, 4 * (16 * 1024 + 17408) + 1024);
+        assert_eq!(wgw.kernel("down", 4, 3072), "moe_wgw_down_n4_f2");
         // K3's widths take the GEMM; a Kimi-Linear-sized test shape does not.
         assert!(3584usize.is_multiple_of(GEMM_COLS) && 3072usize.is_multiple_of(GEMM_COLS));
         assert!(!96usize.is_multiple_of(GEMM_COLS));
