@@ -312,6 +312,29 @@ fn moe_matches_scalar_reference_folding_scales() {
     check_situ_experts(3584, 3072, 2, 64, 19, Scales::Folding);
 }
 
+/// Launches whose largest expert has 32 tokens (the wide warpgroup GEMM's 32-token tiles) and 33 (its 64-token
+/// tiles), at scales in the folding window so that its main path runs: full and partial tiles, one-token experts.
+#[test]
+fn moe_matches_scalar_reference_at_the_wide_tile_boundary() {
+    for (counts, seed) in [(vec![32, 17, 1], 21), (vec![33, 32, 9], 22)] {
+        let t_len = 40;
+        let routes: Vec<Vec<usize>> = counts
+            .iter()
+            .enumerate()
+            .map(|(e, &n)| (0..n).map(|i| (i * 3 + e) % t_len).collect())
+            .collect();
+        check_situ_routes(
+            256,
+            384,
+            counts.len(),
+            t_len,
+            seed,
+            Scales::Folding,
+            Some(routes),
+        );
+    }
+}
+
 /// One launch whose experts fall on both sides of `moe::WG_MIN_ROWS`: on Hopper the default runs the larger ones on
 /// the warpgroup GEMM and the others on the kernels their counts choose, in separate launches into one output.
 #[test]
