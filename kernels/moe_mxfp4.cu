@@ -1346,7 +1346,7 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
     }
     // The B tiles' atoms are 1 KB-aligned (the swizzle pattern repeats every 1 KB of shared addresses).
     const u32 b_base = (smem_addr(bsm) + 1023u) & ~1023u;
-    static_assert(WIDE || NT == 8, "the two-wgmma form takes 64-token tiles only");
+    static_assert(WIDE ? NT == 8 || NT == 4 : NT == 8, "wide tiles of 64 or 32 tokens, the two-wgmma form 64");
     constexpr u32 B_STAGE = wg_b_bytes<NT>(), W_STAGE = WG_W_BYTES;
     const u32 w_base = b_base + WG_STAGES * B_STAGE + (warp * 8 + g) * WG_QUAD_BYTES;
     const WgCopies copies = wg_copies<NT>(frag, rows_sm, groups);
@@ -1426,12 +1426,11 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int t = 0; t < 2; t++) {
-                    if (WIDE && NT == 8) {
+                    if constexpr (WIDE && NT == 8) {
                         wgmma_rs128(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
                                     bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
                                     u + q + t > 0);
-                    } else if (WIDE) {
-                        static_assert(!WIDE || NT == 8 || NT == 4, "wide tiles of 32 or 64 tokens");
+                    } else if constexpr (WIDE) {
                         wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
                                  bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16, u + q + t > 0);
                     } else {
