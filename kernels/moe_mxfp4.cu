@@ -1174,9 +1174,9 @@ MOE_FOLD_ENTRY(8)
 // t of group q) in the 128-byte swizzled K-major layout, which the tensor cores read without the bank conflicts of the
 // unswizzled one: two atom columns of 64 k (16 KB; `wg_b_column`), each eight 1 KB atoms of 8 tokens' hi halves and
 // then eight of their lo halves, token n's 128-byte row of a half at (n / 8) * 1024 + (n % 8) * 128 holding 16-byte
-// chunk j (k block j / 2, half j % 2) at ((j ^ (n % 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of k-tile t,
-// half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t = 1; half 1 (2, 6) and (3, 7)), so a 16-byte
-// chunk is one component of the group's four words: `moe_split_hilo_k` writes exactly those chunks.
+// chunk j (k block j / 2, half j % 2) at ((j ^ (n % 8)) * 16). The k order is mma.sync's (k slots 2c, 2c + 1 of
+// k-tile t, half 0 hold elements (0, 4) of word c for t = 0 and (1, 5) for t = 1; half 1 (2, 6) and (3, 7)), so a
+// 16-byte chunk is one component of the group's four words: `moe_split_hilo_k` writes exactly those chunks.
 //
 // A block whose rows have a scale outside the folding window anywhere runs `moe_gemm_impl` (the mma.sync folded
 // GEMM with its per-group fallback) instead: a barrier-wide vote over the block's scale bytes before the loop.
@@ -1495,10 +1495,12 @@ __device__ void moe_wg_impl(const SlotTable& tab, const int* pair_row, const uin
     gemm_tile_rows<NT, GATE_UP>(s, t0, count, pair_row, rows_wg);
     const int cols = GATE_UP ? width : inter, nrows = GATE_UP ? inter : width, groups = cols / GROUP;
     const int lo = blockIdx.x * (GATE_UP ? 128 : 256), hi = min(lo + (GATE_UP ? 128 : 256), nrows);
-    bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) && wg_scales_fold((const u8*)s.s3, lo, hi, groups)
+    bool ok = GATE_UP ? wg_scales_fold((const u8*)s.s1, lo, hi, groups) &&
+                            wg_scales_fold((const u8*)s.s3, lo, hi, groups)
                       : wg_scales_fold((const u8*)s.s2, lo, hi, groups);
     if (__syncthreads_and(ok)) {
-        moe_wg_main<GATE_UP, FLUSH, WIDE, NT>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta, lin_beta);
+        moe_wg_main<GATE_UP, FLUSH, WIDE, NT>(s, rows_wg, frag, sdown, dst, width, inter, t0, count, act_kind, beta,
+                                              lin_beta);
         return;
     }
 #endif

@@ -184,8 +184,8 @@ impl FromStr for MoeKernel {
             "tensor-nohint" => Ok(MoeKernel::TensorNoHint),
             "simt" => Ok(MoeKernel::Simt),
             other => Err(format!(
-                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, wg1, wgw, tiles, \
-                 tensor-s4, tensor-nohint or simt)"
+                "unknown MoE kernel {other:?} (expected tensor, gemm, gemm8, gemm8-ldg, gemm4-ldg, fold, fold4, wg, \
+                 wg1, wgw, tiles, tensor-s4, tensor-nohint or simt)"
             )),
         }
     }
