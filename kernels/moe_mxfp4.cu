@@ -1426,19 +1426,18 @@ __device__ void moe_wg_main(const ExpertSlot& s, const int* rows_sm, const uint4
             for (int i = 0; i < 2; i++)
 #pragma unroll
                 for (int t = 0; t < 2; t++) {
+                    const int kt = 2 * q + t;
+                    // The descriptor of k-tile kt's hi tile (hl 0; a wide wgmma reads the lo one after it) or lo tile.
+                    const auto desc = [&](int hl) { return bdesc + (wg_b_column<NT>(hl, kt) + (kt & 3) * 32) / 16; };
+                    const u32* ak = &aq[i][4 * t]; // this k-tile's A fragment
                     if constexpr (WIDE && NT == 8) {
-                        wgmma_rs128(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                    bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
-                                    u + q + t > 0);
+                        wgmma_rs128(tmp[i], ak[0], ak[1], ak[2], ak[3], desc(0), u + q + t > 0);
                     } else if constexpr (WIDE) {
-                        wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                 bdesc + (wg_b_column<NT>(0, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16, u + q + t > 0);
+                        wgmma_rs(tmp[i], ak[0], ak[1], ak[2], ak[3], desc(0), u + q + t > 0);
                     } else {
 #pragma unroll
                         for (int hl = 0; hl < 2; hl++)
-                            wgmma_rs(tmp[i], aq[i][4 * t], aq[i][4 * t + 1], aq[i][4 * t + 2], aq[i][4 * t + 3],
-                                     bdesc + (wg_b_column<NT>(hl, 2 * q + t) + ((2 * q + t) & 3) * 32) / 16,
-                                     u + q + t + hl > 0);
+                            wgmma_rs(tmp[i], ak[0], ak[1], ak[2], ak[3], desc(hl), u + q + t + hl > 0);
                     }
                 }
             wg_commit();
