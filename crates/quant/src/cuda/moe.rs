@@ -14,7 +14,8 @@
 //! [`FOLD_MIN_ROWS`] tokens per expert). [`MoeKernel::Tensor`], the default, picks between them by the largest
 //! expert's token count ([`GEMM_MIN_ROWS`], [`FOLD_MIN_ROWS`]). On Hopper the folded GEMM also comes in a
 //! warpgroup form ([`MoeKernel::Wg`]: `wgmma` with a pipelined ring of weights and tokens), which the default runs
-//! for the experts of more than [`WG_MIN_ROWS`] tokens, in a launch of their own. The CUDA-core kernels
+//! (as `wgw`, a k-tile's hi and lo halves in one wgmma) for the experts of more than [`WG_MIN_ROWS`] tokens, in a
+//! launch of their own. The CUDA-core kernels
 //! ([`MoeKernel::Simt`]: one f32 FMA per weight and token) are kept as a reference and fallback.
 //! `DELTAFIN_MOE_KERNEL=tensor|gemm|simt` (or a measurement variant of `tensor`, see [`MoeKernel`]) picks one for
 //! a whole process.
@@ -62,10 +63,10 @@ const FOLD_TILES: [usize; 2] = [4, 8];
 /// [`MoeKernel::Tensor`] runs the folded-scale GEMM when an expert of the launch has more tokens than this
 /// (measured on the H200: docs/PERFORMANCE.md, "CUDA at real size").
 pub const FOLD_MIN_ROWS: usize = 16;
-/// On Hopper [`MoeKernel::Tensor`] runs the experts with more tokens than this on the warpgroup GEMM
-/// ([`MoeKernel::Wg`]), whose 64-token tile costs the same at any count and beats the folded GEMM above about 48
-/// (measured on an H100: docs/PERFORMANCE.md, "CUDA at real size").
-pub const WG_MIN_ROWS: usize = 48;
+/// On Hopper [`MoeKernel::Tensor`] runs the experts with more tokens than this on the warpgroup GEMM with hi and lo
+/// in one wgmma (`wgw`, [`MoeKernel::Wg`]), whose 64-token tile costs the same at any count: from 33 tokens up it beats
+/// the folded GEMM, which at 48 costs as much as at 64 (measured on an H100: docs/PERFORMANCE.md, "CUDA at real size").
+pub const WG_MIN_ROWS: usize = 32;
 /// Bytes a ring stage of the warpgroup GEMM at `nt` n-tiles: the B tiles (`wg_b_bytes`: 8 nt tokens' 128 k, hi and
 /// lo, 4 KiB an n-tile) and the weight chunks (17 KiB).
 fn wg_stage_bytes(nt: usize) -> usize {
@@ -396,9 +397,9 @@ pub fn run_experts_with(
         }
     }
     let gemm_fits = width.is_multiple_of(GEMM_COLS) && inter.is_multiple_of(GEMM_COLS);
-    // On Hopper the default sends the experts with more than WG_MIN_ROWS tokens to the warpgroup GEMM, in a launch
-    // of their own (their pairs are disjoint from the others'), and the rest on by the rules below.
-    let wg = GemmFamily::wg(true, false);
+    // On Hopper the default sends the experts with more than WG_MIN_ROWS tokens to the warpgroup GEMM (`wgw`), in a
+    // launch of their own (their pairs are disjoint from the others'), and the rest on by the rules below.
+    let wg = GemmFamily::wg(true, true);
     let slots = if kernel == MoeKernel::Tensor
         && gemm_fits
         && gpu.arch() == (9, 0)
