@@ -10,7 +10,8 @@
 #   ncu      Nsight Compute on the warpgroup GEMM's gate/up kernel at T = 64, one launch of each MoE kernel family
 #            in $NCU_KERNELS (default "wg"; `moe-bw --kernels K --tokens 64`): `--set full` into
 #            $OUT/ncu_K_details.csv (every section's metrics) and, for the last family, its SASS with each
-#            instruction's stall samples into $OUT/ncu_K_sass.csv.gz
+#            instruction's stall samples into $OUT/ncu_K_sass.csv.gz; the down kernel's duration, clock, grid and
+#            waves into $OUT/ncu_K_down.csv
 #   densebw  the dense GEMM at K3's attention shapes against a device copy, for the column splits in $SPLITS and the
 #            weight kinds in $KINDS (bf16, int8)
 #   make     the full-size sparse K3 model (xtask make-synthetic --preset k3 --sparse)
@@ -90,6 +91,10 @@ if has ncu; then
     timeout 200 "$NCU" -k "regex:moe_${k}_gate_up_n8_f2" -c 1 --set full --import-source no -o "/tmp/ncu_$k" -f \
       bin/deltafin-cudabench moe-bw --reps 1 --kernels "$k" --tokens 64 2>&1 | tail -3
     "$NCU" -i "/tmp/ncu_$k.ncu-rep" --page details --csv > "$OUT/ncu_${k}_details.csv"
+    # The down kernel's duration, clock and waves beside it (the gate/up kernel's are in the details).
+    timeout 120 "$NCU" -k "regex:moe_${k}_down_n8" -c 1 --section SpeedOfLight --section LaunchStats --csv \
+      bin/deltafin-cudabench moe-bw --reps 1 --kernels "$k" --tokens 64 2>/dev/null \
+      | grep -E '"(Duration|SM Frequency|Grid Size|Waves Per SM)"' | tee "$OUT/ncu_${k}_down.csv"
   done
   "$NCU" -i "/tmp/ncu_$k.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT/ncu_${k}_sass.csv.gz"
 fi
