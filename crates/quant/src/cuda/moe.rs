@@ -64,8 +64,9 @@ const FOLD_TILES: [usize; 2] = [4, 8];
 /// (measured on the H200: docs/PERFORMANCE.md, "CUDA at real size").
 pub const FOLD_MIN_ROWS: usize = 16;
 /// On Hopper [`MoeKernel::Tensor`] runs the experts with more tokens than this on the warpgroup GEMM with hi and lo
-/// in one wgmma (`wgw`, [`MoeKernel::Wg`]), whose 64-token tile costs the same at any count: from 33 tokens up it beats
-/// the folded GEMM, which at 48 costs as much as at 64 (measured on an H100: docs/PERFORMANCE.md, "CUDA at real size").
+/// in one wgmma (`wgw`, [`MoeKernel::Wg`]): above 32 tokens both it and the folded GEMM run 64-token tiles, each tile
+/// costing the same at any count, and `wgw`'s is the faster (measured on an H100 at 48, 49, 64 and 128 tokens; at 32
+/// the two tie: docs/PERFORMANCE.md, "CUDA at real size").
 pub const WG_MIN_ROWS: usize = 32;
 /// Bytes a ring stage of the warpgroup GEMM at `nt` n-tiles: the B tiles (`wg_b_bytes`: 8 nt tokens' 128 k, hi and
 /// lo, 4 KiB an n-tile) and the weight chunks (17 KiB).
