@@ -316,22 +316,8 @@ fn moe_matches_scalar_reference_folding_scales() {
 /// tiles), at scales in the folding window so that its main path runs: full and partial tiles, one-token experts.
 #[test]
 fn moe_matches_scalar_reference_at_the_wide_tile_boundary() {
-    for (counts, seed) in [(vec![32, 17, 1], 21), (vec![33, 32, 9], 22)] {
-        let t_len = 40;
-        let routes: Vec<Vec<usize>> = counts
-            .iter()
-            .enumerate()
-            .map(|(e, &n)| (0..n).map(|i| (i * 3 + e) % t_len).collect())
-            .collect();
-        check_situ_routes(
-            256,
-            384,
-            counts.len(),
-            t_len,
-            seed,
-            Scales::Folding,
-            Some(routes),
-        );
+    for (counts, seed) in [([32, 17, 1], 21), ([33, 32, 9], 22)] {
+        check_situ_counts(&counts, 40, 3, seed);
     }
 }
 
@@ -339,19 +325,24 @@ fn moe_matches_scalar_reference_at_the_wide_tile_boundary() {
 /// the warpgroup GEMM and the others on the kernels their counts choose, in separate launches into one output.
 #[test]
 fn moe_matches_scalar_reference_with_experts_on_both_sides_of_the_warpgroup_threshold() {
-    let t_len = 80;
     let counts = [80, 3, moe::WG_MIN_ROWS + 1, moe::WG_MIN_ROWS, 20, 1];
+    check_situ_counts(&counts, 80, 7, 20);
+}
+
+/// [`check_situ_routes`] on 256×384 experts at folding scales, expert `e` taking `counts[e]` of `t_len` tokens: its
+/// `i`-th is token `(i · stride + e) % t_len` (distinct while `stride` is coprime to `t_len` and a count at most it).
+fn check_situ_counts(counts: &[usize], t_len: usize, stride: usize, seed: u64) {
     let routes: Vec<Vec<usize>> = counts
         .iter()
         .enumerate()
-        .map(|(e, &n)| (0..n).map(|i| (i * 7 + e) % t_len).collect())
+        .map(|(e, &n)| (0..n).map(|i| (i * stride + e) % t_len).collect())
         .collect();
     check_situ_routes(
         256,
         384,
         counts.len(),
         t_len,
-        20,
+        seed,
         Scales::Folding,
         Some(routes),
     );
